@@ -1,0 +1,233 @@
+"""DeepSeek-V4 checkpoint folders -> jaxserve Weights.
+
+Accepts DeepSeek's released naming (`embed.weight`, `layers.N.attn.wq_a.weight`, `hc_head_fn`, ...) and what
+transformers' `save_pretrained` writes for this model (the same names behind a `model.` prefix, except
+`head.weight`, with `model.hc_head.hc_fn` for `hc_head_fn`). FP8 e4m3 weights with 128x128 ue8m0 block
+scales and FP4 e2m1 packed experts with 1x32 scales are dequantized into the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
+from jaxserve.config import ModelConfig, load_config
+from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
+
+log = logging.getLogger("jaxserve.checkpoints")
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one leaf of Weights is built from checkpoint tensors (official names)."""
+
+    names: tuple[str, ...]
+    build: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _as_is(arrays):
+    return arrays[0]
+
+
+def _transposed(arrays):
+    return arrays[0].T
+
+
+def _stack_transposed(arrays):
+    return np.stack([a.T for a in arrays])
+
+
+def _heads_last(n_heads: int, head_dim: int):
+    def build(arrays):  # [heads*dim, in] -> [in, heads, dim]
+        return arrays[0].T.reshape(-1, n_heads, head_dim)
+    return build
+
+
+def _grouped_out(cfg: ModelConfig):
+    g, j, k = cfg.o_groups, cfg.heads_per_group, cfg.head_dim
+
+    def build(arrays):  # [g*o, j*k] -> [g, o, j, k] -> [g, j, k, o] -> [h, k, o]
+        w = arrays[0].reshape(g, -1, j, k).transpose(0, 2, 3, 1)
+        return w.reshape(g * j, k, -1)
+    return build
+
+
+def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """Dotted Weights path -> its Source, for every leaf of abstract_weights(cfg)."""
+    src: dict[str, Source] = {
+        "embed": Source(("embed.weight",), _as_is),
+        "head": Source(("head.weight",), _transposed),
+        "norm": Source(("norm.weight",), _as_is),
+        "hc_head_fn": Source(("hc_head_fn",), _transposed),
+        "hc_head_base": Source(("hc_head_base",), _as_is),
+        "hc_head_scale": Source(("hc_head_scale",), _as_is),
+    }
+    experts = range(cfg.n_routed_experts)
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}", f"layers.{i}"
+        for sub in ("attn", "ffn"):
+            src[f"{ours}.{sub}_hc.fn"] = Source((f"{theirs}.hc_{sub}_fn",), _transposed)
+            src[f"{ours}.{sub}_hc.base"] = Source((f"{theirs}.hc_{sub}_base",), _as_is)
+            src[f"{ours}.{sub}_hc.scale"] = Source((f"{theirs}.hc_{sub}_scale",), _as_is)
+            src[f"{ours}.{sub}_norm"] = Source((f"{theirs}.{sub}_norm.weight",), _as_is)
+        a, at = f"{ours}.attn", f"{theirs}.attn"
+        src.update({
+            f"{a}.wq_a": Source((f"{at}.wq_a.weight",), _transposed),
+            f"{a}.q_norm": Source((f"{at}.q_norm.weight",), _as_is),
+            f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim)),
+            f"{a}.wkv": Source((f"{at}.wkv.weight",), _transposed),
+            f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), _as_is),
+            f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg)),
+            f"{a}.wo_b": Source((f"{at}.wo_b.weight",), _transposed),
+            f"{a}.sinks": Source((f"{at}.attn_sink",), _as_is),
+        })
+        for comp, comp_t in ((f"{a}.compressor", f"{at}.compressor"),
+                             (f"{a}.indexer.compressor", f"{at}.indexer.compressor")):
+            src[f"{comp}.wkv"] = Source((f"{comp_t}.wkv.weight",), _transposed)
+            src[f"{comp}.wgate"] = Source((f"{comp_t}.wgate.weight",), _transposed)
+            src[f"{comp}.ape"] = Source((f"{comp_t}.ape",), _as_is)
+            src[f"{comp}.norm"] = Source((f"{comp_t}.norm.weight",), _as_is)
+        src[f"{a}.indexer.wq_b"] = Source((f"{at}.indexer.wq_b.weight",),
+                                          _heads_last(cfg.index_n_heads, cfg.index_head_dim))
+        src[f"{a}.indexer.weights_proj"] = Source((f"{at}.indexer.weights_proj.weight",), _transposed)
+        m, mt = f"{ours}.moe", f"{theirs}.ffn"
+        src.update({
+            f"{m}.router": Source((f"{mt}.gate.weight",), _transposed),
+            f"{m}.score_bias": Source((f"{mt}.gate.bias",), _as_is),
+            f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), _as_is),
+            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), _stack_transposed),
+            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), _stack_transposed),
+            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), _stack_transposed),
+            f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), _transposed),
+            f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), _transposed),
+            f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), _transposed),
+        })
+    return src
+
+
+# ---- reading and dequantizing -------------------------------------------------------------------------------------
+
+def _e8m0(scale: np.ndarray) -> np.ndarray:
+    if scale.dtype != ml_dtypes.float8_e8m0fnu:
+        scale = scale.view(np.uint8).view(ml_dtypes.float8_e8m0fnu) if scale.dtype.itemsize == 1 else scale
+    return scale.astype(np.float32)
+
+
+def dequantize_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """FP8 e4m3 [o, i] with 128x128 block scales [ceil(o/128), ceil(i/128)] -> float32."""
+    s = np.repeat(np.repeat(_e8m0(scale), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+    return weight.astype(np.float32) * s[: weight.shape[0], : weight.shape[1]]
+
+
+def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """FP4 e2m1 packed two per byte along the input dim (low nibble first) [o, i/2], 1x32 scales [o, i/32]."""
+    u = packed.view(np.uint8)
+    values = np.stack([FP4_VALUES[u & 0xF], FP4_VALUES[u >> 4]], axis=-1).reshape(u.shape[0], -1)
+    return values * np.repeat(_e8m0(scale), FP4_BLOCK, axis=1)[:, : values.shape[1]]
+
+
+class TensorReader:
+    """Official-name access to a checkpoint folder in either naming scheme, dequantizing on read."""
+
+    # Where transformers' save_pretrained puts an official name (behind its `model.` prefix) when it differs.
+    HF_RENAMES = (
+        (re.compile(r"^embed\.weight$"), "embed_tokens.weight"),
+        (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
+        (re.compile(r"^(layers\.\d+\.attn)\.kv_norm\.weight$"), r"\1.norm.weight"),
+    )
+
+    def __init__(self, folder: SafetensorsFolder):
+        self.folder = folder
+        self.prefixed = any(k.startswith("model.") for k in folder.keys())
+
+    def stored_name(self, name: str) -> str:
+        if not self.prefixed or name == "head.weight":
+            return name
+        for pattern, replacement in self.HF_RENAMES:
+            renamed = pattern.sub(replacement, name)
+            if renamed != name and "model." + renamed in self.folder:
+                return "model." + renamed
+        return "model." + name
+
+    def __contains__(self, name: str) -> bool:
+        return self.stored_name(name) in self.folder
+
+    def get(self, name: str) -> np.ndarray:
+        stored = self.stored_name(name)
+        weight = self.folder.get(stored)
+        scale_name = stored[: -len("weight")] + "scale" if stored.endswith(".weight") else None
+        if scale_name is None or scale_name not in self.folder:
+            return weight
+        scale = self.folder.get(scale_name)
+        if weight.dtype == ml_dtypes.float8_e4m3fn:
+            return dequantize_fp8(weight, scale)
+        if weight.dtype in (np.int8, np.uint8):
+            return dequantize_fp4(weight, scale)
+        raise CheckpointError(f"{self.folder.file_of(stored)}: tensor {stored!r} has a scale but dtype "
+                              f"{weight.dtype}, neither FP8 e4m3 nor packed FP4")
+
+    def file_of(self, name: str) -> Path:
+        return self.folder.file_of(self.stored_name(name))
+
+
+# ---- the loader --------------------------------------------------------------------------------------------------
+
+def _progress(done: int, total: int, started: float) -> None:
+    width = 30
+    filled = width * done // total
+    print(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+          f"{time.perf_counter() - started:5.1f}s", end="" if done < total else "\n", flush=True)
+
+
+def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None,
+                 show_progress: bool = False) -> tuple[Weights, ModelConfig]:
+    """Read a checkpoint folder into Weights (placed with `shardings` when given, leaf by leaf)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    cfg = cfg or load_config(folder)
+    reader = TensorReader(SafetensorsFolder(folder))
+    abstract = abstract_weights(cfg)
+    named = flatten_with_names(abstract)
+    sources = weight_sources(cfg)
+
+    missing = [n for path, _ in named for n in sources[path].names if n not in reader]
+    if missing:
+        shown = ", ".join(missing[:50]) + (f", ... ({len(missing)} in all)" if len(missing) > 50 else "")
+        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
+    mtp = [k for k in reader.folder.keys() if k.startswith(("mtp.", "model.mtp."))]
+    if mtp:
+        log.info("skipping %d MTP tensors (speculative decoding is not used)", len(mtp))
+
+    flat_shardings = jax.tree.leaves(shardings) if shardings is not None else [None] * len(named)
+    started = time.perf_counter()
+    leaves, nbytes = [], 0
+    for count, ((path, info), sharding) in enumerate(zip(named, flat_shardings), start=1):
+        source = sources[path]
+        array = source.build([reader.get(n) for n in source.names])
+        if tuple(array.shape) != info.shape:
+            first = source.names[0]
+            raise CheckpointError(f"{reader.file_of(first)}: tensor {reader.stored_name(first)!r} has shape "
+                                  f"{list(reader.folder.shape(reader.stored_name(first)))}, which gives {path} "
+                                  f"shape {list(array.shape)}; the config needs {list(info.shape)}")
+        array = array.astype(info.dtype)
+        nbytes += array.nbytes
+        leaves.append(jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array))
+        if show_progress:
+            _progress(count, len(named), started)
+    weights = jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), leaves)
+    log.info("loaded %d tensors, %.2f GiB, in %.1f s", len(named), nbytes / 2**30, time.perf_counter() - started)
+    return weights, cfg

@@ -1,0 +1,346 @@
+"""Model configuration: parsed from a checkpoint's config.json (model_type deepseek_v4), plus presets.
+
+One frozen, hashable dataclass, so it can be a static argument of jitted functions. Per-request
+values never live here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+SWA, CSA, HCA = "swa", "csa", "hca"
+# HF layer_types names and the legacy compress_ratios values, mapped to our layer kinds.
+_HF_LAYER_TYPES = {
+    "sliding_attention": SWA,
+    "compressed_sparse_attention": CSA,
+    "heavily_compressed_attention": HCA,
+}
+_LEGACY_RATIO_KINDS = {0: SWA, 4: CSA, 128: HCA}
+SUPPORTED_DTYPES = ("bfloat16", "float32")
+
+
+class ConfigError(ValueError):
+    """A config.json (or preset override) that jaxserve cannot run; the message names the field and value."""
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class YarnConfig:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_kinds: tuple[str, ...]  # per layer: "swa" | "csa" | "hca"
+    hash_layers: tuple[bool, ...]  # per layer: route by the tid2eid table instead of top-k
+    csa_rate: int
+    hca_rate: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: YarnConfig | None
+    max_position_embeddings: int
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    dtype: str = "bfloat16"  # weights and activations; HC, router, compressor and softmax maths stay float32
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- derived sizes -------------------------------------------------------------------------------------
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.o_groups
+
+    def compress_rate(self, layer: int) -> int:
+        kind = self.layer_kinds[layer]
+        return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
+
+    @property
+    def compressed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k != SWA)
+
+    def with_dtype(self, dtype: str) -> "ModelConfig":
+        return dataclasses.replace(self, dtype=dtype)
+
+    # ---- validation ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, field: str, value: Any, why: str) -> None:
+            if not cond:
+                raise ConfigError(f"{field}={value!r}: {why}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "index_n_heads", "index_head_dim",
+                     "index_topk", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
+        need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
+        need(len(self.layer_kinds) == self.num_layers, "layer_types", list(self.layer_kinds),
+             f"needs one entry per layer (num_hidden_layers={self.num_layers})")
+        bad = [k for k in self.layer_kinds if k not in (SWA, CSA, HCA)]
+        need(not bad, "layer_types", bad, "unknown layer kind")
+        need(len(self.hash_layers) == self.num_layers, "mlp_layer_types", list(self.hash_layers),
+             f"needs one entry per layer (num_hidden_layers={self.num_layers})")
+        need(self.num_heads % self.o_groups == 0, "o_groups", self.o_groups,
+             f"must divide num_attention_heads={self.num_heads}")
+        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             self.rope_head_dim, f"must be even and in (0, head_dim={self.head_dim}]")
+        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim", self.index_head_dim,
+             f"must be >= qk_rope_head_dim={self.rope_head_dim}")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok", self.num_experts_per_tok,
+             f"must be <= n_routed_experts={self.n_routed_experts}")
+        # CSA is always the overlapped kind (pooling width 2m, stride m); that needs m >= 1 and HCA must not overlap.
+        need(self.csa_rate >= 2, "compress_rates.compressed_sparse_attention", self.csa_rate, "must be >= 2")
+        need(self.hca_rate >= 2 and self.hca_rate != self.csa_rate, "compress_rates.heavily_compressed_attention",
+             self.hca_rate, f"must be >= 2 and differ from the CSA rate {self.csa_rate}")
+
+
+# ---- parsing config.json ------------------------------------------------------------------------------------------
+
+def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("layer_types") is not None:
+        types = list(raw["layer_types"])[:n]
+        bad = [t for t in types if t not in _HF_LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types={bad!r}: entries must be one of {sorted(_HF_LAYER_TYPES)}")
+        return tuple(_HF_LAYER_TYPES[t] for t in types)
+    if raw.get("compress_ratios") is not None:
+        ratios = list(raw["compress_ratios"])
+        bad = [r for r in ratios if r not in _LEGACY_RATIO_KINDS]
+        if bad:
+            raise ConfigError(f"compress_ratios contains {bad!r}: the legacy key accepts only 0, 4 and 128 "
+                              "(use layer_types with compress_rates for other ratios)")
+        if len(ratios) < n:
+            raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_hidden_layers={n}")
+        return tuple(_LEGACY_RATIO_KINDS[r] for r in ratios[:n])  # a trailing extra entry belongs to the MTP block
+    raise ConfigError("layer_types: missing (neither layer_types nor the legacy compress_ratios is present)")
+
+
+def _hash_layers(raw: dict[str, Any], n: int) -> tuple[bool, ...]:
+    if raw.get("mlp_layer_types") is not None:
+        types = list(raw["mlp_layer_types"])[:n]
+        bad = [t for t in types if t not in ("hash_moe", "moe")]
+        if bad:
+            raise ConfigError(f"mlp_layer_types={bad!r}: entries must be 'hash_moe' or 'moe'")
+        return tuple(t == "hash_moe" for t in types)
+    n_hash = raw.get("num_hash_layers", 3)
+    if not isinstance(n_hash, int) or n_hash < 0:
+        raise ConfigError(f"num_hash_layers={n_hash!r}: must be a non-negative integer")
+    return tuple(i < n_hash for i in range(n))
+
+
+def _yarn(raw: dict[str, Any]) -> YarnConfig | None:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        scaling = params["compress"]
+    else:
+        scaling = raw.get("rope_scaling") or (params if isinstance(params, dict) else None)
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"rope_scaling.type={kind!r}: only 'yarn' (or none) is supported for DeepSeek-V4")
+    if "attention_factor" in scaling and float(scaling["attention_factor"]) != 1.0:
+        raise ConfigError(f"rope_parameters.compress.attention_factor={scaling['attention_factor']!r}: "
+                          "DeepSeek-V4 uses no YaRN mscale (must be 1.0)")
+    return YarnConfig(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+    )
+
+
+def _rope_head_dim(raw: dict[str, Any]) -> int:
+    head_dim = raw.get("head_dim", 512)
+    if raw.get("qk_rope_head_dim") is not None:
+        return int(raw["qk_rope_head_dim"])
+    factor = raw.get("partial_rotary_factor")
+    if factor is None:
+        return 64
+    return int(head_dim * factor)
+
+
+def _main_rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("main"), dict):
+        return float(params["main"].get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return float(raw.get("rope_theta", 10000.0))
+
+
+def _compress_rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        return float(params["compress"].get("rope_theta", raw.get("compress_rope_theta", 160000.0)))
+    return float(raw.get("compress_rope_theta", 160000.0))
+
+
+def _single_id(raw: dict[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, list):
+        value = value[0]
+    return default if value is None else int(value)
+
+
+def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfig:
+    """Parse a DeepSeek-V4 config.json dict, accepting the legacy and the current HF key sets."""
+    model_type = raw.get("model_type")
+    if model_type != "deepseek_v4":
+        raise ConfigError(f"model_type={model_type!r}: jaxserve serves only 'deepseek_v4'")
+    if raw.get("num_key_value_heads", 1) != 1:
+        raise ConfigError(f"num_key_value_heads={raw['num_key_value_heads']!r}: DeepSeek-V4 has one shared K=V head")
+    if raw.get("tie_word_embeddings", False):
+        raise ConfigError("tie_word_embeddings=True: DeepSeek-V4 has an untied head")
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    if scoring != "sqrtsoftplus":
+        raise ConfigError(f"scoring_func={scoring!r}: only 'sqrtsoftplus' is supported")
+    if raw.get("n_shared_experts", 1) != 1:
+        raise ConfigError(f"n_shared_experts={raw['n_shared_experts']!r}: DeepSeek-V4 has exactly one shared expert")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={raw['hidden_act']!r}: only 'silu' is supported")
+    try:
+        n = int(raw["num_hidden_layers"])
+        rates = dict(raw.get("compress_rates") or {})
+        return ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_layers=n,
+            num_heads=int(raw["num_attention_heads"]),
+            head_dim=int(raw.get("head_dim", 512)),
+            rope_head_dim=_rope_head_dim(raw),
+            q_lora_rank=int(raw["q_lora_rank"]),
+            o_groups=int(raw["o_groups"]),
+            o_lora_rank=int(raw["o_lora_rank"]),
+            sliding_window=int(raw.get("sliding_window", 128)),
+            layer_kinds=_layer_kinds(raw, n),
+            hash_layers=_hash_layers(raw, n),
+            csa_rate=int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4))),
+            hca_rate=int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128))),
+            index_n_heads=int(raw.get("index_n_heads", 64)),
+            index_head_dim=int(raw.get("index_head_dim", 128)),
+            index_topk=int(raw.get("index_topk", 512)),
+            n_routed_experts=int(raw["n_routed_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+            hc_mult=int(raw.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(raw.get("hc_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_main_rope_theta(raw),
+            compress_rope_theta=_compress_rope_theta(raw),
+            yarn=_yarn(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
+            bos_token_id=_single_id(raw, "bos_token_id", 0),
+            eos_token_id=_single_id(raw, "eos_token_id", 1),
+            dtype=dtype,
+        )
+    except KeyError as missing:
+        raise ConfigError(f"{missing.args[0]}: required field missing from config.json") from None
+    except (TypeError, ValueError) as bad:
+        if isinstance(bad, ConfigError):
+            raise
+        raise ConfigError(f"config.json has a field of the wrong type: {bad}") from None
+
+
+def load_config(path: str | Path, dtype: str = "bfloat16") -> ModelConfig:
+    """Read `config.json` from a checkpoint folder (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise ConfigError(f"{file}: config.json not found")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as bad:
+        raise ConfigError(f"{file}: not valid JSON ({bad})") from None
+    return config_from_dict(raw, dtype=dtype)
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json (current HF key set) that describes `cfg`; parsing it gives `cfg` back."""
+    kind_names = {v: k for k, v in _HF_LAYER_TYPES.items()}
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "qk_rope_head_dim": cfg.rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_groups": cfg.o_groups,
+        "o_lora_rank": cfg.o_lora_rank,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [kind_names[k] for k in cfg.layer_kinds],
+        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+        "compress_rates": {"compressed_sparse_attention": cfg.csa_rate, "heavily_compressed_attention": cfg.hca_rate},
+        "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "swiglu_limit": cfg.swiglu_limit,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "compress_rope_theta": cfg.compress_rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+    }
+    if cfg.yarn is not None:
+        out["rope_scaling"] = {
+            "type": "yarn",
+            "factor": cfg.yarn.factor,
+            "original_max_position_embeddings": cfg.yarn.original_max_position_embeddings,
+            "beta_fast": cfg.yarn.beta_fast,
+            "beta_slow": cfg.yarn.beta_slow,
+        }
+    return out

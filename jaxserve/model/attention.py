@@ -1,0 +1,135 @@
+"""DeepSeek-V4 attention for one layer over a chunk: low-rank query, K=V single head, sliding window in every
+layer, plus dense HCA entries or indexer-selected CSA entries, attention sinks, inverse RoPE on the output,
+grouped low-rank output projection. Reads and writes the layer's KV state.
+
+Letters: b rows, t chunk time, h heads, k head dim, r q-lora rank, s keys, e compressed entries,
+g output groups, j heads within a group, o o-lora rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.cache import CompressorState, LayerCache
+from jaxserve.config import CSA, HCA, SWA, ModelConfig
+from jaxserve.model.compressor import NewEntries, compress_chunk
+from jaxserve.model.inputs import StepInputs
+from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
+from jaxserve.model.weights import Attention
+from kernels.attention import sink_attention
+from kernels.indexer import indexer_topk
+
+F32 = jnp.float32
+
+
+def _gather_rows(state: CompressorState, slots: jax.Array) -> CompressorState:
+    return jax.tree.map(lambda a: a[slots], state)
+
+
+def _scatter_rows(state: CompressorState, rows: CompressorState, write_slots: jax.Array) -> CompressorState:
+    return jax.tree.map(lambda full, new: full.at[write_slots].set(new, mode="drop"), state, rows)
+
+
+def _write_entries(pool: jax.Array, new: NewEntries, page_table: jax.Array) -> jax.Array:
+    """Scatter the completed entries into the paged pool [pages, per_page, c] through the rows' page tables."""
+    pages, per_page, width = pool.shape
+    page_slot = jnp.clip(new.index // per_page, 0, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table, page_slot, axis=1)
+    flat = jnp.where(new.valid, page * per_page + new.index % per_page, pages * per_page)  # invalid -> dropped
+    updated = pool.reshape(pages * per_page, width).at[flat].set(new.values.astype(pool.dtype), mode="drop")
+    return updated.reshape(pool.shape)
+
+
+def _read_entries(pool: jax.Array, page_table: jax.Array) -> jax.Array:
+    """A row's compressed entries in order: [b, max_pages * per_page, c]."""
+    rows = pool[page_table]  # [b, pages_per_seq, per_page, c]
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1])
+
+
+def _update_compressed(x, comp_weights, pool, state, inputs: StepInputs, write_slots, rate, freqs, cfg):
+    """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
+    new, rows = compress_chunk(x, comp_weights, _gather_rows(state, inputs.slots), inputs.positions,
+                               inputs.lengths, rate, freqs, cfg.rms_norm_eps)
+    return _write_entries(pool, new, inputs.page_table), _scatter_rows(state, rows, write_slots)
+
+
+def attention_block(
+    x: jax.Array, w: Attention, cache: LayerCache, inputs: StepInputs, cfg: ModelConfig, layer: int
+) -> tuple[jax.Array, LayerCache]:
+    kind = cfg.layer_kinds[layer]
+    freqs = rope_frequencies(cfg, kind)
+    b, t, _ = x.shape
+    window = cfg.sliding_window
+    qpos = inputs.query_positions  # [b, t]
+    valid = inputs.token_mask  # [b, t]
+    write_slots = jnp.where(inputs.lengths > 0, inputs.slots, cache.window.shape[0])  # padding rows write nothing
+
+    with jax.named_scope("query"):
+        qr = rms_norm(jnp.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("btr,rhk->bthk", qr, w.wq_b)
+        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
+
+    with jax.named_scope("kv"):
+        kv = rms_norm(jnp.einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
+        kv = apply_rope(kv, qpos, freqs)
+
+    with jax.named_scope("window_keys"):
+        # Ring index j holds the latest position p < pos with p % W == j.
+        last = inputs.positions[:, None] - 1
+        ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
+        key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
+        key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
+        shared = jnp.concatenate([cache.window[inputs.slots], kv], axis=1)
+        rel = qpos[:, :, None] - key_pos[:, None, :]
+        shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
+
+    selected = selected_mask = None
+    if kind != SWA:
+        rate = cfg.compress_rate(layer)
+        with jax.named_scope("compressor"):
+            entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, inputs, write_slots,
+                                                rate, freqs, cfg)
+            cache = dataclasses.replace(cache, entries=entries, state=state)
+            row_entries = _read_entries(entries, inputs.page_table)  # [b, e, k]
+            entry_visible = jnp.arange(row_entries.shape[1])[None, None, :] < ((qpos + 1) // rate)[:, :, None]
+        if kind == HCA:
+            shared = jnp.concatenate([shared, row_entries], axis=1)
+            shared_mask = jnp.concatenate([shared_mask, entry_visible], axis=2)
+        else:
+            assert kind == CSA
+            with jax.named_scope("indexer"):
+                idx = w.indexer
+                index_entries, index_state = _update_compressed(x, idx.compressor, cache.index_entries,
+                                                                cache.index_state, inputs, write_slots, rate, freqs,
+                                                                cfg)
+                cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
+                index_keys = _read_entries(index_entries, inputs.page_table)
+                qi = apply_rope(jnp.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
+                head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
+                head_weights = head_weights * cfg.index_n_heads ** -0.5
+                k = min(cfg.index_topk, index_keys.shape[1])
+                picks, selected_mask = indexer_topk(qi, head_weights, index_keys, entry_visible, k)
+                selected = jnp.take_along_axis(row_entries[:, None], picks[..., None], axis=2)  # [b, t, k, dim]
+
+    with jax.named_scope("attend"):
+        o = sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask)
+        o = apply_rope(o, qpos[:, :, None], freqs, inverse=True)
+
+    with jax.named_scope("output_projection"):
+        g = cfg.o_groups
+        grouped = o.reshape(b, t, g, cfg.heads_per_group, cfg.head_dim)
+        wo_a = w.wo_a.reshape(g, cfg.heads_per_group, cfg.head_dim, -1)
+        r = jnp.einsum("btgjk,gjko->btgo", grouped, wo_a).reshape(b, t, -1)
+        out = jnp.einsum("btx,xd->btd", r, w.wo_b)
+
+    with jax.named_scope("window_write"):
+        # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
+        keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
+        flat = jnp.where(keep, write_slots[:, None] * window + qpos % window, cache.window.shape[0] * window)
+        ring = cache.window.reshape(-1, cache.window.shape[-1])
+        ring = ring.at[flat].set(kv.astype(ring.dtype), mode="drop").reshape(cache.window.shape)
+        cache = dataclasses.replace(cache, window=ring)
+    return out, cache

@@ -1,0 +1,99 @@
+"""The KV compressor (CSA and HCA, and the indexer's own): gated softmax pooling of m-token windows.
+
+A chunk of `len` tokens at absolute positions pos..pos+len-1 is appended to the row's partial window;
+every window that becomes complete emits one entry (RMS-normed, then RoPE at the window's first token).
+For the overlapped kind (ratio-4 CSA) entry w pools the A-half of window w-1 and the B-half of window w.
+
+Letters: b rows, t chunk time, i time in the window-aligned sequence, w windows, s slots, c entry width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.cache import CompressorState
+from jaxserve.model.layers import apply_rope, rms_norm
+from jaxserve.model.weights import Compressor
+
+F32 = jnp.float32
+
+
+@dataclass
+class NewEntries:
+    values: jax.Array  # [b, w, c] float32, normed and rotated
+    index: jax.Array  # [b, w] int32, absolute entry index (window number)
+    valid: jax.Array  # [b, w] bool, the window completed in this chunk
+
+
+def compress_chunk(
+    x: jax.Array,  # [b, t, d], the normalised block input
+    weights: Compressor,
+    state: CompressorState,  # the rows' state, gathered by slot: buf [b, m, coff*c], prev [b, m, c]
+    positions: jax.Array,  # [b] int32, absolute position of the chunk's first token
+    lengths: jax.Array,  # [b] int32, valid tokens in the chunk
+    rate: int,
+    freqs: np.ndarray,
+    eps: float,
+) -> tuple[NewEntries, CompressorState]:
+    m = rate
+    overlap = state.prev_kv is not None
+    c = weights.norm.shape[0]
+    b, t, _ = x.shape
+    n_windows = (m - 1 + t) // m + 1  # enough to hold the partial window plus the whole chunk
+    span = n_windows * m
+
+    with jax.named_scope("project"):
+        xf = x.astype(F32)
+        kv = jnp.einsum("btd,df->btf", xf, weights.wkv.astype(F32))
+        gate = jnp.einsum("btd,df->btf", xf, weights.wgate.astype(F32))
+
+    with jax.named_scope("align_windows"):
+        # Sequence index i holds absolute position (pos // m) * m + i: the buffered tokens, then the chunk.
+        offset = positions % m
+        i = jnp.arange(span)[None, :]
+        src = i - offset[:, None]  # chunk time of sequence index i
+        from_buffer = i < offset[:, None]
+        src_clipped = jnp.clip(src, 0, t - 1)
+        ape = jnp.tile(weights.ape.astype(F32), (n_windows, 1))  # [span, f]: slot i % m
+        chunk_kv = jnp.take_along_axis(kv, src_clipped[..., None], axis=1)
+        chunk_gate = jnp.take_along_axis(gate, src_clipped[..., None], axis=1) + ape[None]
+        pad = ((0, 0), (0, span - m), (0, 0))
+        seq_kv = jnp.where(from_buffer[..., None], jnp.pad(state.buf_kv, pad), chunk_kv)
+        seq_gate = jnp.where(from_buffer[..., None], jnp.pad(state.buf_gate, pad), chunk_gate)
+        win_kv = seq_kv.reshape(b, n_windows, m, -1)
+        win_gate = seq_gate.reshape(b, n_windows, m, -1)
+
+    first_window = positions // m
+    window_index = first_window[:, None] + jnp.arange(n_windows)[None, :]  # [b, w]
+
+    with jax.named_scope("pool"):
+        if overlap:
+            ext_kv = jnp.concatenate([state.prev_kv[:, None], win_kv[..., :c]], axis=1)  # [b, w+1, m, c]
+            ext_gate = jnp.concatenate([state.prev_gate[:, None], win_gate[..., :c]], axis=1)
+            # Window 0 of a sequence has no predecessor: its A-slots get zero weight.
+            a_gate = jnp.where((window_index == 0)[..., None, None], -jnp.inf, ext_gate[:, :-1])
+            slots_kv = jnp.concatenate([ext_kv[:, :-1], win_kv[..., c:]], axis=2)  # [b, w, 2m, c]
+            slots_gate = jnp.concatenate([a_gate, win_gate[..., c:]], axis=2)
+        else:
+            slots_kv, slots_gate = win_kv, win_gate
+        pooled = jnp.sum(jax.nn.softmax(slots_gate, axis=2) * slots_kv, axis=2)  # [b, w, c]
+        pooled = rms_norm(pooled, weights.norm, eps)
+        values = apply_rope(pooled, window_index * m, freqs)
+
+    with jax.named_scope("carry_state"):
+        last = (offset + lengths) // m  # sequence window holding the new partial window; also #complete windows
+        pick = last[:, None, None, None]
+        new_state = CompressorState(
+            buf_kv=jnp.take_along_axis(win_kv, pick, axis=1)[:, 0],
+            buf_gate=jnp.take_along_axis(win_gate, pick, axis=1)[:, 0],
+        )
+        if overlap:
+            new_state.prev_kv = jnp.take_along_axis(ext_kv, pick, axis=1)[:, 0]
+            new_state.prev_gate = jnp.take_along_axis(ext_gate, pick, axis=1)[:, 0]
+
+    valid = jnp.arange(n_windows)[None, :] < last[:, None]
+    return NewEntries(values=values, index=window_index.astype(jnp.int32), valid=valid), new_state

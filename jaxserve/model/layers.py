@@ -1,0 +1,118 @@
+"""Small building blocks: RMS norms, interleaved RoPE with YaRN, and the mHC hyper-connections.
+
+Letters: b batch rows, t query time, n hc streams, d embed, h heads, k head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import SWA, ModelConfig
+from jaxserve.model.weights import HyperConnection
+
+F32 = jnp.float32
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) [* weight], in float32, cast back to x's dtype."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(F32)
+    return y.astype(x.dtype)
+
+
+# ---- RoPE --------------------------------------------------------------------------------------------------------
+
+def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:
+    """Per-pair angular frequencies [R/2]: plain theta on SWA layers, YaRN-scaled compress theta elsewhere."""
+    r = cfg.rope_head_dim
+    if kind == SWA:
+        return 1.0 / cfg.rope_theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
+    base = cfg.compress_rope_theta
+    freqs = 1.0 / base ** (np.arange(0, r, 2, dtype=np.float64) / r)
+    yarn = cfg.yarn
+    if yarn is None:
+        return freqs
+
+    def correction_dim(rotations: float) -> float:
+        return r * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), r - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return freqs * (1.0 - ramp) + freqs / yarn.factor * ramp
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
+    """Rotate the last 2*len(freqs) dims of x as interleaved pairs (x[2i], x[2i+1]).
+
+    x: [..., k]; positions broadcast against x's leading dims (x.shape[:-1] after any head axes are
+    accounted for by the caller). float32 maths, result in x's dtype.
+    """
+    r = 2 * freqs.shape[0]
+    angles = positions.astype(F32)[..., None] * jnp.asarray(freqs, F32)  # [..., R/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-r], x[..., -r:].astype(F32)
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
+
+
+# ---- mHC -----------------------------------------------------------------------------------------------------------
+
+def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """The unweighted-RMS-normalised projection of the flattened streams: [b, t, n, d] -> [b, t, m]."""
+    flat = h.reshape(*h.shape[:-2], -1).astype(F32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
+    return jnp.einsum("btx,xm->btm", flat, fn.astype(F32)) * inv_rms
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax, then alternate column/row normalisation towards a doubly-stochastic matrix."""
+    comb = jax.nn.softmax(logits, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    return comb
+
+
+def hc_pre(h: jax.Array, hc: HyperConnection, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Collapse the streams into one block input; return it with the post weights and the comb matrix."""
+    n = cfg.hc_mult
+    with jax.named_scope("hc_pre"):
+        mixes = _hc_mixes(h, hc.fn, cfg.rms_norm_eps)
+        base = hc.base.astype(F32)
+        scale = hc.scale.astype(F32)
+        pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
+        post = 2.0 * jax.nn.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
+        comb_logits = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mixes.shape[:-1], n, n)
+        comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        x = jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)
+    return x, post, comb
+
+
+def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """Expand the block output into the streams and mix the residual: h'_k = post_k f + sum_j comb[j,k] h_j."""
+    with jax.named_scope("hc_post"):
+        dt = h.dtype
+        expanded = post.astype(dt)[..., None] * out[..., None, :]
+        mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), h)
+    return expanded + mixed
+
+
+def hc_head(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final collapse of the streams (sigmoid weights, no Sinkhorn)."""
+    with jax.named_scope("hc_head"):
+        mixes = _hc_mixes(h, fn, cfg.rms_norm_eps)
+        pre = jax.nn.sigmoid(mixes * scale.astype(F32)[0] + base.astype(F32)) + cfg.hc_eps
+        return jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)

@@ -1,0 +1,254 @@
+"""The weights as registered-dataclass pytrees, described abstractly first.
+
+`abstract_weights(cfg)` returns the same tree with an `ArrayInfo` at every leaf (shape, dtype, logical
+axes, how to initialise). Initialisation, shardings and checkpoint restore targets are all derived from
+it, so the three can never disagree. Projections are stored input-major (`x @ W`), the transpose of the
+checkpoint's `[out, in]` layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import CSA, SWA, ModelConfig
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A leaf of the abstract weights: what the array is, before it exists."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes by jaxserve.sharding
+    init: str = "normal"  # normal | ones | zeros | small | expert_ids
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+def _dataclass(cls):
+    return jax.tree_util.register_dataclass(dataclass(cls))
+
+
+@_dataclass
+class HyperConnection:
+    fn: Any  # [hc*d, (2+hc)*hc]: pre | post | comb (row-major hc x hc)
+    base: Any  # [(2+hc)*hc]
+    scale: Any  # [3]
+
+
+@_dataclass
+class Compressor:
+    wkv: Any  # [d, coff*c]
+    wgate: Any  # [d, coff*c]
+    ape: Any  # [m, coff*c], per-slot position bias added to the gate
+    norm: Any  # [c]
+
+
+@_dataclass
+class Indexer:
+    compressor: Compressor
+    wq_b: Any  # [q_lora, n_I, c_I]
+    weights_proj: Any  # [d, n_I]
+
+
+@_dataclass
+class Attention:
+    wq_a: Any  # [d, q_lora]
+    q_norm: Any  # [q_lora]
+    wq_b: Any  # [q_lora, H, D]
+    wkv: Any  # [d, D]
+    kv_norm: Any  # [D]
+    wo_a: Any  # [H, D, o_lora]; heads k*H/g..(k+1)*H/g-1 form group k
+    wo_b: Any  # [g*o_lora, d]
+    sinks: Any  # [H]
+    compressor: Compressor | None = None
+    indexer: Indexer | None = None
+
+
+@_dataclass
+class MoE:
+    router: Any  # [d, E]
+    w_gate: Any  # [E, d, f]
+    w_up: Any  # [E, d, f]
+    w_down: Any  # [E, f, d]
+    shared_gate: Any  # [d, f]
+    shared_up: Any  # [d, f]
+    shared_down: Any  # [f, d]
+    score_bias: Any = None  # [E], selection-only bias (score-routed layers)
+    tid2eid: Any = None  # [V, k], the fixed token -> experts table (hash-routed layers)
+
+
+@_dataclass
+class Layer:
+    attn_hc: HyperConnection
+    attn_norm: Any  # [d]
+    attn: Attention
+    ffn_hc: HyperConnection
+    ffn_norm: Any  # [d]
+    moe: MoE
+
+
+@_dataclass
+class Weights:
+    embed: Any  # [V, d]
+    layers: list[Layer]
+    hc_head_fn: Any  # [hc*d, hc]
+    hc_head_base: Any  # [hc]
+    hc_head_scale: Any  # [1]
+    norm: Any  # [d]
+    head: Any  # [d, V]
+
+
+# ---- the abstract description ---------------------------------------------------------------------------------
+
+def _hyper_connection(cfg: ModelConfig) -> HyperConnection:
+    n, d = cfg.hc_mult, cfg.hidden_size
+    mixes = (2 + n) * n
+    return HyperConnection(
+        fn=ArrayInfo((n * d, mixes), F32, ("hc_embed", None)),
+        base=ArrayInfo((mixes,), F32, (None,), "small"),
+        scale=ArrayInfo((3,), F32, (None,), "ones"),
+    )
+
+
+def _compressor(cfg: ModelConfig, rate: int, width: int, overlap: bool) -> Compressor:
+    coff = 2 if overlap else 1
+    d = cfg.hidden_size
+    return Compressor(
+        wkv=ArrayInfo((d, coff * width), F32, ("embed", None)),
+        wgate=ArrayInfo((d, coff * width), F32, ("embed", None)),
+        ape=ArrayInfo((rate, coff * width), F32, (None, None), "small"),
+        norm=ArrayInfo((width,), F32, (None,), "ones"),
+    )
+
+
+def _attention(cfg: ModelConfig, kind: str) -> Attention:
+    dt = cfg.dtype
+    d, h, hd, r = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    attn = Attention(
+        wq_a=ArrayInfo((d, r), dt, ("embed", "q_lora")),
+        q_norm=ArrayInfo((r,), F32, (None,), "ones"),
+        wq_b=ArrayInfo((r, h, hd), dt, ("q_lora", "heads", "head_dim")),
+        wkv=ArrayInfo((d, hd), dt, ("embed", "head_dim")),
+        kv_norm=ArrayInfo((hd,), F32, (None,), "ones"),
+        wo_a=ArrayInfo((h, hd, cfg.o_lora_rank), dt, ("heads", "head_dim", "o_lora")),
+        wo_b=ArrayInfo((cfg.o_groups * cfg.o_lora_rank, d), dt, ("o_groups_lora", "embed")),
+        sinks=ArrayInfo((h,), F32, ("heads",), "small"),
+    )
+    if kind == SWA:
+        return attn
+    if kind == CSA:
+        indexer = Indexer(
+            compressor=_compressor(cfg, cfg.csa_rate, cfg.index_head_dim, overlap=True),
+            wq_b=ArrayInfo((r, cfg.index_n_heads, cfg.index_head_dim), dt, ("q_lora", "index_heads", None)),
+            weights_proj=ArrayInfo((d, cfg.index_n_heads), F32, ("embed", "index_heads")),
+        )
+        return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.csa_rate, hd, overlap=True),
+                                   indexer=indexer)
+    return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.hca_rate, hd, overlap=False))
+
+
+def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
+    dt = cfg.dtype
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    return MoE(
+        router=ArrayInfo((d, e), F32, ("embed", None)),
+        w_gate=ArrayInfo((e, d, f), dt, ("experts", "embed", "ffw")),
+        w_up=ArrayInfo((e, d, f), dt, ("experts", "embed", "ffw")),
+        w_down=ArrayInfo((e, f, d), dt, ("experts", "ffw", "embed")),
+        shared_gate=ArrayInfo((d, f), dt, ("embed", "ffw")),
+        shared_up=ArrayInfo((d, f), dt, ("embed", "ffw")),
+        shared_down=ArrayInfo((f, d), dt, ("ffw", "embed")),
+        score_bias=None if hashed else ArrayInfo((e,), F32, (None,), "small"),
+        tid2eid=ArrayInfo((cfg.vocab_size, cfg.num_experts_per_tok), jnp.int32, ("vocab", None), "expert_ids")
+        if hashed else None,
+    )
+
+
+def abstract_weights(cfg: ModelConfig) -> Weights:
+    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    layers = [
+        Layer(
+            attn_hc=_hyper_connection(cfg),
+            attn_norm=ArrayInfo((d,), F32, (None,), "ones"),
+            attn=_attention(cfg, cfg.layer_kinds[i]),
+            ffn_hc=_hyper_connection(cfg),
+            ffn_norm=ArrayInfo((d,), F32, (None,), "ones"),
+            moe=_moe(cfg, cfg.hash_layers[i]),
+        )
+        for i in range(cfg.num_layers)
+    ]
+    return Weights(
+        embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
+        layers=layers,
+        hc_head_fn=ArrayInfo((n * d, n), F32, ("hc_embed", None)),
+        hc_head_base=ArrayInfo((n,), F32, (None,), "small"),
+        hc_head_scale=ArrayInfo((1,), F32, (None,), "ones"),
+        norm=ArrayInfo((d,), F32, (None,), "ones"),
+        head=ArrayInfo((d, v), cfg.dtype, ("embed", "vocab")),
+    )
+
+
+def is_info(x: Any) -> bool:
+    return isinstance(x, ArrayInfo)
+
+
+def map_infos(fn: Callable[[ArrayInfo], Any], tree: Any) -> Any:
+    return jax.tree.map(fn, tree, is_leaf=is_info)
+
+
+def flatten_with_names(tree: Any) -> list[tuple[str, Any]]:
+    """(dotted path, leaf) pairs, e.g. ('layers.3.attn.wq_b', ...); the names used in errors and orbax trees."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
+    return [(_path_name(path), leaf) for path, leaf in leaves]
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        else:
+            parts.append(str(getattr(key, "key", key)))
+    return ".".join(parts)
+
+
+# ---- random initialisation --------------------------------------------------------------------------------------
+
+def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights:
+    """Random weights of the right shapes (tests, benchmarks, the embedded default's generator)."""
+    abstract = abstract_weights(cfg)
+    names_and_infos = flatten_with_names(abstract)
+    keys = jax.random.split(key, len(names_and_infos))
+    leaves = [_init_leaf(k, info, std, cfg) for k, (_, info) in zip(keys, names_and_infos)]
+    return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), leaves)
+
+
+def _init_leaf(key: jax.Array, info: ArrayInfo, std: float, cfg: ModelConfig) -> jax.Array:
+    if info.init == "ones":
+        return jnp.ones(info.shape, info.dtype)
+    if info.init == "zeros":
+        return jnp.zeros(info.shape, info.dtype)
+    if info.init == "small":
+        return (0.5 * jax.random.normal(key, info.shape, F32)).astype(info.dtype)
+    if info.init == "expert_ids":
+        # Distinct experts per token, like a real tid2eid table: a random permutation prefix per row.
+        noise = jax.random.uniform(key, (info.shape[0], cfg.n_routed_experts))
+        return jnp.argsort(noise, axis=-1)[:, : info.shape[1]].astype(info.dtype)
+    return (std * jax.random.normal(key, info.shape, F32)).astype(info.dtype)
+
+
+def weights_nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree, is_leaf=is_info))

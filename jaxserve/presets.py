@@ -1,0 +1,78 @@
+"""Named model geometries, written as config.json dicts so they go through the same parser as checkpoints.
+
+- `flash`: DeepSeek-V4-Flash (43 layers, 256 experts); for sizing checks, never allocated in tests.
+- `tiny`: every feature at CPU-seconds size (dsv4-model.md section 10, config A).
+- `small`: sized for CPU benchmarks (real window 128 and HCA ratio 128).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from jaxserve.config import ModelConfig, config_from_dict
+
+_SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+FLASH: dict[str, Any] = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+    "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024,
+    "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "num_hash_layers": 3,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+
+TINY: dict[str, Any] = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 97, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 5,
+    "layer_types": [_SWA, _CSA, _HCA, _CSA, _SWA],
+    "compress_rates": {_CSA: 4, _HCA: 8},
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "qk_rope_head_dim": 8, "q_lora_rank": 24,
+    "o_groups": 2, "o_lora_rank": 16, "sliding_window": 8,
+    "index_n_heads": 16, "index_head_dim": 16, "index_topk": 3,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "num_hash_layers": 2,
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 4096,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 32,
+                     "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+
+SMALL: dict[str, Any] = {
+    **TINY,
+    "vocab_size": 2048, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 6,
+    "layer_types": [_SWA, _CSA, _HCA, _CSA, _HCA, _CSA],
+    "compress_rates": {_CSA: 4, _HCA: 128},
+    "num_attention_heads": 8, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 128,
+    "o_groups": 4, "o_lora_rank": 64, "sliding_window": 128,
+    "index_n_heads": 16, "index_head_dim": 32, "index_topk": 64,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "num_hash_layers": 2,
+    "max_position_embeddings": 65536,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1},
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"flash": FLASH, "tiny": TINY, "small": SMALL}
+
+
+def preset_dict(name: str, **overrides: Any) -> dict[str, Any]:
+    """A preset's config.json dict (a fresh copy), with top-level keys overridden."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    raw = copy.deepcopy(PRESETS[name])
+    raw.update(overrides)
+    return raw
+
+
+def preset(name: str, dtype: str = "float32", **overrides: Any) -> ModelConfig:
+    return config_from_dict(preset_dict(name, **overrides), dtype=dtype)

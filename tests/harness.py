@@ -1,0 +1,72 @@
+"""Drive jaxserve's forward over a schedule of chunks for several rows at once, collecting per-position logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.cache import CacheGeometry, init_cache, pages_needed
+from jaxserve.config import ModelConfig
+from jaxserve.model.forward import logits_all
+from jaxserve.model.inputs import StepInputs
+
+forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+def geometry_for(cfg: ModelConfig, rows: int, max_len: int) -> CacheGeometry:
+    rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
+    page_size = int(np.lcm.reduce(rates))
+    per_seq = pages_needed(max_len, page_size)
+    return CacheGeometry(num_slots=rows, num_pages=rows * per_seq + 1, page_size=page_size,
+                         max_pages_per_seq=per_seq)
+
+
+def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: list[list[int]],
+                 buckets: tuple[int, ...], forward=forward_all) -> list[np.ndarray]:
+    """steps[k][r] = tokens row r processes at step k (0 = idle). Each step is one call whose chunk length is
+    the smallest bucket that holds its longest row, so a whole schedule compiles once per bucket used.
+
+    Rows use slots in reverse order and interleaved pages, so nothing relies on row == slot or on contiguity.
+    """
+    rows = len(prompts)
+    geo = geometry_for(cfg, rows, max(len(p) for p in prompts))
+    cache = init_cache(cfg, geo)
+    # Page p of row r is global page 1 + p * rows + r: interleaved across rows, page 0 never used.
+    page_table = np.array([[1 + p * rows + r for p in range(geo.max_pages_per_seq)] for r in range(rows)], np.int32)
+    slots = np.arange(rows, dtype=np.int32)[::-1].copy()
+    done = [0] * rows
+    outputs: list[list[np.ndarray]] = [[] for _ in range(rows)]
+    for sizes in steps:
+        chunk = min(b for b in buckets if b >= max(sizes))
+        tokens = np.zeros((rows, chunk), np.int32)
+        for r, n in enumerate(sizes):
+            assert n <= chunk and done[r] + n <= len(prompts[r]), (r, n, done[r])
+            tokens[r, :n] = prompts[r][done[r]:done[r] + n]
+        inputs = StepInputs(tokens=jnp.asarray(tokens), positions=jnp.asarray(done, jnp.int32),
+                            lengths=jnp.asarray(sizes, jnp.int32), slots=jnp.asarray(slots),
+                            page_table=jnp.asarray(page_table))
+        logits, cache = forward(weights, cache, inputs, cfg=cfg)
+        logits = np.asarray(logits)
+        for r, n in enumerate(sizes):
+            outputs[r].append(logits[r, :n])
+            done[r] += n
+    assert done == [len(p) for p in prompts], done
+    return [np.concatenate(o) for o in outputs]
+
+
+def chunk_schedule(lengths_per_row: list[list[int]]) -> list[list[int]]:
+    """Zip per-row chunk lists into steps; a row with no chunk left idles (length 0)."""
+    n_steps = max(len(c) for c in lengths_per_row)
+    return [[c[k] if k < len(c) else 0 for c in lengths_per_row] for k in range(n_steps)]
+
+
+def prefill_then_decode(prefill: list[int], totals: list[int]) -> list[list[int]]:
+    """One prefill chunk per row, then one token per step until each row reaches its total."""
+    steps = [list(prefill)]
+    done = list(prefill)
+    while done != totals:
+        step = [1 if d < t else 0 for d, t in zip(done, totals)]
+        done = [d + s for d, s in zip(done, step)]
+        steps.append(step)
+    return steps

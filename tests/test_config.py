@@ -1,0 +1,64 @@
+"""ModelConfig parsing: both key sets give the same config; bad configs name the field and the value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.config import ConfigError, config_from_dict, load_config, to_hf_dict
+from jaxserve.presets import preset, preset_dict
+
+
+def test_legacy_and_current_keys_agree():
+    legacy = preset_dict("flash")  # compress_ratios, num_hash_layers, rope_scaling, qk_rope_head_dim
+    cfg = config_from_dict(legacy)
+    current = to_hf_dict(cfg)
+    assert "compress_ratios" not in current and "layer_types" in current
+    assert config_from_dict(current) == cfg
+    assert cfg.layer_kinds[:4] == ("swa", "swa", "csa", "hca") and cfg.layer_kinds[-1] == "csa"
+    assert sum(k == "csa" for k in cfg.layer_kinds) == 21 and sum(k == "hca" for k in cfg.layer_kinds) == 20
+    assert cfg.hash_layers[:4] == (True, True, True, False)
+
+
+def test_transformers_rope_parameters_form(tmp_path):
+    raw = preset_dict("tiny")
+    del raw["rope_scaling"]
+    raw["rope_parameters"] = {
+        "main": {"rope_type": "default", "rope_theta": 10000.0},
+        "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
+                     "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                     "attention_factor": 1.0},
+    }
+    raw["mlp_layer_types"] = ["hash_moe", "hash_moe", "moe", "moe", "moe"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path, dtype="float32") == preset("tiny")
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"model_type": "llama"}, "model_type='llama'"),
+    ({"num_attention_heads": 6, "o_groups": 4}, "o_groups=4"),
+    ({"compress_ratios": [0, 4, 64, 4, 0], "layer_types": None}, "compress_ratios contains [64]"),
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types="),
+    ({"layer_types": ["full_attention"] * 5}, "layer_types=['full_attention'"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type='linear'"),
+    ({"vocab_size": 0}, "vocab_size=0"),
+])
+def test_bad_config_names_field_and_value(override, field):
+    raw = preset_dict("tiny")
+    raw.update(override)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    assert field in str(err.value)
+
+
+def test_missing_field_and_file(tmp_path):
+    raw = preset_dict("tiny")
+    del raw["q_lora_rank"]
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        config_from_dict(raw)
+    with pytest.raises(ConfigError, match="config.json not found"):
+        load_config(tmp_path)
