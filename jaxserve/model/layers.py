@@ -78,12 +78,15 @@ def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax, then alternate column/row normalisation towards a doubly-stochastic matrix."""
-    comb = jax.nn.softmax(logits, axis=-1) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    return comb
+    def normalise_columns(m):
+        return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+
+    def row_then_column(_, m):
+        return normalise_columns(m / (jnp.sum(m, axis=-1, keepdims=True) + eps))
+
+    comb = normalise_columns(jax.nn.softmax(logits, axis=-1) + eps)
+    # A loop, not unrolled: 20 unrolled iterations per hyper-connection dominated XLA compile time.
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
 
 
 def hc_pre(h: jax.Array, hc: HyperConnection, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,0 +1,38 @@
+"""The decode manager: the requests whose prompt is done; each decode step advances all of them by one token."""
+
+from __future__ import annotations
+
+from jaxserve.scheduler.request import DecodeBatch, Request, RequestStatus
+
+
+class DecodeManager:
+    def __init__(self, max_num_seqs: int):
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={max_num_seqs}: must be positive")
+        self.max_num_seqs = max_num_seqs
+        # Insertion order is arrival order: prefill admits FIFO and hands requests over in batch order.
+        self._running: dict[str, Request] = {}
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self._running.values())
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._running:
+            raise ValueError(f"request {request.request_id!r} is already decoding")
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+
+    def remove(self, request: Request) -> None:
+        """Stop decoding `request`; a no-op if it is not here (e.g. it finished on its first token)."""
+        if self._running.get(request.request_id) is request:
+            del self._running[request.request_id]
+
+    def schedule_next_batch(self) -> DecodeBatch | None:
+        if not self._running:
+            return None
+        return DecodeBatch(self.running[:self.max_num_seqs])  # oldest first

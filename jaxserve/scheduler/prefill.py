@@ -1,0 +1,101 @@
+"""The prefill manager: a FIFO queue of prompts, admitted against KV pages and slots, cut into chunks.
+
+Admission reserves every page a request can ever need (`prompt_len + max_tokens` tokens) plus a slot, so a
+running request never has to wait for memory and nothing is ever preempted. A request whose prefill has been
+fully scheduled leaves this manager; the Scheduler hands it to the decode manager once its batch has run
+(`Scheduler.on_batch_done`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from jaxserve.cache import PagePool, PagePoolExhausted, pages_needed
+from jaxserve.scheduler.request import PrefillBatch, PrefillChunk, Request, RequestStatus
+from jaxserve.scheduler.slots import SlotAllocator
+
+
+class PrefillManager:
+    def __init__(self, page_pool: PagePool, page_size: int, max_prefill_tokens: int, max_prefill_rows: int,
+                 slots: SlotAllocator | int, max_model_len: int | None = None):
+        for name, value in (("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens),
+                            ("max_prefill_rows", max_prefill_rows)):
+            if value <= 0:
+                raise ValueError(f"{name}={value}: must be positive")
+        self.page_pool = page_pool
+        self.page_size = page_size
+        self.max_prefill_tokens = max_prefill_tokens  # token budget of one step (--chunked-prefill-size)
+        self.max_prefill_rows = max_prefill_rows  # chunks (requests) in one step
+        self.slots = SlotAllocator(slots) if isinstance(slots, int) else slots
+        self.max_model_len = max_model_len
+        # Arrival order. Only the last chunk of a batch can be partial, so a request whose prompt is part-way
+        # done is always at the head: continuing it first and FIFO admission are the same walk.
+        self._queue: deque[Request] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.status is RequestStatus.WAITING for r in self._queue)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue)
+
+    def add(self, request: Request) -> None:
+        """Queue `request`; refuse (ValueError) one that could never be admitted, so nothing waits forever."""
+        total = request.max_total_len
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
+                             f"({request.sampling.max_tokens}) = {total} exceeds max_model_len={self.max_model_len}")
+        need = pages_needed(total, self.page_size)
+        if need > self.page_pool.num_pages:
+            raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
+                             f"({request.sampling.max_tokens}) = {total} tokens needs {need} KV pages of "
+                             f"{self.page_size} tokens, but the pool has only {self.page_pool.num_pages} in total")
+        request.status = RequestStatus.WAITING
+        self._queue.append(request)
+
+    def schedule_next_batch(self) -> PrefillBatch | None:
+        """The next prefill step, or None. Scheduling is the commitment: `num_prefilled` advances now."""
+        chunks: list[PrefillChunk] = []
+        budget = self.max_prefill_tokens
+        while self._queue and budget > 0 and len(chunks) < self.max_prefill_rows:
+            request = self._queue[0]
+            if request.status is RequestStatus.WAITING and not self._admit(request):
+                break  # FIFO: nobody overtakes a head that does not fit yet
+            length = min(request.remaining_prompt, budget)
+            chunks.append(PrefillChunk(request, request.num_prefilled, length))
+            request.num_prefilled += length
+            budget -= length
+            if request.prefill_done:
+                self._queue.popleft()
+        return PrefillBatch(chunks) if chunks else None
+
+    def remove(self, request: Request) -> None:
+        """Forget `request` wherever it is in its life and give back its pages and slot (each exactly once)."""
+        if request in self._queue:
+            self._queue.remove(request)
+        if request.pages:
+            self.page_pool.free(request.pages)
+            request.pages = []
+        if request.slot is not None:
+            self.slots.free(request.slot)
+            request.slot = None
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a waiting or part-prefilled request by id; returns it (finished), or None if it is not here."""
+        request = next((r for r in self._queue if r.request_id == request_id), None)
+        if request is not None:
+            self.remove(request)
+            request.mark_finished("abort")
+        return request
+
+    def _admit(self, request: Request) -> bool:
+        if self.slots.num_free == 0:
+            return False
+        try:
+            request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
+        except PagePoolExhausted:
+            return False
+        request.slot = self.slots.allocate()
+        request.status = RequestStatus.PREFILLING
+        return True

@@ -1,0 +1,224 @@
+"""Request records, SlotAllocator, PrefillManager and DecodeManager with the real PagePool, and the hand-off
+between them through the real Scheduler."""
+
+import random
+
+import pytest
+
+from jaxserve.cache import PagePool
+from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, PrefillManager, Request, RequestStatus,
+                                SamplingParams, Scheduler, SlotAllocator, SlotsExhausted)
+
+PAGE = 4  # tokens per KV page in these tests
+
+
+def req(rid, prompt_len, max_tokens=4):
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def chunks(batch):
+    return [(c.request.request_id, c.start, c.length) for c in batch.chunks]
+
+
+def manager(num_pages=64, budget=8, rows=4, slots=4, max_model_len=None):
+    pool = PagePool(num_pages)
+    return PrefillManager(pool, PAGE, budget, rows, slots, max_model_len=max_model_len), pool
+
+
+# --- request records -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2)])
+def test_sampling_params_reject_bad_values_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_store_stop_ids_as_tuple():
+    assert SamplingParams(stop_token_ids=[1, 2]).stop_token_ids == (1, 2)
+
+
+def test_request_lengths():
+    r = req("a", 10, max_tokens=5)
+    r.num_prefilled = 4
+    r.output_ids = [7, 8]
+    assert (r.prompt_len, r.remaining_prompt, r.prefill_done, r.total_len, r.max_total_len) == (10, 6, False, 12, 15)
+    r.num_prefilled = 10
+    assert r.prefill_done and r.remaining_prompt == 0
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(ValueError, match="empty prompt"):
+        Request("a", [])
+
+
+def test_slot_allocator():
+    slots = SlotAllocator(2)
+    assert [slots.allocate(), slots.allocate()] == [0, 1]
+    with pytest.raises(SlotsExhausted, match="all 2 slots"):
+        slots.allocate()
+    slots.free(1)
+    assert slots.num_free == 1
+    with pytest.raises(ValueError, match="slot 1"):
+        slots.free(1)
+    with pytest.raises(ValueError, match="slot 5"):
+        slots.free(5)
+
+
+# --- prefill manager -----------------------------------------------------------------------------------------
+
+def test_long_prompt_is_split_into_budget_sized_chunks():
+    pm, pool = manager(budget=8)
+    a = req("a", 20, max_tokens=4)
+    pm.add(a)
+    assert a.status is RequestStatus.WAITING and pm.num_waiting == 1
+    b1 = pm.schedule_next_batch()
+    assert chunks(b1) == [("a", 0, 8)] and b1.num_tokens == 8
+    assert a.status is RequestStatus.PREFILLING and a.num_prefilled == 8 and pm.num_waiting == 0
+    assert len(a.pages) == 6 and pool.num_used == 6  # all of ceil((20 + 4) / 4) reserved at admission
+    b2, b3 = pm.schedule_next_batch(), pm.schedule_next_batch()
+    assert chunks(b2) == [("a", 8, 8)] and chunks(b3) == [("a", 16, 4)]
+    assert [c.is_last for c in b1.chunks + b2.chunks + b3.chunks] == [False, False, True]
+    assert b3.completed == [a] and b2.completed == []
+    assert b3.chunks[0].token_ids == a.prompt_ids[16:20]
+    assert pm.schedule_next_batch() is None and not pm.has_work
+    assert pool.num_used == 6  # pages stay with the request until it finishes
+
+
+def test_in_progress_prompt_continues_first_then_fifo_fills_the_budget():
+    pm, _ = manager(budget=8, slots=8)
+    for rid, n in [("a", 3), ("b", 3), ("c", 5), ("d", 2), ("e", 9)]:
+        pm.add(req(rid, n))
+    assert chunks(pm.schedule_next_batch()) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 2)]
+    assert chunks(pm.schedule_next_batch()) == [("c", 2, 3), ("d", 0, 2), ("e", 0, 3)]
+    assert chunks(pm.schedule_next_batch()) == [("e", 3, 6)]
+
+
+def test_row_limit_caps_chunks_per_batch():
+    pm, _ = manager(budget=100, rows=2)
+    for rid in "abc":
+        pm.add(req(rid, 2))
+    assert chunks(pm.schedule_next_batch()) == [("a", 0, 2), ("b", 0, 2)]
+    assert chunks(pm.schedule_next_batch()) == [("c", 0, 2)]
+
+
+def test_admission_stops_fifo_when_pages_run_out():
+    pm, pool = manager(num_pages=10, budget=100)
+    a, b, c = req("a", 8, max_tokens=8), req("b", 16, max_tokens=16), req("c", 2, max_tokens=2)  # 4, 8, 1 pages
+    for r in (a, b, c):
+        pm.add(r)
+    assert chunks(pm.schedule_next_batch()) == [("a", 0, 8)]
+    # b needs 8 pages, 6 are free; c would fit but must not overtake b.
+    assert pm.schedule_next_batch() is None
+    assert (b.status, c.status, pm.num_waiting, pool.num_free) == (RequestStatus.WAITING, RequestStatus.WAITING, 2, 6)
+    pm.remove(a)  # a finished
+    assert pool.num_free == 10 and a.pages == [] and a.slot is None
+    assert chunks(pm.schedule_next_batch()) == [("b", 0, 16), ("c", 0, 2)]
+    assert pool.num_free == 1
+
+
+def test_admission_stops_fifo_when_slots_run_out():
+    pm, pool = manager(budget=100, slots=1)
+    a, b = req("a", 3), req("b", 3)
+    pm.add(a)
+    pm.add(b)
+    assert chunks(pm.schedule_next_batch()) == [("a", 0, 3)]
+    assert pm.schedule_next_batch() is None and b.status is RequestStatus.WAITING and b.pages == []
+    pm.remove(a)
+    assert chunks(pm.schedule_next_batch()) == [("b", 0, 3)] and b.slot == 0
+
+
+def test_never_fitting_requests_are_refused_with_the_numbers():
+    pm, _ = manager(num_pages=10, max_model_len=48)
+    with pytest.raises(ValueError, match=r"= 44 tokens needs 11 KV pages of 4 tokens, but the pool has only 10"):
+        pm.add(req("big", 40, max_tokens=4))
+    with pytest.raises(ValueError, match=r"= 50 exceeds max_model_len=48"):
+        pm.add(req("long", 20, max_tokens=30))
+    assert pm.num_waiting == 0 and not pm.has_work
+    pm.add(req("ok", 36, max_tokens=4))  # exactly the whole pool
+    assert pm.num_waiting == 1
+
+
+def test_abort_frees_pages_and_slot_of_waiting_and_in_progress_requests():
+    slots = SlotAllocator(2)
+    pool = PagePool(20)
+    pm = PrefillManager(pool, PAGE, 8, 4, slots)
+    a, b = req("a", 20), req("b", 4)
+    pm.add(a)
+    pm.add(b)
+    assert chunks(pm.schedule_next_batch()) == [("a", 0, 8)]  # a in progress, b waiting
+    assert pm.abort("b") is b and b.status is RequestStatus.FINISHED and b.finish_reason == "abort"
+    assert pm.abort("a") is a and a.finish_reason == "abort"
+    assert (pool.num_free, slots.num_free, a.pages, a.slot) == (20, 2, [], None)
+    assert pm.abort("a") is None and pm.abort("nobody") is None
+    assert pm.schedule_next_batch() is None and not pm.has_work
+
+
+# --- decode manager ------------------------------------------------------------------------------------------
+
+def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
+    dm = DecodeManager(max_num_seqs=2)
+    assert dm.schedule_next_batch() is None and not dm.has_work
+    a, b, c = req("a", 1), req("b", 1), req("c", 1)
+    for r in (a, b, c):
+        dm.add(r)
+    assert a.status is RequestStatus.RUNNING and dm.running == [a, b, c]
+    batch = dm.schedule_next_batch()
+    assert (batch.phase, batch.requests, batch.num_tokens, batch.forced) == ("decode", [a, b], 2, False)
+    dm.remove(a)
+    dm.remove(a)  # absent: no-op
+    assert dm.schedule_next_batch().requests == [b, c]
+    with pytest.raises(ValueError, match="already decoding"):
+        dm.add(b)
+
+
+# --- hand-off through the Scheduler --------------------------------------------------------------------------
+
+def test_completed_prompts_start_decoding_only_after_their_batch_ran():
+    pm, pool = manager(budget=8)
+    scheduler = Scheduler(pm, DecodeManager(4))
+    a, b = req("a", 4), req("b", 4)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    batch = scheduler.schedule()
+    assert batch.completed == [a, b]
+    assert scheduler.schedule() is None  # nothing decodes before the batch ran
+    scheduler.finish(b, "abort")  # aborted while its last chunk was in flight
+    scheduler.on_batch_done(batch)
+    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.FINISHED)
+    assert scheduler.schedule().requests == [a]
+    scheduler.finish(a, "length")
+    assert a.finish_reason == "length" and pool.num_free == 64 and not scheduler.has_work
+
+
+def test_random_workload_returns_every_page_and_slot():
+    rng = random.Random(0)
+    pool, slots = PagePool(40), SlotAllocator(3)
+    pm = PrefillManager(pool, PAGE, max_prefill_tokens=16, max_prefill_rows=2, slots=slots, max_model_len=96)
+    scheduler = Scheduler(pm, DecodeManager(3), DecodeInterleavePolicy(2))
+    requests = [req(f"r{i}", rng.randint(1, 60), max_tokens=rng.randint(1, 30)) for i in range(60)]
+    for r in requests:
+        scheduler.add_request(r)
+    live = list(requests)
+    for _ in range(10_000):
+        batch = scheduler.schedule()
+        if batch is None:
+            break
+        # Deliver: one sampled token per completed prompt or decoding request, then stop checks.
+        produced = batch.completed if batch.phase == "prefill" else batch.requests
+        for r in produced:
+            r.output_ids.append(0)
+            if len(r.output_ids) == r.sampling.max_tokens:
+                scheduler.finish(r, "length")
+        for r in list(live):
+            if r.status is not RequestStatus.FINISHED and rng.random() < 0.01:
+                scheduler.finish(r, "abort")
+        scheduler.on_batch_done(batch)
+        live = [r for r in live if r.status is not RequestStatus.FINISHED]
+        assert pool.num_used == sum(len(r.pages) for r in live)
+        assert 3 - slots.num_free == sum(r.slot is not None for r in live)
+    assert not scheduler.has_work and live == []
+    assert pool.num_free == 40 and slots.num_free == 3
+    finished = [r for r in requests if r.finish_reason == "length"]
+    assert finished and all(len(r.output_ids) == r.sampling.max_tokens for r in finished)
+    assert scheduler.decode_steps > 0 and scheduler.prefill_steps > 0
