@@ -344,3 +344,41 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
             "beta_slow": cfg.yarn.beta_slow,
         }
     return out
+
+
+# ---- engine knobs ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine knob, one field per CLI flag."""
+
+    model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
+    served_model_name: str | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    max_num_seqs: int = 8  # running requests (KV slots), also the largest decode batch
+    max_model_len: int | None = None  # prompt + completion tokens; None: what the KV pool and the model allow
+    chunked_prefill_size: int = 256  # token budget of one prefill step
+    max_prefill_rows: int = 4  # prompts in one prefill step
+    num_kv_pages: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
+    page_size: int = 256  # tokens per KV page (a multiple of every compress rate)
+    max_queued_requests: int = 256
+    decode_interleave_every: int | None = None  # after N consecutive prefill steps, one decode step
+    decode_log_interval: int = 50
+    log_stats_interval: float = 10.0
+
+    def __post_init__(self):
+        positive = ("max_num_seqs", "chunked_prefill_size", "max_prefill_rows", "page_size", "max_queued_requests",
+                    "tensor_parallel_size", "expert_parallel_size", "decode_log_interval")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        for name in ("max_model_len", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")

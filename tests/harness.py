@@ -6,10 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache import CacheGeometry, init_cache, pages_needed
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, pages_needed
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
+from jaxserve.sharding import shardings_for
 
 forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
 
@@ -23,15 +26,19 @@ def geometry_for(cfg: ModelConfig, rows: int, max_len: int) -> CacheGeometry:
 
 
 def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: list[list[int]],
-                 buckets: tuple[int, ...], forward=forward_all) -> list[np.ndarray]:
+                 buckets: tuple[int, ...], forward=forward_all, mesh=None) -> list[np.ndarray]:
     """steps[k][r] = tokens row r processes at step k (0 = idle). Each step is one call whose chunk length is
     the smallest bucket that holds its longest row, so a whole schedule compiles once per bucket used.
 
     Rows use slots in reverse order and interleaved pages, so nothing relies on row == slot or on contiguity.
+    With a `mesh`, `weights` must already be placed on it; the cache is sharded like the runner's.
     """
     rows = len(prompts)
     geo = geometry_for(cfg, rows, max(len(p) for p in prompts))
-    cache = init_cache(cfg, geo)
+    if mesh is None:
+        cache = init_cache(cfg, geo)
+    else:
+        cache = init_cache(cfg, geo, shardings_for(abstract_cache(cfg, geo), mesh))
     # Page p of row r is global page 1 + p * rows + r: interleaved across rows, page 0 never used.
     page_table = np.array([[1 + p * rows + r for p in range(geo.max_pages_per_seq)] for r in range(rows)], np.int32)
     slots = np.arange(rows, dtype=np.int32)[::-1].copy()
@@ -46,7 +53,12 @@ def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: li
         inputs = StepInputs(tokens=jnp.asarray(tokens), positions=jnp.asarray(done, jnp.int32),
                             lengths=jnp.asarray(sizes, jnp.int32), slots=jnp.asarray(slots),
                             page_table=jnp.asarray(page_table))
-        logits, cache = forward(weights, cache, inputs, cfg=cfg)
+        if mesh is None:
+            logits, cache = forward(weights, cache, inputs, cfg=cfg)
+        else:
+            inputs = jax.device_put(inputs, NamedSharding(mesh, PartitionSpec()))
+            with jax.set_mesh(mesh):
+                logits, cache = forward(weights, cache, inputs, cfg=cfg)
         logits = np.asarray(logits)
         for r, n in enumerate(sizes):
             outputs[r].append(logits[r, :n])

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import MoE
+from jaxserve.sharding import expert_axes, logical_spec
 from kernels.moe import grouped_matmul
 
 F32 = jnp.float32
@@ -33,20 +35,49 @@ def route(x: jax.Array, tokens: jax.Array, w: MoE, cfg: ModelConfig) -> tuple[ja
     return experts.astype(jnp.int32), weights
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
-    """Sort the (token, expert) assignments by expert, run each group through its expert, scatter back."""
-    n, k = experts.shape
-    flat = experts.reshape(-1)
+def _local_experts(x, local_ids, weights, w_gate, w_up, w_down, limit: float) -> jax.Array:
+    """Assignments to experts [0, n_local) of the given weight stacks; others contribute nothing."""
+    n, k = local_ids.shape
+    n_local = w_gate.shape[0]
+    flat = local_ids.reshape(-1)
+    mine = (flat >= 0) & (flat < n_local)
+    flat = jnp.where(mine, flat, n_local)  # foreign assignments sort last, into no group
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(flat, length=cfg.n_routed_experts)
+    group_sizes = jnp.bincount(flat, length=n_local + 1)[:n_local]
     xs = x[token_of]
-    gate = grouped_matmul(xs, w.w_gate, group_sizes)
-    up = grouped_matmul(xs, w.w_up, group_sizes)
-    hidden = clamped_swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
-    out = grouped_matmul(hidden, w.w_down, group_sizes).astype(x.dtype)
-    out = out * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(out.astype(F32)).astype(x.dtype)
+    gate = grouped_matmul(xs, w_gate, group_sizes)
+    up = grouped_matmul(xs, w_up, group_sizes)
+    hidden = clamped_swiglu(gate, up, limit).astype(x.dtype)
+    out = grouped_matmul(hidden, w_down, group_sizes).astype(x.dtype)
+    scale = jnp.where(mine, weights.reshape(-1), 0.0)[order]
+    out = out * scale[:, None].astype(x.dtype)
+    return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(out.astype(F32))
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
+    """Sort (token, expert) assignments by expert, run each group through its expert, scatter back.
+
+    Under a mesh whose expert axes divide the experts, each device runs only its own experts (routing is
+    replicated) and the partial outputs are summed over the expert axes: explicit expert parallelism.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = expert_axes()
+    ways = 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in axes]))
+    if ways == 1 or cfg.n_routed_experts % ways:
+        out = _local_experts(x, experts, weights, w.w_gate, w.w_up, w.w_down, cfg.swiglu_limit)
+        return out.astype(x.dtype)
+
+    def per_device(x, experts, weights, w_gate, w_up, w_down):
+        first = jax.lax.axis_index(axes) * w_gate.shape[0]
+        partial = _local_experts(x, experts - first, weights, w_gate, w_up, w_down, cfg.swiglu_limit)
+        return jax.lax.psum(partial, axes)
+
+    replicated = logical_spec((None, None))
+    stacked = logical_spec(("experts", None, None))
+    out = jax.shard_map(per_device, in_specs=(replicated, replicated, replicated, stacked, stacked, stacked),
+                        out_specs=replicated)(x, experts, weights, w.w_gate, w.w_up, w.w_down)
+    return out.astype(x.dtype)
 
 
 def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:

@@ -9,7 +9,7 @@ checkpoint's `[out, in]` layout.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -162,9 +162,9 @@ def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
     d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     return MoE(
         router=ArrayInfo((d, e), F32, ("embed", None)),
-        w_gate=ArrayInfo((e, d, f), dt, ("experts", "embed", "ffw")),
-        w_up=ArrayInfo((e, d, f), dt, ("experts", "embed", "ffw")),
-        w_down=ArrayInfo((e, f, d), dt, ("experts", "ffw", "embed")),
+        w_gate=ArrayInfo((e, d, f), dt, ("experts", "embed", "expert_ffw")),
+        w_up=ArrayInfo((e, d, f), dt, ("experts", "embed", "expert_ffw")),
+        w_down=ArrayInfo((e, f, d), dt, ("experts", "expert_ffw", "embed")),
         shared_gate=ArrayInfo((d, f), dt, ("embed", "ffw")),
         shared_up=ArrayInfo((d, f), dt, ("embed", "ffw")),
         shared_down=ArrayInfo((f, d), dt, ("ffw", "embed")),

@@ -1,0 +1,80 @@
+"""The device mesh and the one table that maps logical axes to mesh axes.
+
+Mesh axes: `expert` x `tensor`. Attention heads (and the shared expert's width, and the vocabulary of the
+head) split over `tensor`; routed experts split over both axes, so every device holds 1/devices of them
+whatever the split. The single K=V head means the KV state is replicated. Model code names logical axes
+only; `logical_spec` turns them into PartitionSpecs here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.model.weights import ArrayInfo, is_info
+
+EXPERT, TENSOR = "expert", "tensor"
+MESH_AXES = (EXPERT, TENSOR)
+
+# logical axis -> mesh axis (or axes); anything not listed is replicated.
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "heads": TENSOR,
+    "index_heads": TENSOR,
+    "experts": (EXPERT, TENSOR),
+    "ffw": TENSOR,
+    "vocab": TENSOR,
+}
+
+
+def logical_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
+    return PartitionSpec(*(LOGICAL_AXIS_RULES.get(a) if a is not None else None for a in axes))
+
+
+def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    needed = tensor_parallel_size * expert_parallel_size
+    if tensor_parallel_size < 1 or expert_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, expert_parallel_size="
+                         f"{expert_parallel_size}: both must be >= 1")
+    if needed > len(devices):
+        raise ValueError(f"tensor_parallel_size x expert_parallel_size = {needed} devices, but only "
+                         f"{len(devices)} are available")
+    grid = np.array(devices[:needed]).reshape(expert_parallel_size, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _divisible(info: ArrayInfo, mesh: Mesh) -> PartitionSpec:
+    """The logical spec, with any axis whose size the mesh does not divide left replicated."""
+    spec = logical_spec(info.axes)
+    dims = []
+    for size, mesh_axes in zip(info.shape, spec):
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+        ways = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        dims.append(mesh_axes if size % ways == 0 else None)
+    return PartitionSpec(*dims)
+
+
+def shardings_for(abstract: Any, mesh: Mesh) -> Any:
+    """NamedShardings for every ArrayInfo leaf of an abstract tree (weights or cache)."""
+    return jax.tree.map(lambda info: NamedSharding(mesh, _divisible(info, mesh)), abstract, is_leaf=is_info)
+
+
+def shape_dtype_structs(abstract: Any, mesh: Mesh) -> Any:
+    """Restore targets: ShapeDtypeStructs carrying the target shardings."""
+    return jax.tree.map(lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                                          sharding=NamedSharding(mesh, _divisible(info, mesh))),
+                        abstract, is_leaf=is_info)
+
+
+def expert_axes() -> tuple[str, ...]:
+    """The mesh axes routed experts are split over."""
+    axes = LOGICAL_AXIS_RULES["experts"]
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def place(tree: Any, abstract: Any, mesh: Mesh) -> Any:
+    """Put an array tree onto the mesh with the shardings its abstract description implies."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings_for(abstract, mesh))
