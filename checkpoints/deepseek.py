@@ -4,6 +4,9 @@ Accepts DeepSeek's released naming (`embed.weight`, `layers.N.attn.wq_a.weight`,
 transformers' `save_pretrained` writes for this model (the same names behind a `model.` prefix, except
 `head.weight`, with `model.hc_head.hc_fn` for `hc_head_fn`). FP8 e4m3 weights with 128x128 ue8m0 block
 scales and FP4 e2m1 packed experts with 1x32 scales are dequantized into the engine's dtype.
+
+`weight_sources` is the one name table: each Source builds a leaf from its checkpoint tensors and splits it back
+(`checkpoints.writer` writes folders with it). Every error names the file and the tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
-from jaxserve.config import ModelConfig, load_config
+from jaxserve.config import ConfigError, ModelConfig, load_config
 from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
 
 log = logging.getLogger("jaxserve.checkpoints")
@@ -30,90 +33,113 @@ FP4_BLOCK = 32
 FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
+# How the release stores each tensor (dsv4-model.md 7.1). Only the writer uses it: the loader accepts any float
+# dtype, and treats a weight as quantized when a `.scale` tensor sits beside it.
+FP8, FP4, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"
+
+
 @dataclass(frozen=True)
-class Source:
-    """How one leaf of Weights is built from checkpoint tensors (official names)."""
+class Layout:
+    """How checkpoint tensors (`[out, in]`, one per routed expert) become one Weights leaf, and back."""
 
-    names: tuple[str, ...]
-    build: Callable[[list[np.ndarray]], np.ndarray]
-
-
-def _as_is(arrays):
-    return arrays[0]
+    build: Callable[[list[np.ndarray]], np.ndarray]  # checkpoint tensors -> leaf
+    split: Callable[[np.ndarray], list[np.ndarray]]  # leaf -> checkpoint tensors, in `Source.names` order
 
 
-def _transposed(arrays):
-    return arrays[0].T
+AS_IS = Layout(lambda ts: ts[0], lambda x: [x])
+TRANSPOSED = Layout(lambda ts: ts[0].T, lambda x: [x.T])
+EXPERTS_TRANSPOSED = Layout(lambda ts: np.stack([t.T for t in ts]), lambda x: [e.T for e in x])
 
 
-def _stack_transposed(arrays):
-    return np.stack([a.T for a in arrays])
+def _heads_last(n_heads: int, head_dim: int) -> Layout:
+    # [heads*dim, in] <-> [in, heads, dim]
+    return Layout(lambda ts: ts[0].T.reshape(-1, n_heads, head_dim), lambda x: [x.reshape(x.shape[0], -1).T])
 
 
-def _heads_last(n_heads: int, head_dim: int):
-    def build(arrays):  # [heads*dim, in] -> [in, heads, dim]
-        return arrays[0].T.reshape(-1, n_heads, head_dim)
-    return build
-
-
-def _grouped_out(cfg: ModelConfig):
+def _grouped_out(cfg: ModelConfig) -> Layout:
     g, j, k = cfg.o_groups, cfg.heads_per_group, cfg.head_dim
 
-    def build(arrays):  # [g*o, j*k] -> [g, o, j, k] -> [g, j, k, o] -> [h, k, o]
-        w = arrays[0].reshape(g, -1, j, k).transpose(0, 2, 3, 1)
-        return w.reshape(g * j, k, -1)
-    return build
+    def build(ts):  # [g*o, j*k] -> [g, o, j, k] -> [g, j, k, o] -> [h, k, o]
+        return ts[0].reshape(g, -1, j, k).transpose(0, 2, 3, 1).reshape(g * j, k, -1)
+
+    def split(x):  # [h, k, o] -> [g, j, k, o] -> [g, o, j, k] -> [g*o, j*k]
+        return [x.reshape(g, j, k, -1).transpose(0, 3, 1, 2).reshape(-1, j * k)]
+    return Layout(build, split)
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one leaf of Weights is built from checkpoint tensors (official names), and how the release stores them."""
+
+    names: tuple[str, ...]
+    layout: Layout
+    stored: str = BF16  # FP8 | FP4 | BF16 | F32 | I64
+
+    def build(self, arrays: list[np.ndarray]) -> np.ndarray:
+        return self.layout.build(arrays)
+
+    def split(self, leaf: np.ndarray) -> list[np.ndarray]:
+        return self.layout.split(leaf)
+
+    def shapes(self, leaf_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The (dequantized) checkpoint tensor shapes a leaf of `leaf_shape` needs, without allocating it."""
+        return [t.shape for t in self.split(np.broadcast_to(np.zeros((), np.float32), leaf_shape))]
+
+
+def scale_name(weight_name: str) -> str:
+    """`x.weight` -> `x.scale`: where the release keeps a quantized weight's block scales."""
+    return weight_name[: -len("weight")] + "scale"
 
 
 def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
     """Dotted Weights path -> its Source, for every leaf of abstract_weights(cfg)."""
     src: dict[str, Source] = {
-        "embed": Source(("embed.weight",), _as_is),
-        "head": Source(("head.weight",), _transposed),
-        "norm": Source(("norm.weight",), _as_is),
-        "hc_head_fn": Source(("hc_head_fn",), _transposed),
-        "hc_head_base": Source(("hc_head_base",), _as_is),
-        "hc_head_scale": Source(("hc_head_scale",), _as_is),
+        "embed": Source(("embed.weight",), AS_IS),
+        "head": Source(("head.weight",), TRANSPOSED),
+        "norm": Source(("norm.weight",), AS_IS),
+        "hc_head_fn": Source(("hc_head_fn",), TRANSPOSED, F32),
+        "hc_head_base": Source(("hc_head_base",), AS_IS, F32),
+        "hc_head_scale": Source(("hc_head_scale",), AS_IS, F32),
     }
     experts = range(cfg.n_routed_experts)
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}", f"layers.{i}"
         for sub in ("attn", "ffn"):
-            src[f"{ours}.{sub}_hc.fn"] = Source((f"{theirs}.hc_{sub}_fn",), _transposed)
-            src[f"{ours}.{sub}_hc.base"] = Source((f"{theirs}.hc_{sub}_base",), _as_is)
-            src[f"{ours}.{sub}_hc.scale"] = Source((f"{theirs}.hc_{sub}_scale",), _as_is)
-            src[f"{ours}.{sub}_norm"] = Source((f"{theirs}.{sub}_norm.weight",), _as_is)
+            src[f"{ours}.{sub}_hc.fn"] = Source((f"{theirs}.hc_{sub}_fn",), TRANSPOSED, F32)
+            src[f"{ours}.{sub}_hc.base"] = Source((f"{theirs}.hc_{sub}_base",), AS_IS, F32)
+            src[f"{ours}.{sub}_hc.scale"] = Source((f"{theirs}.hc_{sub}_scale",), AS_IS, F32)
+            src[f"{ours}.{sub}_norm"] = Source((f"{theirs}.{sub}_norm.weight",), AS_IS)
         a, at = f"{ours}.attn", f"{theirs}.attn"
         src.update({
-            f"{a}.wq_a": Source((f"{at}.wq_a.weight",), _transposed),
-            f"{a}.q_norm": Source((f"{at}.q_norm.weight",), _as_is),
-            f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim)),
-            f"{a}.wkv": Source((f"{at}.wkv.weight",), _transposed),
-            f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), _as_is),
-            f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg)),
-            f"{a}.wo_b": Source((f"{at}.wo_b.weight",), _transposed),
-            f"{a}.sinks": Source((f"{at}.attn_sink",), _as_is),
+            f"{a}.wq_a": Source((f"{at}.wq_a.weight",), TRANSPOSED, FP8),
+            f"{a}.q_norm": Source((f"{at}.q_norm.weight",), AS_IS),
+            f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim), FP8),
+            f"{a}.wkv": Source((f"{at}.wkv.weight",), TRANSPOSED, FP8),
+            f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), AS_IS),
+            f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg), FP8),
+            f"{a}.wo_b": Source((f"{at}.wo_b.weight",), TRANSPOSED, FP8),
+            f"{a}.sinks": Source((f"{at}.attn_sink",), AS_IS, F32),
         })
         for comp, comp_t in ((f"{a}.compressor", f"{at}.compressor"),
                              (f"{a}.indexer.compressor", f"{at}.indexer.compressor")):
-            src[f"{comp}.wkv"] = Source((f"{comp_t}.wkv.weight",), _transposed)
-            src[f"{comp}.wgate"] = Source((f"{comp_t}.wgate.weight",), _transposed)
-            src[f"{comp}.ape"] = Source((f"{comp_t}.ape",), _as_is)
-            src[f"{comp}.norm"] = Source((f"{comp_t}.norm.weight",), _as_is)
+            src[f"{comp}.wkv"] = Source((f"{comp_t}.wkv.weight",), TRANSPOSED)
+            src[f"{comp}.wgate"] = Source((f"{comp_t}.wgate.weight",), TRANSPOSED)
+            src[f"{comp}.ape"] = Source((f"{comp_t}.ape",), AS_IS, F32)
+            src[f"{comp}.norm"] = Source((f"{comp_t}.norm.weight",), AS_IS)
         src[f"{a}.indexer.wq_b"] = Source((f"{at}.indexer.wq_b.weight",),
-                                          _heads_last(cfg.index_n_heads, cfg.index_head_dim))
-        src[f"{a}.indexer.weights_proj"] = Source((f"{at}.indexer.weights_proj.weight",), _transposed)
+                                          _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8)
+        src[f"{a}.indexer.weights_proj"] = Source((f"{at}.indexer.weights_proj.weight",), TRANSPOSED)
         m, mt = f"{ours}.moe", f"{theirs}.ffn"
         src.update({
-            f"{m}.router": Source((f"{mt}.gate.weight",), _transposed),
-            f"{m}.score_bias": Source((f"{mt}.gate.bias",), _as_is),
-            f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), _as_is),
-            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), _stack_transposed),
-            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), _stack_transposed),
-            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), _stack_transposed),
-            f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), _transposed),
-            f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), _transposed),
-            f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), _transposed),
+            f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
+            f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
+            f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
+            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
+            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
+            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
+            f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
+            f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
+            f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
         })
     return src
 
@@ -166,24 +192,46 @@ class TensorReader:
         return self.stored_name(name) in self.folder
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor in float32 when it is quantized (FP8 or packed FP4 beside a `.scale`), else as stored."""
         stored = self.stored_name(name)
         weight = self.folder.get(stored)
-        scale_name = stored[: -len("weight")] + "scale" if stored.endswith(".weight") else None
-        if scale_name is None or scale_name not in self.folder:
+        where = f"{self.folder.file_of(stored)}: tensor {stored!r}"
+        scale_stored = scale_name(stored) if stored.endswith(".weight") else None
+        if scale_stored is None or scale_stored not in self.folder:
+            if scale_stored is not None and weight.dtype in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
+                raise CheckpointError(f"{where} is {weight.dtype} (quantized) but its scale tensor "
+                                      f"{scale_stored!r} is missing")
             return weight
-        scale = self.folder.get(scale_name)
+        scale = self.folder.get(scale_stored)
+        if weight.dtype not in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
+            raise CheckpointError(f"{where} has a scale but dtype {weight.dtype}, neither FP8 e4m3 nor packed FP4")
+        if weight.ndim != 2:
+            raise CheckpointError(f"{where} is quantized but has shape {list(weight.shape)}; only 2-D weights are")
+        o, i = weight.shape
         if weight.dtype == ml_dtypes.float8_e4m3fn:
-            return dequantize_fp8(weight, scale)
-        if weight.dtype in (np.int8, np.uint8):
-            return dequantize_fp4(weight, scale)
-        raise CheckpointError(f"{self.folder.file_of(stored)}: tensor {stored!r} has a scale but dtype "
-                              f"{weight.dtype}, neither FP8 e4m3 nor packed FP4")
+            need, dequantize = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK)), dequantize_fp8
+        else:
+            need, dequantize = (o, -(-2 * i // FP4_BLOCK)), dequantize_fp4
+        if scale.shape != need:
+            raise CheckpointError(f"{self.folder.file_of(scale_stored)}: tensor {scale_stored!r} has shape "
+                                  f"{list(scale.shape)}, but its weight {stored!r} of shape {list(weight.shape)} "
+                                  f"({weight.dtype}) needs scales of shape {list(need)}")
+        return dequantize(weight, scale)
 
     def file_of(self, name: str) -> Path:
         return self.folder.file_of(self.stored_name(name))
 
 
 # ---- the loader --------------------------------------------------------------------------------------------------
+
+def _load_config(folder: Path) -> ModelConfig:
+    """load_config, with every error naming the config file."""
+    try:
+        return load_config(folder)
+    except ConfigError as bad:
+        file = folder / "config.json"
+        raise ConfigError(str(bad) if str(bad).startswith(str(file)) else f"{file}: {bad}") from None
+
 
 def _progress(done: int, total: int, started: float) -> None:
     width = 30
@@ -198,13 +246,13 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
-    cfg = cfg or load_config(folder)
+    cfg = cfg or _load_config(folder)
     reader = TensorReader(SafetensorsFolder(folder))
     abstract = abstract_weights(cfg)
     named = flatten_with_names(abstract)
     sources = weight_sources(cfg)
 
-    missing = [n for path, _ in named for n in sources[path].names if n not in reader]
+    missing = [reader.stored_name(n) for path, _ in named for n in sources[path].names if n not in reader]
     if missing:
         shown = ", ".join(missing[:50]) + (f", ... ({len(missing)} in all)" if len(missing) > 50 else "")
         raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
@@ -217,13 +265,17 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     leaves, nbytes = [], 0
     for count, ((path, info), sharding) in enumerate(zip(named, flat_shardings), start=1):
         source = sources[path]
-        array = source.build([reader.get(n) for n in source.names])
-        if tuple(array.shape) != info.shape:
-            first = source.names[0]
-            raise CheckpointError(f"{reader.file_of(first)}: tensor {reader.stored_name(first)!r} has shape "
-                                  f"{list(reader.folder.shape(reader.stored_name(first)))}, which gives {path} "
-                                  f"shape {list(array.shape)}; the config needs {list(info.shape)}")
-        array = array.astype(info.dtype)
+        arrays = []
+        for name, need in zip(source.names, source.shapes(info.shape)):
+            array = reader.get(name)
+            if array.shape != need:
+                stored = reader.stored_name(name)
+                shape = list(reader.folder.shape(stored))
+                unpacked = f" ({list(array.shape)} dequantized)" if list(array.shape) != shape else ""
+                raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {shape}{unpacked}; "
+                                      f"the config needs {list(need)} (for {path})")
+            arrays.append(array)
+        array = source.build(arrays).astype(info.dtype)
         nbytes += array.nbytes
         leaves.append(jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array))
         if show_progress:

@@ -42,17 +42,36 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: corrupted safetensors header ({bad})") from None
         except OSError as bad:
             raise CheckpointError(f"{self.path}: cannot read ({bad.strerror})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupted safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
         self._data_start = 8 + header_len
         self._entries: dict[str, dict] = header
+        self._mapped: np.memmap | None = None
         data_len = size - self._data_start
         for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            if end > data_len:
-                raise CheckpointError(f"{self.path}: truncated safetensors file: tensor {name!r} needs bytes "
-                                      f"{start}..{end} but the data section has {data_len}")
-            if entry["dtype"] not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+            self._check_entry(name, entry, data_len)
+
+    def _check_entry(self, name: str, entry: object, data_len: int) -> None:
+        where = f"{self.path}: tensor {name!r}"
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape_ok = all(isinstance(n, int) and n >= 0 for n in shape)
+            offsets_ok = isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{self.path}: corrupted safetensors header: entry for tensor {name!r} needs "
+                                  f"dtype, shape and two data_offsets, got {entry!r}") from None
+        if not (shape_ok and offsets_ok):
+            raise CheckpointError(f"{self.path}: corrupted safetensors header: tensor {name!r} has shape {shape!r} "
+                                  f"and data_offsets {[start, end]!r}")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{where} has unsupported dtype {dtype}")
+        if end > data_len:
+            raise CheckpointError(f"{self.path}: truncated safetensors file: tensor {name!r} needs bytes "
+                                  f"{start}..{end} but the data section has {data_len}")
+        need = int(np.prod(shape)) * np.dtype(DTYPES[dtype]).itemsize
+        if end - start != need:
+            raise CheckpointError(f"{where} has {end - start} bytes, shape {list(shape)} of {dtype} needs {need}")
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -60,31 +79,52 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        return self._entries[name]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         entry = self._entries[name]
-        dtype = np.dtype(DTYPES[entry["dtype"]])
         start, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if (end - start) != int(np.prod(shape)) * dtype.itemsize:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has {end - start} bytes, shape {list(shape)} of "
-                                  f"{entry['dtype']} needs {int(np.prod(shape)) * dtype.itemsize}")
-        array = np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + start, shape=shape)
-        return np.array(array)  # detach from the mapping
+        if self._mapped is None:
+            self._mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mapped[self._data_start + start: self._data_start + end]
+        return np.array(raw).view(DTYPES[entry["dtype"]]).reshape(entry["shape"])  # a copy, detached from the map
 
 
 class SafetensorsFolder:
     """All tensors of a checkpoint folder, by name, whichever shard holds them."""
+
+    INDEX = "model.safetensors.index.json"
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.folder}: no *.safetensors files")
+        self._check_index(files)
         self._where: dict[str, SafetensorsFile] = {}
         for file in files:
             reader = SafetensorsFile(file)
             for name in reader.keys():
+                if name in self._where:
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in {self._where[name].path}")
                 self._where[name] = reader
+
+    def _check_index(self, files: list[Path]) -> None:
+        """A shard the index names but the folder lacks is reported as such (not as many missing tensors)."""
+        index = self.folder / self.INDEX
+        if not index.exists():
+            return
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            named = {file: name for name, file in weight_map.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as bad:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({bad!r})") from None
+        present = {f.name for f in files}
+        absent = sorted(set(named) - present)
+        if absent:
+            raise CheckpointError(f"{index}: names shard(s) missing from the folder: "
+                                  + ", ".join(f"{f} (e.g. tensor {named[f]!r})" for f in absent))
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
