@@ -109,8 +109,7 @@ class ModelRunner:
         self._cache_shardings = shardings_for(abstract, mesh)
         self._weight_shardings = jax.tree.map(lambda x: x.sharding, weights)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        with jax.set_mesh(mesh):
-            self.cache = init_cache(cfg, geometry, self._cache_shardings)
+        self.reset_cache()
         self._step = jax.jit(
             self._step_fn,
             donate_argnames=("cache",),
@@ -155,6 +154,14 @@ class ModelRunner:
             if show_progress:
                 print(f"\rcompiling [{i}/{len(shapes)}] {kind} rows={rows} chunk={chunk} "
                       f"{time.perf_counter() - started:6.1f}s", end="" if i < len(shapes) else "\n", flush=True)
+
+    def cache_lost(self) -> bool:
+        """True when a failed call consumed the donated cache."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        with jax.set_mesh(self.mesh):
+            self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row]) -> np.ndarray:

@@ -42,6 +42,12 @@ class PrefillManager:
 
     def add(self, request: Request) -> None:
         """Queue `request`; refuse (ValueError) one that could never be admitted, so nothing waits forever."""
+        self.check_admissible(request)
+        request.status = RequestStatus.WAITING
+        self._queue.append(request)
+
+    def check_admissible(self, request: Request) -> None:
+        """Raise ValueError (with the numbers) if `request` could never be admitted, however long it waited."""
         total = request.max_total_len
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
@@ -51,8 +57,6 @@ class PrefillManager:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
                              f"({request.sampling.max_tokens}) = {total} tokens needs {need} KV pages of "
                              f"{self.page_size} tokens, but the pool has only {self.page_pool.num_pages} in total")
-        request.status = RequestStatus.WAITING
-        self._queue.append(request)
 
     def schedule_next_batch(self) -> PrefillBatch | None:
         """The next prefill step, or None. Scheduling is the commitment: `num_prefilled` advances now."""
