@@ -224,7 +224,7 @@ class TensorReader:
 
 # ---- the loader --------------------------------------------------------------------------------------------------
 
-def _load_config(folder: Path) -> ModelConfig:
+def read_config(folder: Path) -> ModelConfig:
     """load_config, with every error naming the config file."""
     try:
         return load_config(folder)
@@ -246,7 +246,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
-    cfg = cfg or _load_config(folder)
+    cfg = cfg or read_config(folder)
     reader = TensorReader(SafetensorsFolder(folder))
     abstract = abstract_weights(cfg)
     named = flatten_with_names(abstract)

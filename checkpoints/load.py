@@ -1,0 +1,32 @@
+"""One entry point from a model path (or none: the embedded default) to config, weights on the mesh, tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from checkpoints import default_checkpoint_path
+from checkpoints.deepseek import read_config, load_weights
+from jaxserve.config import ModelConfig
+from jaxserve.model.weights import Weights, abstract_weights
+from jaxserve.sharding import shardings_for
+from jaxserve.tokenizer import Tokenizer, TokenIdOnly, load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer | TokenIdOnly
+
+
+def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", show_progress: bool = False,
+               skip_tokenizer: bool = False) -> LoadedModel:
+    """Load a DeepSeek-V4 checkpoint folder onto `mesh`, every leaf streamed into its target sharding."""
+    folder = Path(path) if path is not None else default_checkpoint_path()
+    config = read_config(folder).with_dtype(dtype)
+    weights, _ = load_weights(folder, config, shardings_for(abstract_weights(config), mesh), show_progress)
+    return LoadedModel(folder, config, weights, load_tokenizer(folder, skip_tokenizer=skip_tokenizer))
