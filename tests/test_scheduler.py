@@ -18,7 +18,7 @@ class StubManager:
         self.runnable = runnable
         self.calls = 0
 
-    def schedule_next_batch(self):
+    def schedule_next_batch(self, token_budget=None):
         self.calls += 1
         return self.make() if self.runnable else None
 

@@ -58,10 +58,12 @@ class PrefillManager:
                              f"({request.sampling.max_tokens}) = {total} tokens needs {need} KV pages of "
                              f"{self.page_size} tokens, but the pool has only {self.page_pool.num_pages} in total")
 
-    def schedule_next_batch(self) -> PrefillBatch | None:
-        """The next prefill step, or None. Scheduling is the commitment: `num_prefilled` advances now."""
+    def schedule_next_batch(self, token_budget: int | None = None) -> PrefillBatch | None:
+        """The next prefill step, or None. Scheduling is the commitment: `num_prefilled` advances now.
+
+        `token_budget` lowers this step's budget below max_prefill_tokens (adaptive chunking)."""
         chunks: list[PrefillChunk] = []
-        budget = self.max_prefill_tokens
+        budget = min(self.max_prefill_tokens, token_budget or self.max_prefill_tokens)
         while self._queue and budget > 0 and len(chunks) < self.max_prefill_rows:
             request = self._queue[0]
             if request.status is RequestStatus.WAITING and not self._admit(request):

@@ -118,9 +118,13 @@ class PrefillBatch:
 class DecodeBatch:
     phase: ClassVar[str] = "decode"
     requests: list[Request]
-    # Chosen through the interleave policy's branch, i.e. ahead of prefill (which was not asked, so it may have
-    # had nothing either); False for the fallback decode taken because no prefill batch could be formed.
-    forced: bool = False
+    # The policy that put this decode ahead of prefill ("interleave" or "stall"); None for the fallback decode
+    # taken because no prefill batch could be formed. Prefill is not asked first, so it may have had nothing.
+    forced_by: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.forced_by is not None
 
     @property
     def num_tokens(self) -> int:

@@ -17,17 +17,21 @@ from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.interleave import DecodeInterleavePolicy
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.request import Batch, DecodeBatch, PrefillBatch, Request, RequestStatus
+from jaxserve.scheduler.stall import DecodeStallPolicy
 
 
 class Scheduler:
     def __init__(self, prefill_manager: PrefillManager, decode_manager: DecodeManager,
-                 interleave_policy: DecodeInterleavePolicy | None = None):
+                 interleave_policy: DecodeInterleavePolicy | None = None,
+                 stall_policy: DecodeStallPolicy | None = None):
         self.prefill_manager = prefill_manager
         self.decode_manager = decode_manager
         self.interleave_policy = interleave_policy
+        self.stall_policy = stall_policy if stall_policy is not None and stall_policy.enabled else None
         self.prefill_steps = 0
         self.decode_steps = 0
-        self.forced_decode_steps = 0  # decodes chosen through the policy branch (DecodeBatch.forced)
+        self.forced_decode_steps = 0  # decodes a policy put ahead of prefill (DecodeBatch.forced)
+        self.stall_decode_steps = 0  # ... of which the stall budget asked for
 
     @property
     def has_work(self) -> bool:
@@ -44,36 +48,65 @@ class Scheduler:
         elif isinstance(batch, DecodeBatch):
             self.decode_steps += 1
             self.forced_decode_steps += batch.forced
+            self.stall_decode_steps += batch.forced_by == "stall"
         return batch
 
     def _schedule_next_batch(self) -> Batch | None:
-        policy = self.interleave_policy
-        # A disabled (or absent) policy never wants a decode, so the decode manager is not probed here.
-        if policy is not None and policy.wants_decode():
+        policy, stall = self.interleave_policy, self.stall_policy
+        # Whichever policy is due first wins. Disabled (or absent) policies never want a decode, so the decode
+        # manager is not probed here unless one is enabled.
+        token_limit = stall.prefill_token_limit(self.prefill_manager.max_prefill_tokens) if stall else None
+        due = "interleave" if policy is not None and policy.wants_decode() else "stall" if token_limit == 0 else None
+        if due is not None:
             batch = self.decode_manager.schedule_next_batch()
             if batch is not None:
-                policy.note_decode()
-                return dataclasses.replace(batch, forced=True)
+                self._note_decode()
+                return dataclasses.replace(batch, forced_by=due)
             # No decode runnable: fall through to prefill; the streak is kept, so the due state latches.
-        batch = self.prefill_manager.schedule_next_batch()
+        batch = self.prefill_manager.schedule_next_batch(token_limit or None)
         if batch is not None:
             if policy is not None:
                 policy.note_prefill()
             return batch
         batch = self.decode_manager.schedule_next_batch()
-        if batch is not None and policy is not None:
-            policy.note_decode()
+        if batch is not None:
+            self._note_decode()
         return batch
+
+    def _note_decode(self) -> None:
+        if self.interleave_policy is not None:
+            self.interleave_policy.note_decode()
+
+    def observe_step(self, batch: Batch, seconds: float, inflight_until: float | None = None) -> None:
+        """Step timing for the stall budget's cost model (and the predicted end of a step still in flight)."""
+        if self.stall_policy is None:
+            return
+        if isinstance(batch, PrefillBatch):
+            self.stall_policy.observe_prefill(batch.num_tokens, seconds)
+        else:
+            self.stall_policy.observe_decode(seconds)
+        self.stall_policy.note_inflight(inflight_until)
 
     def on_batch_done(self, batch: Batch) -> None:
         """Call after `batch` ran and its tokens were delivered: completed prompts start decoding."""
+        started = False
         if isinstance(batch, PrefillBatch):
             for request in batch.completed:
                 if request.status is not RequestStatus.FINISHED:
                     self.decode_manager.add(request)
+                    started = True
+        if self.stall_policy is not None:
+            if not self.decode_manager.has_work:
+                self.stall_policy.note_idle()
+            elif isinstance(batch, DecodeBatch):
+                self.stall_policy.note_decoded()
+            elif started:
+                self.stall_policy.note_runnable()
 
     def finish(self, request: Request, reason: str) -> None:
         """End `request` in any state (also an abort, reason "abort"); frees its pages and slot exactly once."""
         self.decode_manager.remove(request)
         self.prefill_manager.remove(request)
         request.mark_finished(reason)
+        if self.stall_policy is not None and not self.decode_manager.has_work:
+            self.stall_policy.note_idle()

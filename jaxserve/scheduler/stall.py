@@ -1,0 +1,79 @@
+"""`--max-decode-stall-ms T`: prefill keeps priority, but a runnable decode never waits longer than T.
+
+A pure object with an injected clock. It predicts the next prefill step's cost from measured per-token
+prefill cost (an exponential moving average that adapts as it runs) and counts the step already in flight.
+When the next prefill step would break the budget it either shrinks that step (adaptive chunking: the largest
+page-aligned token count that still fits, if at least `min_chunk_tokens`) or asks for a decode step.
+
+The stall clock of a request starts at its latest token: a fresh arrival's prefill time is not a decode
+stall, so a request that has just produced its first token does not trigger a decode by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class DecodeStallPolicy:
+    def __init__(self, max_stall_ms: float | None, *, page_size: int = 1, min_chunk_tokens: int = 64,
+                 adaptive_chunks: bool = True, clock: Callable[[], float] = time.monotonic, smoothing: float = 0.3):
+        self.budget_s = max_stall_ms / 1000.0 if max_stall_ms is not None and max_stall_ms > 0 else None
+        self.page_size = page_size
+        self.min_chunk_tokens = max(min_chunk_tokens, page_size)
+        self.adaptive_chunks = adaptive_chunks
+        self.clock = clock
+        self.smoothing = smoothing
+        self.prefill_s_per_token: float | None = None  # learned
+        self.decode_step_s: float = 0.0  # learned
+        self.waiting_since: float | None = None  # oldest latest-token time among runnable decodes
+        self.inflight_until: float | None = None  # predicted end of a step already dispatched
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_s is not None
+
+    # ---- observations --------------------------------------------------------------------------------------
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self.prefill_s_per_token = self._smooth(self.prefill_s_per_token, seconds / num_tokens)
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode_step_s = self._smooth(self.decode_step_s or None, seconds)
+
+    def note_decoded(self) -> None:
+        """Every runnable request just got a token."""
+        self.waiting_since = self.clock()
+
+    def note_runnable(self) -> None:
+        """A request just produced its first token; older waiters keep their (earlier) start."""
+        if self.waiting_since is None:
+            self.waiting_since = self.clock()
+
+    def note_idle(self) -> None:
+        """Nothing is running: nobody is waiting for a token."""
+        self.waiting_since = None
+
+    def note_inflight(self, predicted_end: float | None) -> None:
+        """A step is dispatched and will end around `predicted_end` (None: nothing in flight)."""
+        self.inflight_until = predicted_end
+
+    # ---- decisions -----------------------------------------------------------------------------------------
+    def prefill_token_limit(self, budget_tokens: int) -> int | None:
+        """How many prefill tokens the next step may carry: `budget_tokens` when nobody waits or nothing is
+        known yet, fewer to fit the stall budget, or 0 when a decode must come first."""
+        if not self.enabled or self.waiting_since is None or self.prefill_s_per_token is None:
+            return budget_tokens
+        now = self.clock()
+        start = max(now, self.inflight_until or now)  # the next step starts after the one in flight
+        slack = self.waiting_since + self.budget_s - start - self.decode_step_s
+        fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
+        if fits >= budget_tokens:
+            return budget_tokens
+        if not self.adaptive_chunks:
+            return 0
+        aligned = fits - fits % self.page_size
+        return aligned if aligned >= self.min_chunk_tokens else 0
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new

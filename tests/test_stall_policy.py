@@ -1,0 +1,133 @@
+"""`--max-decode-stall-ms` through the real Scheduler with stub managers and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.scheduler import DecodeBatch, DecodeInterleavePolicy, DecodeStallPolicy, PrefillBatch, Scheduler
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class StubPrefill:
+    max_prefill_tokens = 256
+
+    def __init__(self):
+        self.budgets = []
+
+    def schedule_next_batch(self, token_budget=None):
+        self.budgets.append(token_budget)
+        return PrefillBatch([])
+
+
+class StubDecode:
+    def __init__(self, runnable=True):
+        self.runnable = runnable
+        self.calls = 0
+
+    has_work = property(lambda self: self.runnable)
+
+    def schedule_next_batch(self):
+        self.calls += 1
+        return DecodeBatch([]) if self.runnable else None
+
+
+def make(stall_ms, every=None, adaptive=True, decode_runnable=True):
+    clock = FakeClock()
+    stall = DecodeStallPolicy(stall_ms, page_size=16, min_chunk_tokens=64, adaptive_chunks=adaptive, clock=clock)
+    prefill, decode = StubPrefill(), StubDecode(decode_runnable)
+    scheduler = Scheduler(prefill, decode, DecodeInterleavePolicy(every), stall)
+    return scheduler, stall, prefill, decode, clock
+
+
+def warm(stall, per_token_s=0.001, decode_s=0.010):
+    stall.observe_prefill(100, 100 * per_token_s)
+    stall.observe_decode(decode_s)
+
+
+def letter(batch):
+    return {None: "-", "prefill": "P", "decode": "D"}[batch and batch.phase]
+
+
+def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
+    scheduler, stall, prefill, _, clock = make(100)
+    warm(stall)
+    stall.note_decoded()  # decodes wait from t=0
+    # 100 ms budget - 10 ms decode = 90 tokens at 1 ms each -> 80 page-aligned.
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    # With a step in flight until t=50 ms only 40 tokens fit -> 32 aligned, under the 64-token floor: decode.
+    stall.note_inflight(0.050)
+    batch = scheduler.schedule()
+    assert letter(batch) == "D" and batch.forced_by == "stall"
+    assert scheduler.stall_decode_steps == scheduler.forced_decode_steps == 1
+
+
+def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
+    scheduler, stall, prefill, _, clock = make(400, adaptive=False)
+    warm(stall)
+    stall.note_decoded()
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256  # 256 + 10 ms < 400 ms
+    clock.now = 0.2  # 200 ms already waited: a 256 ms step would break the budget
+    assert letter(scheduler._schedule_next_batch()) == "D"
+    stall.note_decoded()  # the decode ran: the clock restarts
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+
+
+def test_fresh_arrivals_are_exempt():
+    scheduler, stall, prefill, _, clock = make(100)
+    warm(stall)
+    clock.now = 30.0  # a long prefill ran while nobody was decoding
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+    stall.note_runnable()  # the first token just arrived: its stall clock starts now, not at its arrival
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    clock.now = 30.05
+    stall.note_runnable()  # a second newcomer does not restart the first one's clock
+    assert letter(scheduler._schedule_next_batch()) == "D"
+
+
+def test_before_any_measurement_prefill_proceeds():
+    scheduler, stall, prefill, _, _ = make(1)
+    stall.note_decoded()
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+
+
+def test_composes_with_the_count_policy_whichever_is_due_first():
+    # A generous budget: the count policy decides.
+    scheduler, stall, _, _, _ = make(10_000, every=3)
+    warm(stall)
+    stall.note_decoded()
+    assert "".join(letter(scheduler.schedule()) for _ in range(8)) == "PPPDPPPD"
+    assert scheduler.forced_decode_steps == 2 and scheduler.stall_decode_steps == 0
+    # A tight budget fires before the count does.
+    scheduler, stall, _, _, clock = make(100, every=8, adaptive=False)
+    warm(stall)
+    stall.note_decoded()
+    clock.now = 0.05
+    batch = scheduler.schedule()
+    assert letter(batch) == "D" and batch.forced_by == "stall"
+
+
+@pytest.mark.parametrize("stall_ms", [None, 0, -5])
+def test_disabled_budget_changes_nothing(stall_ms):
+    scheduler, stall, prefill, decode, clock = make(stall_ms, every=3)
+    assert scheduler.stall_policy is None
+    warm(stall)
+    stall.note_decoded()
+    clock.now = 1e6
+    assert "".join(letter(scheduler._schedule_next_batch()) for _ in range(9)) == "PPPDPPPDP"
+    assert prefill.budgets == [None] * 7
+
+
+def test_due_but_nothing_to_decode_prefills_at_full_budget():
+    scheduler, stall, prefill, decode, clock = make(100, decode_runnable=False)
+    warm(stall)
+    stall.note_decoded()
+    clock.now = 5.0
+    assert letter(scheduler._schedule_next_batch()) == "P"
+    assert decode.calls == 1 and prefill.budgets[-1] is None  # no slot spent idle to keep the promise
