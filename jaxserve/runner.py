@@ -35,15 +35,20 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sizes) + (limit,)
 
 
+GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
+StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
+
+
 @dataclass(frozen=True)
 class Buckets:
     prefill_rows: tuple[int, ...]
     prefill_chunks: tuple[int, ...]
     decode_rows: tuple[int, ...]
+    mixed: bool = False  # also compile prefill steps that carry a decode group
 
     @staticmethod
     def for_limits(max_prefill_rows: int, chunked_prefill_size: int, max_num_seqs: int,
-                   min_chunk: int = 16) -> "Buckets":
+                   min_chunk: int = 16, mixed: bool = False) -> "Buckets":
         # Chunks grow by 4x: each bucket costs a compile at start-up, padding costs only a little compute.
         chunks, size = [], min(min_chunk, chunked_prefill_size)
         while size < chunked_prefill_size:
@@ -51,11 +56,14 @@ class Buckets:
             size *= 4
         return Buckets(prefill_rows=powers_of_two_up_to(max_prefill_rows),
                        prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
-                       decode_rows=powers_of_two_up_to(max_num_seqs))
+                       decode_rows=powers_of_two_up_to(max_num_seqs), mixed=mixed)
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, chunk length) that is compiled; decode is chunk length 1."""
-        return [(r, c) for r in self.prefill_rows for c in self.prefill_chunks] + [(r, 1) for r in self.decode_rows]
+    def shapes(self) -> list[StepShape]:
+        """Every step shape that is compiled; decode groups have chunk length 1."""
+        prefill = [(r, c) for r in self.prefill_rows for c in self.prefill_chunks]
+        decode = [(r, 1) for r in self.decode_rows]
+        mixed = [(p, d) for p in prefill for d in decode] if self.mixed else []
+        return [(p,) for p in prefill] + [(d,) for d in decode] + mixed
 
 
 def _fit(sizes: Sequence[int], need: int, what: str) -> int:
@@ -95,7 +103,7 @@ class CompileCounter:
 
 @dataclass
 class StepTimes:
-    compile_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    compile_s: dict[StepShape, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -115,15 +123,15 @@ class ModelRunner:
             donate_argnames=("cache",),
             out_shardings=(self._replicated, self._cache_shardings),
         )
-        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._compiled: dict[StepShape, jax.stages.Compiled] = {}
         self.times = StepTimes()
 
-    def _step_fn(self, weights, cache, inputs: StepInputs, sampling: SamplingArrays):
-        logits, cache = logits_last(weights, cache, inputs, self.cfg)
-        return sample(logits, sampling), cache
+    def _step_fn(self, weights, cache, groups: tuple[StepInputs, ...], samplings: tuple[SamplingArrays, ...]):
+        logits, cache = logits_last(weights, cache, groups, self.cfg)
+        return tuple(sample(l, p) for l, p in zip(logits, samplings)), cache
 
     # ---- compilation -------------------------------------------------------------------------------------------
-    def _abstract_args(self, rows: int, chunk: int):
+    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays]:
         def arr(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
@@ -133,27 +141,31 @@ class ModelRunner:
         sampling = SamplingArrays(temperature=arr((rows,), jnp.float32), top_k=arr((rows,), jnp.int32),
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
+        return inputs, sampling
+
+    def _abstract_args(self, shape: StepShape):
+        groups = [self._abstract_group(rows, chunk) for rows, chunk in shape]
         weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.weights)
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.cache)
-        return weights, cache, inputs, sampling
+        return weights, cache, tuple(g for g, _ in groups), tuple(s for _, s in groups)
 
     def warmup(self, show_progress: bool = False) -> None:
         """Compile every bucket now, so serving never compiles."""
         shapes = self.buckets.shapes()
         started = time.perf_counter()
-        for i, (rows, chunk) in enumerate(shapes, start=1):
-            if (rows, chunk) in self._compiled:
+        for i, shape in enumerate(shapes, start=1):
+            if shape in self._compiled:
                 continue
             t0 = time.perf_counter()
             with jax.set_mesh(self.mesh):
-                self._compiled[(rows, chunk)] = self._step.lower(*self._abstract_args(rows, chunk)).compile()
+                self._compiled[shape] = self._step.lower(*self._abstract_args(shape)).compile()
             elapsed = time.perf_counter() - t0
-            self.times.compile_s[(rows, chunk)] = elapsed
-            kind = "decode" if chunk == 1 else "prefill"
-            log.info("compiled %s rows=%d chunk=%d in %.2f s (%d/%d)", kind, rows, chunk, elapsed, i, len(shapes))
+            self.times.compile_s[shape] = elapsed
+            described = " + ".join(f"{'decode' if c == 1 else 'prefill'} rows={r} chunk={c}" for r, c in shape)
+            log.info("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(shapes))
             if show_progress:
-                print(f"\rcompiling [{i}/{len(shapes)}] {kind} rows={rows} chunk={chunk} "
-                      f"{time.perf_counter() - started:6.1f}s", end="" if i < len(shapes) else "\n", flush=True)
+                print(f"\rcompiling [{i}/{len(shapes)}] {described} {time.perf_counter() - started:6.1f}s\033[K",
+                      end="" if i < len(shapes) else "\n", flush=True)
 
     def cache_lost(self) -> bool:
         """True when a failed call consumed the donated cache."""
@@ -166,23 +178,38 @@ class ModelRunner:
     # ---- stepping ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row]) -> np.ndarray:
         """Run prompt chunks (one per row); returns the token sampled after each row's last chunk token."""
-        bucket_rows = _fit(self.buckets.prefill_rows, len(rows), "prefill rows")
-        chunk = _fit(self.buckets.prefill_chunks, max(len(r.tokens) for r in rows), "prefill chunk length")
-        return self._run(rows, bucket_rows, chunk)
+        return self._run([self._prefill_group(rows)])[0]
 
     def decode(self, rows: Sequence[Row]) -> np.ndarray:
         """One token per row; returns the next token of each."""
+        return self._run([self._decode_group(rows)])[0]
+
+    def mixed(self, prefill_rows: Sequence[Row], decode_rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+        """A prefill step that also advances every decode row by one token, in one call."""
+        if not self.buckets.mixed:
+            raise RuntimeError("mixed steps were not compiled (Buckets.mixed is off)")
+        prefill, decode = self._run([self._prefill_group(prefill_rows), self._decode_group(decode_rows)])
+        return prefill, decode
+
+    def _prefill_group(self, rows: Sequence[Row]) -> tuple[Sequence[Row], GroupShape]:
+        bucket_rows = _fit(self.buckets.prefill_rows, len(rows), "prefill rows")
+        chunk = _fit(self.buckets.prefill_chunks, max(len(r.tokens) for r in rows), "prefill chunk length")
+        return rows, (bucket_rows, chunk)
+
+    def _decode_group(self, rows: Sequence[Row]) -> tuple[Sequence[Row], GroupShape]:
         if any(len(r.tokens) != 1 for r in rows):
             raise ValueError("decode rows carry exactly one token each")
-        return self._run(rows, _fit(self.buckets.decode_rows, len(rows), "decode batch"), 1)
+        return rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1)
 
-    def _run(self, rows: Sequence[Row], bucket_rows: int, chunk: int) -> np.ndarray:
-        compiled = self._compiled.get((bucket_rows, chunk))
+    def _run(self, groups: list[tuple[Sequence[Row], GroupShape]]) -> list[np.ndarray]:
+        shape = tuple(group_shape for _, group_shape in groups)
+        compiled = self._compiled.get(shape)
         if compiled is None:
-            raise RuntimeError(f"bucket rows={bucket_rows} chunk={chunk} was not compiled; call warmup() first")
-        inputs, sampling = self._host_arrays(rows, bucket_rows, chunk)
-        tokens, self.cache = compiled(self.weights, self.cache, inputs, sampling)
-        return np.asarray(tokens)[: len(rows)]
+            raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
+        arrays = [self._host_arrays(rows, *group_shape) for rows, group_shape in groups]
+        tokens, self.cache = compiled(self.weights, self.cache, tuple(i for i, _ in arrays),
+                                      tuple(s for _, s in arrays))
+        return [np.asarray(t)[: len(rows)] for t, (rows, _) in zip(tokens, groups)]
 
     def _host_arrays(self, rows: Sequence[Row], bucket_rows: int, chunk: int):
         n = len(rows)

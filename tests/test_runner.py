@@ -53,7 +53,7 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     runner = ModelRunner(CFG, place(weights, abstract_weights(CFG), mesh), geometry, mesh,
                          Buckets(prefill_rows=(1, 2), prefill_chunks=(16, 32), decode_rows=(1, 2, 4)))
     runner.warmup()
-    assert set(runner.times.compile_s) == {(1, 16), (1, 32), (2, 16), (2, 32), (1, 1), (2, 1), (4, 1)}
+    assert set(runner.times.compile_s) == {((r, c),) for r, c in [(1, 16), (1, 32), (2, 16), (2, 32), (1, 1), (2, 1), (4, 1)]}
     before = counter.count
     pages = {0: [0, 1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10, 11], 2: [12, 13, 14, 15, 16, 17]}
     # A varied workload: one and two rows, both chunk buckets, decode batches of 1, 2 and 3 rows.

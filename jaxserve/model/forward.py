@@ -5,8 +5,11 @@ Pure: (weights, cache, inputs) -> (outputs, cache). Decode is a chunk of length 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.cache import LayerCache
 from jaxserve.config import ModelConfig
@@ -19,40 +22,58 @@ from jaxserve.model.weights import Layer, Weights
 F32 = jnp.float32
 
 
-def block(h: jax.Array, w: Layer, cache: LayerCache, inputs: StepInputs, cfg: ModelConfig, layer: int):
+def block(hs: list[jax.Array], w: Layer, cache: LayerCache, groups: Sequence[StepInputs], cfg: ModelConfig,
+          layer: int):
+    """One decoder block over every group of rows. Groups differ in chunk length (e.g. prefill rows beside
+    one-token decode rows); attention runs per group, the MoE over all their tokens at once."""
     with jax.named_scope("attention"):
-        x, post, comb = hc_pre(h, w.attn_hc, cfg)
-        out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, inputs, cfg, layer)
-        h = hc_post(out, h, post, comb)
+        mixed = []
+        for h, inputs in zip(hs, groups):
+            x, post, comb = hc_pre(h, w.attn_hc, cfg)
+            out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, inputs, cfg,
+                                         layer)
+            mixed.append(hc_post(out, h, post, comb))
+        hs = mixed
     with jax.named_scope("moe"):
-        x, post, comb = hc_pre(h, w.ffn_hc, cfg)
-        out = moe_block(rms_norm(x, w.ffn_norm, cfg.rms_norm_eps), inputs.tokens, w.moe, cfg)
-        h = hc_post(out, h, post, comb)
-    return h, cache
+        pres = [hc_pre(h, w.ffn_hc, cfg) for h in hs]
+        flat = jnp.concatenate([rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1])
+                                for x, _, _ in pres], axis=1)
+        tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
+        out = moe_block(flat, tokens, w.moe, cfg)[0]
+        sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
+        hs = [hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
+              for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)]
+    return hs, cache
 
 
-def hidden_states(weights: Weights, cache: list[LayerCache], inputs: StepInputs, cfg: ModelConfig):
-    """Final-normed hidden states [b, t, d] and the updated cache."""
-    x = weights.embed[inputs.tokens]
-    h = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], cfg.hc_mult, x.shape[-1]))
+def hidden_states(weights: Weights, cache: list[LayerCache], groups: Sequence[StepInputs], cfg: ModelConfig):
+    """Final-normed hidden states ([b, t, d] per group) and the updated cache."""
+    hs = []
+    for inputs in groups:
+        x = weights.embed[inputs.tokens]
+        hs.append(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], cfg.hc_mult, x.shape[-1])))
     new_cache = []
     for i, (w, c) in enumerate(zip(weights.layers, cache)):
         with jax.named_scope(f"layer_{i}"):
-            h, c = block(h, w, c, inputs, cfg, i)
+            hs, c = block(hs, w, c, groups, cfg, i)
         new_cache.append(c)
-    y = hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg)
-    return rms_norm(y, weights.norm, cfg.rms_norm_eps), new_cache
+    ys = [rms_norm(hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg), weights.norm,
+                   cfg.rms_norm_eps) for h in hs]
+    return ys, new_cache
 
 
 def logits_all(weights: Weights, cache: list[LayerCache], inputs: StepInputs, cfg: ModelConfig):
     """Logits at every position [b, t, V] (float32)."""
-    y, cache = hidden_states(weights, cache, inputs, cfg)
+    (y,), cache = hidden_states(weights, cache, [inputs], cfg)
     return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache
 
 
-def logits_last(weights: Weights, cache: list[LayerCache], inputs: StepInputs, cfg: ModelConfig):
-    """Logits at each row's last valid token [b, V] (float32): what sampling needs."""
-    y, cache = hidden_states(weights, cache, inputs, cfg)
-    last = jnp.clip(inputs.lengths - 1, 0, None)
-    y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-    return jnp.einsum("bd,dv->bv", y_last, weights.head, preferred_element_type=F32), cache
+def logits_last(weights: Weights, cache: list[LayerCache], groups: Sequence[StepInputs], cfg: ModelConfig):
+    """Logits at each row's last valid token ([b, V] float32 per group): what sampling needs."""
+    ys, cache = hidden_states(weights, cache, groups, cfg)
+    logits = []
+    for y, inputs in zip(ys, groups):
+        last = jnp.clip(inputs.lengths - 1, 0, None)
+        y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+        logits.append(jnp.einsum("bd,dv->bv", y_last, weights.head, preferred_element_type=F32))
+    return logits, cache
