@@ -233,10 +233,33 @@ def read_config(folder: Path) -> ModelConfig:
         raise ConfigError(str(bad) if str(bad).startswith(str(file)) else f"{file}: {bad}") from None
 
 
-def _progress(done: int, total: int, started: float) -> None:
+def check_complete(reader: TensorReader, needed: list[Source], folder: Path) -> None:
+    """Every tensor the config needs is present (all missing names in one error), before anything is read."""
+    missing = [reader.stored_name(n) for source in needed for n in source.names if n not in reader]
+    if missing:
+        shown = ", ".join(missing[:50]) + (f", ... ({len(missing)} in all)" if len(missing) > 50 else "")
+        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
+
+
+def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo, path: str) -> np.ndarray:
+    """One Weights leaf from its checkpoint tensors, each shape-checked (the error names file and tensor)."""
+    arrays = []
+    for name, need in zip(source.names, source.shapes(info.shape)):
+        array = reader.get(name)
+        if array.shape != need:
+            stored = reader.stored_name(name)
+            shape = list(reader.folder.shape(stored))
+            unpacked = f" ({list(array.shape)} dequantized)" if list(array.shape) != shape else ""
+            raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {shape}{unpacked}; "
+                                  f"the config needs {list(need)} (for {path})")
+        arrays.append(array)
+    return source.build(arrays).astype(info.dtype, copy=False)
+
+
+def progress(label: str, done: int, total: int, started: float) -> None:
     width = 30
     filled = width * done // total
-    print(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
           f"{time.perf_counter() - started:5.1f}s", end="" if done < total else "\n", flush=True)
 
 
@@ -252,10 +275,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     named = flatten_with_names(abstract)
     sources = weight_sources(cfg)
 
-    missing = [reader.stored_name(n) for path, _ in named for n in sources[path].names if n not in reader]
-    if missing:
-        shown = ", ".join(missing[:50]) + (f", ... ({len(missing)} in all)" if len(missing) > 50 else "")
-        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
+    check_complete(reader, [sources[path] for path, _ in named], folder)
     mtp = [k for k in reader.folder.keys() if k.startswith(("mtp.", "model.mtp."))]
     if mtp:
         log.info("skipping %d MTP tensors (speculative decoding is not used)", len(mtp))
@@ -264,22 +284,11 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     started = time.perf_counter()
     leaves, nbytes = [], 0
     for count, ((path, info), sharding) in enumerate(zip(named, flat_shardings), start=1):
-        source = sources[path]
-        arrays = []
-        for name, need in zip(source.names, source.shapes(info.shape)):
-            array = reader.get(name)
-            if array.shape != need:
-                stored = reader.stored_name(name)
-                shape = list(reader.folder.shape(stored))
-                unpacked = f" ({list(array.shape)} dequantized)" if list(array.shape) != shape else ""
-                raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {shape}{unpacked}; "
-                                      f"the config needs {list(need)} (for {path})")
-            arrays.append(array)
-        array = source.build(arrays).astype(info.dtype)
+        array = read_leaf(reader, sources[path], info, path)
         nbytes += array.nbytes
         leaves.append(jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array))
         if show_progress:
-            _progress(count, len(named), started)
+            progress("loading weights", count, len(named), started)
     weights = jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), leaves)
     log.info("loaded %d tensors, %.2f GiB, in %.1f s", len(named), nbytes / 2**30, time.perf_counter() - started)
     return weights, cfg

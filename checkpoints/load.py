@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 
 from checkpoints import default_checkpoint_path
 from checkpoints.deepseek import read_config, load_weights
+from checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.sharding import shardings_for
@@ -25,8 +26,13 @@ class LoadedModel:
 
 def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", show_progress: bool = False,
                skip_tokenizer: bool = False) -> LoadedModel:
-    """Load a DeepSeek-V4 checkpoint folder onto `mesh`, every leaf streamed into its target sharding."""
+    """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
+    been converted in `dtype`) is restored shard by shard, a safetensors folder streamed leaf by leaf into its
+    target sharding."""
     folder = Path(path) if path is not None else default_checkpoint_path()
     config = read_config(folder).with_dtype(dtype)
-    weights, _ = load_weights(folder, config, shardings_for(abstract_weights(config), mesh), show_progress)
+    if is_orbax_checkpoint(folder):
+        weights = restore_weights(folder, config, mesh, show_progress)
+    else:
+        weights, _ = load_weights(folder, config, shardings_for(abstract_weights(config), mesh), show_progress)
     return LoadedModel(folder, config, weights, load_tokenizer(folder, skip_tokenizer=skip_tokenizer))

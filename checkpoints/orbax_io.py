@@ -1,0 +1,141 @@
+"""DeepSeek-V4 safetensors folder -> a sharded orbax checkpoint, converted once, restored straight into any mesh.
+
+Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...) and one
+for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the dotted Weights path
+(`layers.3.attn.wq_b`); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
+written last, so a conversion that stopped half way is never mistaken for a checkpoint.
+
+Orbax API: the stable v0 `ocp.StandardCheckpointer`. Restoring with a target of ShapeDtypeStructs carrying
+NamedShardings makes every device read only its own shards, on 8 fake CPU devices as on accelerators, so a
+changed mesh needs no re-conversion. v1 (`ocp.v1`) is still `experimental` in orbax 0.12.8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from checkpoints.deepseek import TensorReader, check_complete, progress, read_config, read_leaf, weight_sources
+from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
+from jaxserve.config import ModelConfig
+from jaxserve.model.weights import Weights, abstract_weights, flatten_with_names
+from jaxserve.sharding import shape_dtype_structs
+
+MARKER = "jaxserve_orbax.json"
+FORMAT_VERSION = 1
+MISC = "misc"
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    """Whether `path` holds a finished `convert_checkpoint` output (its marker is written last)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def _item_name(path: str) -> str:
+    """The orbax item a Weights leaf lives in: 'layers.3.attn.wq_b' -> 'layer_03', 'embed' -> 'misc'."""
+    return f"layer_{int(path.split('.')[1]):02d}" if path.startswith("layers.") else MISC
+
+
+def _by_item(tree: Any) -> dict[str, dict[str, Any]]:
+    """A Weights-shaped tree's leaves as {item: {dotted path: leaf}}, items and leaves in flatten order."""
+    items: dict[str, dict[str, Any]] = {}
+    for path, leaf in flatten_with_names(tree):
+        items.setdefault(_item_name(path), {})[path] = leaf
+    return items
+
+
+# ---- converting ----------------------------------------------------------------------------------------------------
+
+def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
+                       show_progress: bool = False) -> Path:
+    """Convert the safetensors folder `src` into an orbax checkpoint at `dst`, leaves in `dtype` as the engine holds
+    them. One layer is read, written and dropped at a time, so host memory peaks at about one layer."""
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: checkpoint folder not found")
+    cfg = read_config(src).with_dtype(dtype)
+    reader = TensorReader(SafetensorsFolder(src))
+    sources = weight_sources(cfg)
+    items = _by_item(abstract_weights(cfg))
+    check_complete(reader, [sources[path] for infos in items.values() for path in infos], src)
+    _clear_destination(src, dst, overwrite)
+
+    started = time.perf_counter()
+    with ocp.StandardCheckpointer() as checkpointer:
+        for done, (item, infos) in enumerate(items.items(), start=1):
+            leaves = {path: read_leaf(reader, sources[path], info, path) for path, info in infos.items()}
+            checkpointer.save(dst / item, leaves)
+            checkpointer.wait_until_finished()  # the save is async; waiting keeps one layer in memory, not two
+            if show_progress:
+                progress("converting", done, len(items), started)
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    (dst / MARKER).write_text(json.dumps({"format_version": FORMAT_VERSION, "dtype": dtype}, indent=2) + "\n")
+    return dst
+
+
+def _clear_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    if src.is_relative_to(dst):  # replacing dst would delete the source
+        raise CheckpointError(f"{dst}: holds the source {src}; write the conversion elsewhere")
+    if not dst.exists():
+        return
+    if not overwrite:
+        raise CheckpointError(f"{dst}: already exists; pass overwrite=True to replace it")
+    if dst.is_dir():
+        shutil.rmtree(dst)
+    else:
+        dst.unlink()
+
+
+# ---- restoring -----------------------------------------------------------------------------------------------------
+
+def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress: bool = False) -> Weights:
+    """Restore a conversion straight into `mesh`: each device reads only the shards its target sharding names."""
+    dst = Path(dst).resolve()
+    _check_conversion(dst, cfg)
+    targets = shape_dtype_structs(abstract_weights(cfg), mesh)
+    items = _by_item(targets)
+    absent = [dst / item for item in items if not (dst / item).is_dir()]
+    if absent:
+        raise CheckpointError(f"{absent[0]}: layer directory missing ({len(absent)} in all); convert again")
+
+    started = time.perf_counter()
+    restored: dict[str, jax.Array] = {}
+    with ocp.StandardCheckpointer() as checkpointer:
+        for done, (item, target) in enumerate(items.items(), start=1):
+            restored.update(checkpointer.restore(dst / item, target))
+            if show_progress:
+                progress("restoring", done, len(items), started)
+    leaves = [restored[path] for path, _ in flatten_with_names(targets)]
+    return jax.tree.unflatten(jax.tree.structure(targets), leaves)
+
+
+def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
+    """The marker's format and dtype, and the converted config.json, must match what is asked for."""
+    if not is_orbax_checkpoint(dst):
+        raise CheckpointError(f"{dst}: not an orbax conversion (no {MARKER}); run convert_checkpoint first")
+    try:
+        marker = json.loads((dst / MARKER).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise CheckpointError(f"{dst / MARKER}: not valid JSON ({bad})") from None
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{dst / MARKER}: format_version {marker.get('format_version')!r}, this jaxserve "
+                              f"reads {FORMAT_VERSION}; convert again")
+    if marker.get("dtype") != cfg.dtype:
+        raise CheckpointError(f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
+                              f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}")
+    converted = read_config(dst).with_dtype(cfg.dtype)
+    differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
+    if differing:
+        raise CheckpointError(f"{dst / 'config.json'}: the converted config differs from the one asked for in "
+                              f"{', '.join(differing)}")

@@ -1,0 +1,92 @@
+"""Orbax conversion on 8 fake CPU devices: a safetensors folder converted once, restored exactly into two different
+meshes with the target shardings, giving the same logits as the safetensors load; load_model dispatches on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from checkpoints import default_checkpoint_path
+from checkpoints.deepseek import load_weights
+from checkpoints.load import load_model
+from checkpoints.orbax_io import convert_checkpoint, is_orbax_checkpoint, restore_weights
+from checkpoints.safetensors_file import CheckpointError
+from checkpoints.writer import write_checkpoint
+from harness import prefill_then_decode, run_schedule
+from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
+from jaxserve.presets import preset
+from jaxserve.sharding import make_mesh, shardings_for
+from jaxserve.tokenizer import Tokenizer
+
+CFG = preset("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(original weights, safetensors folder, orbax conversion) of a random tiny model."""
+    root = tmp_path_factory.mktemp("orbax")
+    weights = init_weights(jax.random.key(5), CFG, std=0.15)
+    src = write_checkpoint(weights, CFG, root / "safetensors", dtype="float32")
+    return weights, src, convert_checkpoint(src, root / "converted", dtype="float32")
+
+
+@pytest.mark.parametrize("tp, ep", [(8, 1), (2, 4)])
+def test_restore_is_exact_carries_target_shardings_and_gives_the_same_logits(converted, tp, ep):
+    weights, src, dst = converted
+    mesh = make_mesh(tp, ep)
+    shardings = shardings_for(abstract_weights(CFG), mesh)
+    restored = restore_weights(dst, CFG, mesh)
+    for (path, got), (_, want), (_, sharding) in zip(flatten_with_names(restored), flatten_with_names(weights),
+                                                     flatten_with_names(shardings)):
+        assert got.dtype == want.dtype, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+        assert got.sharding.is_equivalent_to(sharding, got.ndim), (path, got.sharding, sharding)
+
+    from_safetensors, _ = load_weights(src, CFG, shardings)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (13, 10)]
+    schedule = prefill_then_decode([9, 6], [13, 10])
+    expected = run_schedule(from_safetensors, CFG, prompts, schedule, (16,), mesh=mesh)
+    for want, got in zip(expected, run_schedule(restored, CFG, prompts, schedule, (16,), mesh=mesh)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_load_model_restores_a_conversion_with_its_tokenizer(tmp_path):
+    dst = convert_checkpoint(default_checkpoint_path(), tmp_path / "default")  # bfloat16, the engine's default
+    assert is_orbax_checkpoint(dst) and not is_orbax_checkpoint(default_checkpoint_path())
+    mesh = make_mesh(2, 4)
+    converted, original = load_model(dst, mesh), load_model(None, mesh)
+    assert converted.config == original.config
+    assert isinstance(converted.tokenizer, Tokenizer)
+    assert converted.tokenizer.encode("Where does the river run?") == original.tokenizer.encode(
+        "Where does the river run?")
+    for (path, got), (_, want) in zip(flatten_with_names(converted.weights), flatten_with_names(original.weights)):
+        assert got.dtype == want.dtype and got.sharding == want.sharding, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+
+
+def test_errors_name_the_path(converted, tmp_path):
+    _, src, dst = converted
+    mesh = make_mesh(8, 1)
+    with pytest.raises(CheckpointError, match=re.escape(f"{dst}: already exists; pass overwrite=True")):
+        convert_checkpoint(src, dst, dtype="float32")
+    with pytest.raises(CheckpointError, match=re.escape(f"{src.parent}: holds the source")):
+        convert_checkpoint(src, src.parent, dtype="float32", overwrite=True)
+    with pytest.raises(CheckpointError, match="converted as float32, but bfloat16 was asked for"):
+        restore_weights(dst, CFG.with_dtype("bfloat16"), mesh)
+    with pytest.raises(CheckpointError, match=re.escape(f"{dst / 'config.json'}") + ".* in rope_theta"):
+        restore_weights(dst, dataclasses.replace(CFG, rope_theta=5e4), mesh)
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "stale").write_text("from an earlier run")
+    convert_checkpoint(src, damaged, dtype="float32", overwrite=True)
+    assert not (damaged / "stale").exists()
+    shutil.rmtree(damaged / "layer_02")
+    with pytest.raises(CheckpointError, match=re.escape(f"{damaged / 'layer_02'}: layer directory missing")):
+        restore_weights(damaged, CFG, mesh)
