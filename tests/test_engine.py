@@ -48,12 +48,11 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, CFG.vocab_size, n).tolist()
 
 
-def burst_decodes(engine: Engine, attacker: str) -> tuple[int, int]:
-    """(prefill steps of the attacker's prompt, decode steps taken between its first and last chunk)."""
+def burst(engine: Engine, attacker: str) -> str:
+    """The engine's own step record from the attacker's first chunk to its last: P prefill, D decode."""
     record = list(engine.step_record)
     prefills = [i for i, r in enumerate(record) if r.kind == "prefill" and attacker in r.request_ids]
-    inside = record[prefills[0]:prefills[-1] + 1]
-    return len(prefills), sum(r.kind == "decode" for r in inside)
+    return "".join(r.kind[0].upper() for r in record[prefills[0]:prefills[-1] + 1])
 
 
 ATTACKER_CHUNKS = 25  # not a multiple of 2, 3 or 8, so the last chunk is not itself followed by a due decode
@@ -71,14 +70,16 @@ def test_victim_decodes_during_a_long_prefill_only_with_the_flag(runner, every):
         attacker_tokens, _, _ = attacker.wait(timeout=120)
     finally:
         engine.shutdown()
-    chunks, decodes = burst_decodes(engine, "attacker")
+    steps = burst(engine, "attacker")
+    chunks, decodes = steps.count("P"), steps.count("D")
     assert chunks == ATTACKER_CHUNKS
     assert len(victim_tokens) == 60 and victim_reason == "length" and len(attacker_tokens) == 2
     if every is None:
-        assert decodes == 0  # prefill-first: the victim is frozen for the whole burst
+        assert steps == "P" * ATTACKER_CHUNKS  # prefill-first: the victim is frozen for the whole burst
     else:
         assert decodes >= chunks // every
-        assert decodes == (chunks - 1) // every  # one decode after every N prefill steps, none more
+        # Exactly where the policy puts them: one decode after every N prefill steps, none elsewhere.
+        assert steps == ("P" * every + "D") * (chunks // every) + "P" * (chunks % every)
         assert engine.stats()["forced_decode_steps"] == sum(r.forced for r in engine.step_record) >= decodes
     assert engine.stats()["free_pages"] == engine.page_pool.num_pages
 
