@@ -222,3 +222,29 @@ def test_random_workload_returns_every_page_and_slot():
     finished = [r for r in requests if r.finish_reason == "length"]
     assert finished and all(len(r.output_ids) == r.sampling.max_tokens for r in finished)
     assert scheduler.decode_steps > 0 and scheduler.prefill_steps > 0
+
+
+# --- mixed batches ---------------------------------------------------------------------------------------------
+
+def test_mixed_batches_carry_every_running_request_inside_the_token_budget():
+    prefill, pool = manager(budget=8)
+    scheduler = Scheduler(prefill, DecodeManager(4), DecodeInterleavePolicy(3), mixed_batches=True)
+    a, b = req("a", 3, max_tokens=50), req("b", 3, max_tokens=50)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule()  # nothing is running yet: a plain prefill step
+    assert first.phase == "prefill" and chunks(first) == [("a", 0, 3), ("b", 0, 3)]
+    scheduler.on_batch_done(first)
+    c = req("c", 20)
+    scheduler.add_request(c)
+    steps = []
+    while c.remaining_prompt:
+        batch = scheduler.schedule()
+        assert batch.phase == "mixed" and batch.decode.requests == [a, b]
+        assert batch.num_tokens <= 8  # prefill tokens + one per running request
+        steps.append(chunks(batch.prefill))
+        scheduler.on_batch_done(batch)
+    assert steps == [[("c", 0, 6)], [("c", 6, 6)], [("c", 12, 6)], [("c", 18, 2)]]
+    # The count policy never forces a separate decode: every step already advanced the running requests.
+    assert (scheduler.prefill_steps, scheduler.mixed_steps, scheduler.decode_steps) == (5, 4, 0)
+    assert scheduler.schedule().phase == "decode"  # no prefill left: plain decode of a, b and c

@@ -131,4 +131,21 @@ class DecodeBatch:
         return len(self.requests)
 
 
-Batch = PrefillBatch | DecodeBatch
+@dataclass(frozen=True)
+class MixedBatch:
+    """A prefill step that also advances every running request by one token (`--mixed-batches`)."""
+
+    phase: ClassVar[str] = "mixed"
+    prefill: PrefillBatch
+    decode: DecodeBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill.num_tokens + self.decode.num_tokens
+
+    @property
+    def completed(self) -> list[Request]:
+        return self.prefill.completed
+
+
+Batch = PrefillBatch | DecodeBatch | MixedBatch

@@ -16,19 +16,21 @@ import dataclasses
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.interleave import DecodeInterleavePolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.scheduler.request import Batch, DecodeBatch, PrefillBatch, Request, RequestStatus
+from jaxserve.scheduler.request import Batch, DecodeBatch, MixedBatch, PrefillBatch, Request, RequestStatus
 from jaxserve.scheduler.stall import DecodeStallPolicy
 
 
 class Scheduler:
     def __init__(self, prefill_manager: PrefillManager, decode_manager: DecodeManager,
                  interleave_policy: DecodeInterleavePolicy | None = None,
-                 stall_policy: DecodeStallPolicy | None = None):
+                 stall_policy: DecodeStallPolicy | None = None, mixed_batches: bool = False):
         self.prefill_manager = prefill_manager
         self.decode_manager = decode_manager
         self.interleave_policy = interleave_policy
         self.stall_policy = stall_policy if stall_policy is not None and stall_policy.enabled else None
-        self.prefill_steps = 0
+        self.mixed_batches = mixed_batches  # prefill steps carry one token of every running request
+        self.prefill_steps = 0  # mixed steps included
+        self.mixed_steps = 0
         self.decode_steps = 0
         self.forced_decode_steps = 0  # decodes a policy put ahead of prefill (DecodeBatch.forced)
         self.stall_decode_steps = 0  # ... of which the stall budget asked for
@@ -43,8 +45,9 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next batch to run, counted in the step statistics."""
         batch = self._schedule_next_batch()
-        if isinstance(batch, PrefillBatch):
+        if isinstance(batch, (PrefillBatch, MixedBatch)):
             self.prefill_steps += 1
+            self.mixed_steps += isinstance(batch, MixedBatch)
         elif isinstance(batch, DecodeBatch):
             self.decode_steps += 1
             self.forced_decode_steps += batch.forced
@@ -63,12 +66,19 @@ class Scheduler:
                 self._note_decode()
                 return dataclasses.replace(batch, forced_by=due)
             # No decode runnable: fall through to prefill; the streak is kept, so the due state latches.
+        riders = self.decode_manager.schedule_next_batch() if self.mixed_batches else None
+        if riders is not None:  # the step's token budget covers the decode rows too
+            budget = max(self.prefill_manager.max_prefill_tokens - riders.num_tokens, 1)
+            token_limit = min(token_limit or budget, budget)
         batch = self.prefill_manager.schedule_next_batch(token_limit or None)
         if batch is not None:
+            if riders is not None:
+                self._note_decode()
+                return MixedBatch(batch, riders)
             if policy is not None:
                 policy.note_prefill()
             return batch
-        batch = self.decode_manager.schedule_next_batch()
+        batch = riders or self.decode_manager.schedule_next_batch()
         if batch is not None:
             self._note_decode()
         return batch
@@ -81,16 +91,16 @@ class Scheduler:
         """Step timing for the stall budget's cost model (and the predicted end of a step still in flight)."""
         if self.stall_policy is None:
             return
-        if isinstance(batch, PrefillBatch):
-            self.stall_policy.observe_prefill(batch.num_tokens, seconds)
-        else:
+        if isinstance(batch, DecodeBatch):
             self.stall_policy.observe_decode(seconds)
+        else:
+            self.stall_policy.observe_prefill(batch.num_tokens, seconds)
         self.stall_policy.note_inflight(inflight_until)
 
     def on_batch_done(self, batch: Batch) -> None:
         """Call after `batch` ran and its tokens were delivered: completed prompts start decoding."""
         started = False
-        if isinstance(batch, PrefillBatch):
+        if not isinstance(batch, DecodeBatch):
             for request in batch.completed:
                 if request.status is not RequestStatus.FINISHED:
                     self.decode_manager.add(request)
@@ -98,7 +108,7 @@ class Scheduler:
         if self.stall_policy is not None:
             if not self.decode_manager.has_work:
                 self.stall_policy.note_idle()
-            elif isinstance(batch, DecodeBatch):
+            elif isinstance(batch, (DecodeBatch, MixedBatch)):
                 self.stall_policy.note_decoded()
             elif started:
                 self.stall_policy.note_runnable()
