@@ -358,16 +358,23 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # Defaults sized so the embedded default starts quickly on a small CPU: every prefill rows x chunk and decode
+    # rows bucket they imply is compiled at start (here 2 x 3 prefill + 4 decode shapes).
     max_num_seqs: int = 8  # running requests (KV slots), also the largest decode batch
     max_model_len: int | None = None  # prompt + completion tokens; None: what the KV pool and the model allow
     chunked_prefill_size: int = 256  # token budget of one prefill step
-    max_prefill_rows: int = 4  # prompts in one prefill step
+    max_prefill_rows: int = 2  # prompts in one prefill step
     num_kv_pages: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
-    page_size: int = 256  # tokens per KV page (a multiple of every compress rate)
-    max_queued_requests: int = 256
+    page_size: int = 128  # tokens per KV page (a multiple of every compress rate)
+    max_queued_requests: int = 256  # requests waiting for admission; more are refused (HTTP 429)
     decode_interleave_every: int | None = None  # after N consecutive prefill steps, one decode step
     decode_log_interval: int = 50
-    log_stats_interval: float = 10.0
+    log_stats_interval: float = 5.0  # seconds between throughput lines while busy; <= 0: never
+    # The HTTP face (jaxserve serve).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # Bearer key required on /v1/*; None: open
+    shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
 
     def __post_init__(self):
         positive = ("max_num_seqs", "chunked_prefill_size", "max_prefill_rows", "page_size", "max_queued_requests",
@@ -376,6 +383,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port!r}: must be an integer in [0, 65535]")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r}: must be >= 0")
         for name in ("max_model_len", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

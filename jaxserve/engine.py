@@ -1,9 +1,9 @@
 """The engine loop: on its own thread, schedule -> run -> deliver sampled tokens -> finish and free.
 
 Public API: `submit()` (returns a RequestHandle whose token events can be awaited from asyncio or waited for
-from a thread), `abort(request_id)`, `stats()`, `step_record`, `start()` / `shutdown()`. Requests and aborts
-reach the loop through an inbox and take effect at the next step boundary; all scheduler state is touched by
-the loop thread only.
+from a thread), `abort(request_id)`, `stats()`, `step_record`, `start()` / `shutdown()`, `drain()` /
+`is_draining` / `is_running`. Requests and aborts reach the loop through an inbox and take effect at the next
+step boundary; all scheduler state is touched by the loop thread only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from jaxserve.scheduler import (Batch, DecodeBatch, DecodeInterleavePolicy, Deco
                                 PrefillManager, Request, SamplingParams, Scheduler)
 
 log = logging.getLogger("jaxserve.engine")
+
+
+class QueueFull(RuntimeError):
+    """submit() refused a request: `max_queued_requests` requests are already waiting for admission."""
+
+
+class EngineDraining(RuntimeError):
+    """submit() refused a request: the engine is draining for shutdown and admits nothing new."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._decodes_since_log = 0
+        # Admission bookkeeping shared with submitting threads (the scheduler's own queue is loop-thread only).
+        self._admission = threading.Condition()
+        self._queued: set[str] = set()  # submitted, not yet admitted: what max_queued_requests bounds
+        self._live: set[str] = set()  # submitted, not yet finished: what drain() waits for
+        self._draining = False
         self._publish_stats()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -167,10 +180,31 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
+    @property
+    def is_running(self) -> bool:
+        """Warmed up and looping (False before start(), after shutdown(), or if the loop thread died)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def drain(self, timeout: float) -> int:
+        """Stop admitting (submit raises EngineDraining), wait up to `timeout` seconds for every submitted request
+        to finish, then abort the rest; returns how many were aborted."""
+        with self._admission:
+            self._draining = True
+            self._admission.wait_for(lambda: not self._live, timeout=timeout)
+            leftover = list(self._live)
+        for request_id in leftover:
+            self.abort(request_id)
+        return len(leftover)
+
     # ---- public API (any thread) -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                request_id: str | None = None) -> RequestHandle:
-        """Queue a request; raises ValueError at once for one that is invalid or can never fit."""
+        """Queue a request; raises ValueError at once for one that is invalid or can never fit, QueueFull when
+        `max_queued_requests` are already waiting, EngineDraining once drain() was called."""
         sampling = sampling or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         vocab = self.model_config.vocab_size
@@ -182,7 +216,15 @@ class Engine:
         request = Request(request_id, [int(t) for t in prompt_ids], sampling)
         self.scheduler.prefill_manager.check_admissible(request)
         handle = RequestHandle(request_id, request.prompt_ids)
-        self._inbox.put(("submit", request, handle))
+        with self._admission:
+            if self._draining:
+                raise EngineDraining("the engine is shutting down and admits no new requests")
+            if len(self._queued) >= self.config.max_queued_requests:
+                raise QueueFull(f"{len(self._queued)} requests are already waiting "
+                                f"(max_queued_requests={self.config.max_queued_requests})")
+            self._queued.add(request_id)
+            self._live.add(request_id)
+            self._inbox.put(("submit", request, handle))
         self._wake.set()
         return handle
 
@@ -216,6 +258,7 @@ class Engine:
         while not self._stop.is_set():
             self._drain_inbox()
             batch = self.scheduler.schedule()
+            self._note_admitted(batch)
             self._publish_stats()
             if batch is None:
                 self._wake.wait(timeout=0.05)
@@ -238,6 +281,12 @@ class Engine:
                 request = self._requests.get(item)
                 if request is not None:
                     self._finish(request, "abort")
+
+    def _note_admitted(self, batch: Batch | None) -> None:
+        # A request's first chunk is scheduled in the step that admits it (pages and slot reserved).
+        if isinstance(batch, PrefillBatch):
+            with self._admission:
+                self._queued.difference_update(c.request.request_id for c in batch.chunks if c.start == 0)
 
     def _run(self, batch: Batch) -> None:
         started = time.perf_counter()
@@ -292,6 +341,10 @@ class Engine:
         self.scheduler.finish(request, reason)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         self._requests.pop(request.request_id, None)
+        with self._admission:
+            self._queued.discard(request.request_id)
+            self._live.discard(request.request_id)
+            self._admission.notify_all()
         handle = self._handles.pop(request.request_id, None)
         if handle is not None:
             handle._push(TokenEvent(final_tokens, finish_reason=reason, error=error))

@@ -1,0 +1,115 @@
+"""One engine request seen as text: token events in, one Delta per event out (detokenized, stop strings applied).
+
+The request is submitted when the Generation is made, so a refusal (queue full, never fits, draining) raises
+before any response has started. Leaving `deltas()` early for any reason (a stop string, the client gone, a
+cancelled task) aborts the engine request, so its KV pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from jaxserve.engine import Engine
+from jaxserve.scheduler import SamplingParams
+from server.stop import StopStrings
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the output (vLLM's field)
+    error: str | None = None
+
+
+class Observer(Protocol):
+    """Per-request timing hooks (the metrics)."""
+
+    def on_tokens(self, count: int, now: float) -> None: ...
+
+    def on_finish(self, reason: str, now: float) -> None: ...
+
+
+@dataclass
+class Output:
+    """A whole output, accumulated from Deltas (non-streaming responses, the CLI)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+
+
+class Generation:
+    def __init__(self, engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams,
+                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None):
+        self.handle = engine.submit(prompt_ids, sampling, request_id=request_id)
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.num_generated = 0
+        self._engine = engine
+        self._sampling = sampling
+        self._detokenizer = tokenizer.detokenizer()
+        self._stops = StopStrings(stop)
+        self._observer = observer
+        self._finish_reason: str | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """One Delta per engine event, the last one with a finish reason. Use under `contextlib.aclosing`, so
+        leaving early aborts the request at once rather than whenever the generator is collected."""
+        engine_done = False
+        try:
+            async with aclosing(self.handle.events()) as events:
+                async for event in events:
+                    engine_done = event.finished
+                    delta = self._delta(event.token_ids, event.finish_reason, event.error)
+                    if self._observer is not None and event.token_ids:
+                        self._observer.on_tokens(len(event.token_ids), time.monotonic())
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+        finally:
+            if not engine_done:  # a stop string, or the consumer left early (the client is gone)
+                self._engine.abort(self.request_id)
+            if self._observer is not None:
+                self._observer.on_finish(self._finish_reason or "abort", time.monotonic())
+
+    async def output(self) -> Output:
+        """The whole output, once finished."""
+        output = Output()
+        async with aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                output.add(delta)
+        return output
+
+    def _delta(self, token_ids: tuple[int, ...], finish_reason: str | None, error: str | None) -> Delta:
+        self.num_generated += len(token_ids)
+        text = "".join(self._detokenizer.step(t) for t in token_ids)
+        if finish_reason is not None:
+            text += self._detokenizer.flush()
+        text, stop = self._stops.feed(text)
+        if stop is not None:
+            finish_reason, stop_reason = "stop", stop
+        elif finish_reason is not None:
+            text += self._stops.flush()
+            stop_reason = self._stop_token(token_ids) if finish_reason == "stop" else None
+        else:
+            stop_reason = None
+        self._finish_reason = finish_reason
+        return Delta(text, token_ids, finish_reason, stop_reason, error)
+
+    def _stop_token(self, token_ids: tuple[int, ...]) -> int | None:
+        # vLLM reports the stop token id, and None for EOS.
+        last = token_ids[-1] if token_ids else None
+        return last if last in self._sampling.stop_token_ids else None

@@ -1,0 +1,98 @@
+"""Prometheus metrics under vLLM's names with a `jaxserve:` prefix and a `model_name` label.
+
+Latency histograms and finish reasons are measured here, per request, from the server's arrival time (so time
+to first token includes tokenization and queueing, as in vLLM); gauges and token/step counters are read from
+`engine.stats()` at scrape time. Each app has its own registry, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.engine import Engine
+
+prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "jaxserve:"
+
+# vLLM's buckets, so dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+# engine.stats() key -> (metric name, help); gauges then counters.
+ENGINE_GAUGES = {
+    "running": ("num_requests_running", "Requests decoding or prefilling."),
+    "waiting": ("num_requests_waiting", "Requests waiting for admission."),
+    "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1)."),
+}
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "prefill_steps": ("prefill_steps", "Prefill steps run."),
+    "decode_steps": ("decode_steps", "Decode steps run."),
+    "forced_decode_steps": ("forced_decode_steps", "Decode steps a policy put ahead of waiting prefill work."),
+}
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.engine.stats()
+        for families, kind in ((ENGINE_GAUGES, GaugeMetricFamily), (ENGINE_COUNTERS, CounterMetricFamily)):
+            for key, (name, doc) in families.items():
+                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], stats[key])
+                yield family
+
+
+class RequestTimer:
+    """One request's timing, fed by its Generation (see generation.Observer)."""
+
+    def __init__(self, metrics: "ServerMetrics", arrival: float):
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last: float | None = None
+
+    def on_tokens(self, count: int, now: float) -> None:
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._arrival)
+        else:
+            self._metrics.itl.observe((now - self._last) / count)
+        self._last = now
+
+    def on_finish(self, reason: str, now: float) -> None:
+        self._metrics.e2e.observe(now - self._arrival)
+        self._metrics.finished.labels(self._metrics.model_name, reason).inc()
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def timer(self, arrival: float) -> RequestTimer:
+        return RequestTimer(self, arrival)
+
+    def exposition(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)

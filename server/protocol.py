@@ -1,0 +1,220 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> validated parameters.
+
+Types and ranges are checked here, by hand, so every mistake is a 400 whose message starts with the field's name
+(FastAPI's pydantic models would answer 422). Unknown fields are ignored, as vLLM does: benchmark tools send
+extras. Fields for features jaxserve lacks are accepted only at their no-op value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.scheduler import SamplingParams
+from server.errors import bad_request
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
+SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
+
+# Accepted only at the value that asks for nothing (None always is): the benchmark tools send e.g. best_of=1.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "min_tokens": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
+    "logit_bias": ({},), "tools": ([],),
+}
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What both endpoints share: sampling, stopping and output options."""
+
+    model: str | None
+    max_tokens: int | None  # None: the endpoint's default (chat: the rest of the context)
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]
+    params: GenerationParams
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    thinking: bool
+    params: GenerationParams
+
+
+def parse_completion(body: Any, vocab_size: int) -> CompletionRequest:
+    fields = _Fields(body)
+    params = _generation_params(fields, vocab_size, fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
+    return CompletionRequest(_prompt(body.get("prompt"), vocab_size), params)
+
+
+def parse_chat(body: Any, vocab_size: int) -> ChatRequest:
+    fields = _Fields(body)
+    # vLLM's bench chat client sends max_completion_tokens, others max_tokens; the newer name wins.
+    max_tokens = fields.integer("max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", None)
+    params = _generation_params(fields, vocab_size, max_tokens)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
+    kwargs = fields.object("chat_template_kwargs")
+    thinking = _Fields(kwargs, prefix="chat_template_kwargs.").boolean("thinking", False)
+    return ChatRequest(messages, thinking, params)
+
+
+def _generation_params(fields: _Fields, vocab_size: int, max_tokens: int | None) -> GenerationParams:
+    if max_tokens is not None and max_tokens < 1:
+        name = "max_completion_tokens" if fields.raw.get("max_completion_tokens") is not None else "max_tokens"
+        raise bad_request(name, f"{name}: must be >= 1, got {max_tokens}")
+    for name, values in NO_OP_VALUES.items():
+        value = fields.raw.get(name)
+        if value is not None and not any(_same(value, v) for v in values):
+            accepted = ", ".join(repr(v) for v in values) or "null"
+            raise bad_request(name, f"{name}={_show(value)} is not supported (accepted: {accepted})")
+    stream = fields.boolean("stream", False)
+    options = fields.object("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options", "stream_options: only allowed when stream is true")
+    seed = fields.integer("seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
+    top_k = fields.integer("top_k", -1)
+    return GenerationParams(
+        model=fields.string("model"),
+        max_tokens=max_tokens,
+        temperature=fields.number("temperature", 1.0, lambda t: t >= 0, ">= 0"),
+        top_p=fields.number("top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
+        top_k=top_k if top_k > 0 else -1,  # <= 0 means off, as in vLLM
+        seed=None if seed is None else seed % 2**32,
+        stop=_stop_strings(fields.raw.get("stop")),
+        stop_token_ids=tuple(_token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")), vocab_size,
+                                        allow_empty=True)),
+        ignore_eos=fields.boolean("ignore_eos", False),
+        stream=stream,
+        include_usage=_Fields(options, prefix="stream_options.").boolean("include_usage", False),
+        return_token_ids=fields.boolean("return_token_ids", False),
+    )
+
+
+def _prompt(prompt: Any, vocab_size: int) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt is that prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt", "prompt: must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("prompt", "prompt: batches of several prompts are not supported; send one per request")
+    if isinstance(prompt, list):
+        return _token_ids("prompt", prompt, vocab_size)
+    raise bad_request("prompt", f"prompt: must be a string or a list of token ids, got {_show(prompt)}")
+
+
+def _token_ids(name: str, ids: Any, vocab_size: int, allow_empty: bool = False) -> list[int]:
+    if not isinstance(ids, list) or (not ids and not allow_empty):
+        kind = "a list" if allow_empty else "a non-empty list"
+        raise bad_request(name, f"{name}: must be {kind} of token ids, got {_show(ids)}")
+    for i, token in enumerate(ids):
+        if not _is_int(token):
+            raise bad_request(name, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
+        if not 0 <= token < vocab_size:
+            raise bad_request(name, f"{name}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop", f"stop: must be a non-empty string or a list of them, got {_show(stop)}")
+    return tuple(stops)
+
+
+class _Fields:
+    """Typed getters over a JSON object; `null` means the default, a wrong type is a 400 naming the field."""
+
+    def __init__(self, raw: Any, prefix: str = ""):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            name = prefix.rstrip(".") or "body"
+            raise bad_request(prefix.rstrip(".") or None, f"{name}: must be a JSON object, got {_show(raw)}")
+        self.raw = raw
+        self.prefix = prefix
+
+    def _fail(self, name: str, rule: str, value: Any):
+        return bad_request(self.prefix + name, f"{self.prefix}{name}: must be {rule}, got {_show(value)}")
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not _is_int(value):
+            raise self._fail(name, "an integer", value)
+        return value
+
+    def number(self, name: str, default: float, ok, rule: str) -> float:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise self._fail(name, f"a number {rule}", value)
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._fail(name, "true or false", value)
+        return value
+
+    def string(self, name: str) -> str | None:
+        value = self.raw.get(name)
+        if value is not None and not isinstance(value, str):
+            raise self._fail(name, "a string", value)
+        return value
+
+    def object(self, name: str) -> dict | None:
+        value = self.raw.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self._fail(name, "a JSON object", value)
+        return value
+
+
+def _or_empty(value: Any) -> Any:
+    return [] if value is None else value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    # JSON true is not 1 here (Python says it is), but 0 and 0.0 are the same number.
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    return value == allowed
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

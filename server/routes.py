@@ -1,0 +1,124 @@
+"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Every refusal (bad field, unknown model, loading or draining, context too long, queue full) is decided before the
+response starts, so it gets its real status code; only engine failures after that arrive as an SSE error event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from jaxserve.engine import EngineDraining, QueueFull
+from jaxserve.tokenizer import TokenizerError
+from server.auth import require_api_key
+from server.disconnect import ClientDisconnected, cancel_on_disconnect
+from server.errors import APIError, bad_request
+from server.formats import ChatFormat, CompletionFormat
+from server.generation import Generation
+from server.protocol import GenerationParams, parse_chat, parse_completion
+from server.sse import sse_response
+from server.state import ServerState
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+            "root": state.model_path, "parent": None, "max_model_len": state.context_limit}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    arrival = time.monotonic()
+    state, parsed = await _parse(request, parse_completion)
+    prompt_ids = _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
+    fmt = CompletionFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
+    return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    arrival = time.monotonic()
+    state, parsed = await _parse(request, parse_chat)
+    if not state.tokenizer.has_text:
+        raise bad_request("messages", "messages: this server has no tokenizer, so it has no chat template; use "
+                                      "/v1/completions with the prompt as a list of token ids")
+    try:
+        prompt_ids = state.tokenizer.apply_chat_template(parsed.messages, thinking=parsed.thinking)
+    except TokenizerError as error:
+        raise bad_request("messages", str(error) if str(error).startswith("messages") else f"messages: {error}")
+    fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
+    return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
+
+
+async def _parse(request: Request, parse: Callable[[Any, int], T]) -> tuple[ServerState, T]:
+    """The server state and the validated request, after the checks both endpoints share."""
+    state: ServerState = request.app.state.server
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(None, f"Invalid JSON body: {error}") from None
+    parsed = parse(body, state.vocab_size)
+    state.check_model(parsed.params.model)
+    if parsed.params.stop and not state.tokenizer.has_text:
+        raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")
+    state.check_available()
+    return state, parsed
+
+
+def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
+    if not state.tokenizer.has_text:
+        raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
+    ids = state.tokenizer.encode(prompt)
+    if not ids:
+        raise bad_request("prompt", "prompt: encodes to no tokens")
+    return ids
+
+
+async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams,
+                    prompt_field: str, arrival: float) -> Response:
+    max_tokens = state.completion_budget(len(prompt_ids), params.max_tokens, prompt_field)
+    try:
+        generation = Generation(state.engine, state.tokenizer, prompt_ids, params.sampling(max_tokens), params.stop,
+                                fmt.id, state.metrics.timer(arrival))
+    except QueueFull as error:
+        raise APIError(429, f"The request queue is full: {error}") from None
+    except EngineDraining as error:
+        raise APIError(503, f"The server is shutting down: {error}") from None
+    except ValueError as error:  # the engine's admission check: a request that can never fit
+        raise bad_request(prompt_field, str(error)) from None
+    if params.stream:
+        return sse_response(_chunks(generation, fmt, params.include_usage))
+    try:
+        output = await cancel_on_disconnect(request, generation.output())
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if output.finish_reason == "error":
+        raise APIError(500, f"generation failed: {output.error}")
+    return JSONResponse(fmt.response(output))
+
+
+async def _chunks(generation: Generation, fmt, include_usage: bool) -> AsyncIterator[dict]:
+    for chunk in fmt.opening_chunks():
+        yield chunk
+    first = True
+    async with aclosing(generation.deltas()) as deltas:
+        async for delta in deltas:
+            if delta.finish_reason == "error":
+                raise APIError(500, f"generation failed: {delta.error}")
+            yield fmt.chunk(delta, first)
+            first = False
+    if include_usage:
+        yield fmt.usage_chunk(generation.num_generated)

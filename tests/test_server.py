@@ -1,0 +1,535 @@
+"""The HTTP server against a real uvicorn on 127.0.0.1 (the embedded default checkpoint, a small engine config):
+the openai client and raw httpx, SSE framing, bad inputs, auth, 404/429/503, token-id-only mode, client
+disconnects, a mid-stream engine failure, metrics, and a bounded load test.
+
+One runner is compiled for the module and shared by every engine here. Engines on one runner must not run steps
+at the same time, so each test keeps all but one of them idle (the runner's cache belongs to whoever steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from checkpoints import default_checkpoint_path
+from checkpoints.load import load_model
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine, build_runner
+from jaxserve.sharding import make_mesh
+from jaxserve.tokenizer import TokenIdOnly
+from server import create_app
+
+# Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so its
+# subprocess finds these shapes in the persistent compilation cache.
+CONFIG = EngineConfig(dtype="float32", max_num_seqs=4, chunked_prefill_size=64, max_prefill_rows=1, page_size=16,
+                      max_model_len=256, max_queued_requests=64, decode_log_interval=1000, log_stats_interval=0)
+MODEL = "tiny-v4"
+API_KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SETTLE_S = 1.0  # how long the engine may take to return an aborted request's pages (a deadline, not a timing)
+
+
+class ServerThread:
+    """uvicorn serving `app` from a thread, on a socket bound before it starts (so no port race)."""
+
+    def __init__(self, app, engine: Engine):
+        self.engine = engine
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        wait_for(lambda: self._server.started, 30, "uvicorn to start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, make_mesh(1, 1), dtype=CONFIG.dtype)
+
+
+@pytest.fixture(scope="module")
+def runner(loaded):
+    runner = build_runner(CONFIG, loaded.config, loaded.weights, make_mesh(1, 1))
+    runner.warmup()
+    return runner
+
+
+@contextmanager
+def serving(runner, loaded, tokenizer=None, api_key=None, start=True, **overrides):
+    engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner)
+    if start:
+        engine.start()
+    app = create_app(engine, tokenizer or loaded.tokenizer, MODEL, api_key=api_key,
+                     model_path=str(default_checkpoint_path()))
+    try:
+        with ServerThread(app, engine) as server:
+            yield server
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(runner, loaded):
+    with serving(runner, loaded, api_key=API_KEY) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture
+def slow_decode(runner, monkeypatch):
+    """Every decode step takes at least 10 ms more, so a long request is still running when a client leaves."""
+    real = runner.decode
+
+    def decode(rows):
+        time.sleep(0.01)
+        return real(rows)
+
+    monkeypatch.setattr(runner, "decode", decode)
+
+
+def sse_payloads(lines) -> list:
+    """The `data:` payloads of an SSE stream: dicts, and the final "[DONE]"."""
+    payloads = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            payloads.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return payloads
+
+
+def settled(engine: Engine) -> bool:
+    stats = engine.stats()
+    return stats["running"] == 0 and stats["waiting"] == 0 and stats["free_pages"] == stats["total_pages"]
+
+
+# ---- the openai client ---------------------------------------------------------------------------------------------
+
+def test_openai_completions_streaming_and_not(client):
+    args = dict(model=MODEL, prompt="Where does the river run?", max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    assert whole.object == "text_completion" and whole.model == MODEL
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8 and whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    content, usage = chunks[:-1], chunks[-1]
+    assert len(content) == 8  # one chunk per token
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text  # greedy: the same output
+    assert [c.choices[0].finish_reason for c in content] == [None] * 7 + ["length"]
+    assert usage.choices == [] and usage.usage.completion_tokens == 8
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_openai_chat_streaming_and_not(client):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = chunks[1:]
+    assert len(content) == 6 and content[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content for c in content) == whole.choices[0].message.content
+
+
+def test_seeded_sampling_repeats_and_max_completion_tokens_is_honoured(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me"}],
+                                              temperature=1.0, seed=seed, max_completion_tokens=10,
+                                              extra_body={"ignore_eos": True})
+
+    first, again = sample(7), sample(7)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens == 10
+
+
+def test_openai_client_errors(server, client):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1000)
+
+
+# ---- raw HTTP ------------------------------------------------------------------------------------------------------
+
+def test_token_id_prompt_and_return_token_ids(http, loaded):
+    prompt = [5, 17, 99, 250, 3]
+    body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 7, "temperature": 0,
+                                              "ignore_eos": True, "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 7
+    assert choice["text"] == loaded.tokenizer.decode(choice["token_ids"])
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 7, "temperature": 0,
+                                                      "ignore_eos": True, "stream": True,
+                                                      "return_token_ids": True}) as response:
+        chunks = sse_payloads(response.iter_lines())[:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert "prompt_token_ids" not in chunks[1]["choices"][0]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+
+
+def test_sse_framing(http):
+    with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "ignore_eos": True,
+                                                      "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(response.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    chunks = payloads[:-1]
+    assert len(chunks) == 5 and all(len(c["choices"]) == 1 for c in chunks)  # no usage chunk unasked
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+
+
+def greedy_text(http, max_tokens: int = 24) -> tuple[str, list[int]]:
+    choice = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": max_tokens, "temperature": 0,
+                                                "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
+    return choice["text"], choice["token_ids"]
+
+
+def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
+    text, _ = greedy_text(http)
+    stop = text[6:8]
+    expected = text[:text.find(stop)]
+    request = {"prompt": [7, 8, 9], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": ["zzzz", stop]}
+    choice = http.post("/v1/completions", json=request).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
+
+    with http.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+        chunks = sse_payloads(response.iter_lines())[:-1]
+    streamed = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(streamed) == expected and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids(http):
+    _, ids = greedy_text(http)
+    stop_id = ids[3]
+    choice = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 24, "temperature": 0,
+                                                "ignore_eos": True, "stop_token_ids": [stop_id],
+                                                "return_token_ids": True}).json()["choices"][0]
+    assert choice["token_ids"] == ids[:ids.index(stop_id) + 1]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+
+
+def test_unknown_and_no_op_fields_are_accepted(http):
+    response = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "best_of": 1, "n": 1, "logprobs": None,
+        "repetition_penalty": 1.0, "presence_penalty": 0, "user": "me", "some_future_field": {"x": 1}})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_models_health_and_metrics(server, http):
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["id"] == MODEL and card["max_model_len"] == CONFIG.max_model_len
+    http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    with httpx.Client(base_url=server.url) as anonymous:  # no API key: both stay open
+        assert anonymous.get("/health").json() == {"status": "ok"}
+        metrics = anonymous.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_count", "num_requests_running", "num_requests_waiting",
+                 "kv_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total", "prefill_steps_total",
+                 "decode_steps_total", "forced_decode_steps_total"):
+        assert f"jaxserve:{name}" in text, name
+    finished = [line for line in text.splitlines()
+                if line.startswith('jaxserve:request_success_total{finished_reason="length"')]
+    assert finished and float(finished[0].split()[-1]) >= 1
+
+
+def test_auth(server):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
+        response = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
+
+
+# ---- bad inputs: 400 with the field named ------------------------------------------------------------------------
+
+COMPLETION_BAD = [
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 512]}, "prompt"),  # the vocabulary is [0, 512)
+    ({"prompt": [1, -3]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": list(range(2, 302))}, "prompt"),  # longer than the context on its own
+    ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "Hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "Hi", "top_p": 0}, "top_p"),
+    ({"prompt": "Hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "Hi", "top_k": 2.5}, "top_k"),
+    ({"prompt": "Hi", "seed": "x"}, "seed"),
+    ({"prompt": "Hi", "seed": 2**70}, "seed"),
+    ({"prompt": "Hi", "stop": 5}, "stop"),
+    ({"prompt": "Hi", "stop": [""]}, "stop"),
+    ({"prompt": "Hi", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"prompt": "Hi", "stop_token_ids": "1"}, "stop_token_ids"),
+    ({"prompt": "Hi", "ignore_eos": "no"}, "ignore_eos"),
+    ({"prompt": "Hi", "stream": "yes"}, "stream"),
+    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "Hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": "Hi", "return_token_ids": "yes"}, "return_token_ids"),
+    ({"prompt": "Hi", "n": 2}, "n"),
+    ({"prompt": "Hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "Hi", "echo": True}, "echo"),
+    ({"prompt": "Hi", "model": 7}, "model"),
+]
+CHAT_BAD = [
+    ({}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": "yes"}},
+     "chat_template_kwargs.thinking"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", [("/v1/completions", b, f) for b, f in COMPLETION_BAD]
+                         + [("/v1/chat/completions", b, f) for b, f in CHAT_BAD])
+def test_bad_input_is_a_400_naming_the_field(http, path, body, field):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] == field
+    assert field in error["message"]
+
+
+def test_context_overflow_uses_the_wording_clients_match(http):
+    error = http.post("/v1/completions", json={"prompt": list(range(2, 202)), "max_tokens": 100}).json()["error"]
+    assert error["message"].startswith(
+        "This model's maximum context length is 256 tokens. However, you requested 300 tokens (200 in the "
+        "messages, 100 in the completion). Please reduce the length of the messages or completion.")
+
+
+@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"[1, 2]", "body"),
+                                           (b"\xff\xfe", "JSON")])
+def test_malformed_bodies_are_a_400(http, content, what):
+    response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and what in response.json()["error"]["message"]
+
+
+def test_unknown_route_and_method_keep_the_error_shape(http):
+    assert http.get("/v1/nothing").json()["error"]["code"] == 404
+    assert http.get("/v1/completions").json()["error"]["code"] == 405
+
+
+# ---- admission: 429, 503, token-id-only mode --------------------------------------------------------------------
+
+def test_a_full_queue_answers_429_with_retry_after(server, runner, loaded, monkeypatch):
+    gate = threading.Event()
+    real = runner.decode
+
+    def gated_decode(rows):
+        gate.wait(30)
+        return real(rows)
+
+    monkeypatch.setattr(runner, "decode", gated_decode)
+    with serving(runner, loaded, max_queued_requests=1) as queued, httpx.Client(base_url=queued.url,
+                                                                                timeout=60) as http:
+        body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            # `running` is prefilled, then its first decode step waits at the gate; the next request can only
+            # wait for admission, and the one after finds the queue full.
+            wait_for(lambda: queued.engine.stats()["running"] == 1, 30, "the first request to run")
+            with http.stream("POST", "/v1/completions", json=body) as waiting:
+                refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=10)
+                gate.set()
+                assert len(sse_payloads(waiting.iter_lines())) == 4
+            assert len(sse_payloads(running.iter_lines())) == 4
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "RateLimitError" and "queue is full" in refused.json()["error"]["message"]
+
+
+def test_health_is_503_while_loading_and_while_draining(server, runner, loaded):
+    with serving(runner, loaded, start=False) as loading:
+        health = httpx.get(loading.url + "/health")
+        refused = httpx.post(loading.url + "/v1/completions", json={"prompt": "Hi"})
+        assert health.status_code == 503 and health.json()["error"]["message"] == "Loading model"
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    with serving(runner, loaded) as draining:
+        assert httpx.get(draining.url + "/health").status_code == 200
+        assert draining.engine.drain(timeout=5) == 0
+        assert httpx.get(draining.url + "/health").status_code == 503
+        assert httpx.post(draining.url + "/v1/completions", json={"prompt": "Hi"}).status_code == 503
+
+
+def test_token_id_only_mode(server, runner, loaded):
+    with serving(runner, loaded, tokenizer=TokenIdOnly(default_checkpoint_path())) as ids_only, \
+            httpx.Client(base_url=ids_only.url, timeout=60) as http:
+        for path, body, field in [
+            ("/v1/completions", {"prompt": "Hello"}, "prompt"),
+            ("/v1/completions", {"prompt": [5, 6], "stop": "x"}, "stop"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ]:
+            response = http.post(path, json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == field
+            assert field in response.json()["error"]["message"] and "tokenizer" in response.json()["error"]["message"]
+        choice = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
+                                                    "return_token_ids": True}).json()["choices"][0]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_done(server, http, runner, monkeypatch):
+    def failing_decode(rows):
+        raise RuntimeError("injected decode failure")
+
+    monkeypatch.setattr(runner, "decode", failing_decode)
+    body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        payloads = sse_payloads(response.iter_lines())
+    assert response.status_code == 200 and payloads[-1] == "[DONE]"
+    assert "injected decode failure" in payloads[-2]["error"]["message"] and payloads[-2]["error"]["code"] == 500
+    assert "choices" in payloads[0]  # the first token came from the prefill step, before the failure
+
+    whole = http.post("/v1/completions", json=body)
+    assert whole.status_code == 500 and "injected decode failure" in whole.json()["error"]["message"]
+    wait_for(lambda: settled(server.engine), SETTLE_S, "the failed requests' pages to return")
+
+
+# ---- disconnects ---------------------------------------------------------------------------------------------------
+
+def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(server, http, slow_decode):
+    engine = server.engine
+    free_before, aborted_before = engine.stats()["free_pages"], engine.stats()["finished"].get("abort", 0)
+    body = {"prompt": list(range(2, 40)), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine.stats()["free_pages"] < free_before
+    # Leaving the `with` closed the connection after one chunk of 200.
+    wait_for(lambda: engine.stats()["finished"].get("abort", 0) == aborted_before + 1 and settled(engine),
+             SETTLE_S, "the abort and the pages")
+    assert engine.stats()["free_pages"] == free_before
+
+
+def test_a_non_streaming_client_that_times_out_aborts_its_request(server, slow_decode):
+    engine = server.engine
+    aborted_before = engine.stats()["finished"].get("abort", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.5,
+                   json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
+    wait_for(lambda: engine.stats()["finished"].get("abort", 0) == aborted_before + 1 and settled(engine),
+             SETTLE_S, "the abort and the pages")
+
+
+# ---- load ----------------------------------------------------------------------------------------------------------
+
+LOAD_REQUESTS, LOAD_CONCURRENCY, LOAD_MAX_TOKENS, LOAD_CAP_S = 48, 16, 24, 60
+
+
+async def _load(url: str, seed: int) -> dict:
+    rng = random.Random(seed)
+    plans = [(rng.randint(1, 200), rng.random() < 0.75, rng.choice([None, None, None, rng.randint(1, 10)]))
+             for _ in range(LOAD_REQUESTS)]  # (prompt length, stream, disconnect after this many chunks)
+    gate = asyncio.Semaphore(LOAD_CONCURRENCY)
+    results = {"statuses": [], "tokens": [], "gaps": [], "disconnects": 0, "health": []}
+    done = asyncio.Event()
+
+    async def one(http: httpx.AsyncClient, n: int, stream: bool, leave_after: int | None):
+        body = {"prompt": [rng.randint(2, 511) for _ in range(n)], "max_tokens": LOAD_MAX_TOKENS,
+                "ignore_eos": True, "temperature": 0.8, "stream": stream}
+        async with gate:
+            if not stream:
+                response = await http.post("/v1/completions", json=body)
+                results["statuses"].append(response.status_code)
+                if response.status_code == 200:
+                    results["tokens"].append(response.json()["usage"]["completion_tokens"])
+                return
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                results["statuses"].append(response.status_code)
+                chunks, last = 0, time.perf_counter()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now = time.perf_counter()
+                    if chunks:
+                        results["gaps"].append(now - last)
+                    chunks, last = chunks + 1, now
+                    if chunks == leave_after:
+                        results["disconnects"] += 1
+                        return  # leaving the block closes the connection mid-stream
+                results["tokens"].append(chunks)
+
+    async def watch_health(http: httpx.AsyncClient):
+        while not done.is_set():
+            results["health"].append((await http.get("/health")).status_code)
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=LOAD_CAP_S) as http:
+        watcher = asyncio.create_task(watch_health(http))
+        await asyncio.wait_for(asyncio.gather(*(one(http, *plan) for plan in plans)), LOAD_CAP_S)
+        done.set()
+        await watcher
+    return results
+
+
+def test_load_with_random_disconnects(server):
+    engine = server.engine
+    started = time.perf_counter()
+    results = asyncio.run(_load(server.url, seed=11))
+    wall = time.perf_counter() - started
+    wait_for(lambda: settled(engine), 10, "every page back after the load")
+    gaps = sorted(results["gaps"])
+    print(f"\nload: {LOAD_REQUESTS} requests, concurrency {LOAD_CONCURRENCY}, {results['disconnects']} disconnects, "
+          f"{len(results['tokens'])} completed in {wall:.1f} s; inter-token latency p50 "
+          f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * gaps[int(0.99 * (len(gaps) - 1))]:.1f} ms")
+    assert all(status == 200 for status in results["statuses"]), results["statuses"]
+    assert len(results["statuses"]) == LOAD_REQUESTS and results["disconnects"] > 0
+    assert results["tokens"] and all(n == LOAD_MAX_TOKENS for n in results["tokens"])
+    assert results["health"] and set(results["health"]) == {200}
