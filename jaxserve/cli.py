@@ -45,6 +45,14 @@ INTERLEAVE_HELP = (
     "running requests freeze for a whole prefill burst.")
 
 
+STALL_HELP = (
+    "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its "
+    "next token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next "
+    "chunk (page-aligned, with a floor) or takes a decode step when the next prefill step would break the "
+    "budget. Requests still waiting for their first token are not held back. Composes with "
+    "--decode-interleave-every (whichever is due first wins).")
+
+
 @dataclass(frozen=True)
 class Flag:
     field: str  # the EngineConfig field, which is also the flag's name (--max-num-seqs: max_num_seqs)
@@ -73,6 +81,9 @@ FLAGS = (
     Flag("max_queued_requests", int, "requests waiting for admission; more are refused with HTTP 429",
          server_only=True),
     Flag("decode_interleave_every", int, INTERLEAVE_HELP),
+    Flag("max_decode_stall_ms", float, STALL_HELP, metavar="MS"),
+    Flag("mixed_batches", bool, "put one token of every running request into each prefill step, so running "
+                                "requests advance every step (each then waits one prefill step, not N)"),
     Flag("decode_log_interval", int, "log one decode step in this many"),
     Flag("log_stats_interval", float, "seconds between throughput lines while busy; <= 0: never",
          server_only=True),
@@ -90,8 +101,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, server: bool) -> None:
         if flag.server_only and not server:
             continue
         default = defaults[flag.field]
+        name = "--" + flag.field.replace("_", "-")
+        if flag.type is bool:
+            parser.add_argument(name, dest=flag.field, action=argparse.BooleanOptionalAction, default=default,
+                                help=flag.help + " (default: %(default)s)")
+            continue
         metavar = None if flag.choices else flag.metavar or {int: "N", float: "SECONDS"}[flag.type]
-        parser.add_argument("--" + flag.field.replace("_", "-"), dest=flag.field, type=flag.type, default=default,
+        parser.add_argument(name, dest=flag.field, type=flag.type, default=default,
                             choices=flag.choices, metavar=metavar,
                             help=flag.help + (" (default: %(default)s)" if default is not None else ""))
 

@@ -368,6 +368,8 @@ class EngineConfig:
     page_size: int = 128  # tokens per KV page (a multiple of every compress rate)
     max_queued_requests: int = 256  # requests waiting for admission; more are refused (HTTP 429)
     decode_interleave_every: int | None = None  # after N consecutive prefill steps, one decode step
+    max_decode_stall_ms: float | None = None  # a runnable decode never waits longer (shrinking chunks to fit)
+    mixed_batches: bool = False  # prefill steps also carry one token of every running request
     decode_log_interval: int = 50
     log_stats_interval: float = 5.0  # seconds between throughput lines while busy; <= 0: never
     # The HTTP face (jaxserve serve).

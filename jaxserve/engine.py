@@ -23,8 +23,8 @@ from typing import AsyncIterator
 from jaxserve.cache import CacheGeometry, PagePool, pages_needed
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.runner import Buckets, ModelRunner, Row
-from jaxserve.scheduler import (Batch, DecodeBatch, DecodeInterleavePolicy, DecodeManager, PrefillBatch,
-                                PrefillManager, Request, SamplingParams, Scheduler)
+from jaxserve.scheduler import (Batch, DecodeBatch, DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy,
+                                MixedBatch, PrefillBatch, PrefillManager, Request, SamplingParams, Scheduler)
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -128,7 +128,7 @@ def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[Cache
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh) -> ModelRunner:
     geometry, _ = kv_geometry(engine_cfg, model_cfg)
     buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                 engine_cfg.max_num_seqs)
+                                 engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
     return ModelRunner(model_cfg, weights, geometry, mesh, buckets)
 
 
@@ -149,7 +149,12 @@ class Engine:
                            engine_cfg.max_prefill_rows, engine_cfg.max_num_seqs, self.max_model_len),
             DecodeManager(engine_cfg.max_num_seqs),
             DecodeInterleavePolicy(engine_cfg.decode_interleave_every),
+            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, page_size=self.geometry.page_size,
+                              min_chunk_tokens=min(runner.buckets.prefill_chunks)),
+            mixed_batches=engine_cfg.mixed_batches,
         )
+        if engine_cfg.mixed_batches and not runner.buckets.mixed:
+            raise ValueError("mixed_batches needs a runner compiled with mixed steps (build_runner does that)")
         self.step_record: deque[StepRecord] = deque(maxlen=1_000_000)
         self.counters = _Counters()
         self._handles: dict[str, RequestHandle] = {}
@@ -248,6 +253,8 @@ class Engine:
             "prefill_steps": sched.prefill_steps,
             "decode_steps": sched.decode_steps,
             "forced_decode_steps": sched.forced_decode_steps,
+            "stall_decode_steps": sched.stall_decode_steps,
+            "mixed_steps": sched.mixed_steps,
             "prompt_tokens": self.counters.prompt_tokens,
             "generation_tokens": self.counters.generation_tokens,
             "finished": dict(self.counters.finished),
@@ -284,29 +291,38 @@ class Engine:
 
     def _note_admitted(self, batch: Batch | None) -> None:
         # A request's first chunk is scheduled in the step that admits it (pages and slot reserved).
-        if isinstance(batch, PrefillBatch):
+        prefill = _prefill_part(batch)
+        if prefill is not None:
             with self._admission:
-                self._queued.difference_update(c.request.request_id for c in batch.chunks if c.start == 0)
+                self._queued.difference_update(c.request.request_id for c in prefill.chunks if c.start == 0)
 
     def _run(self, batch: Batch) -> None:
         started = time.perf_counter()
         try:
-            if isinstance(batch, PrefillBatch):
-                tokens = self.runner.prefill([self._row(c.request, c.token_ids, c.start) for c in batch.chunks])
-                self.counters.prompt_tokens += batch.num_tokens
-                for chunk, token in zip(batch.chunks, tokens):
+            prefill, decode = _prefill_part(batch), _decode_part(batch)
+            prefill_rows = [self._row(c.request, c.token_ids, c.start) for c in prefill.chunks] if prefill else None
+            decode_rows = [self._row(r, [r.output_ids[-1]], r.total_len - 1) for r in decode.requests] \
+                if decode else None
+            if prefill_rows and decode_rows:
+                prefill_tokens, decode_tokens = self.runner.mixed(prefill_rows, decode_rows)
+            elif prefill_rows:
+                prefill_tokens, decode_tokens = self.runner.prefill(prefill_rows), []
+            else:
+                prefill_tokens, decode_tokens = [], self.runner.decode(decode_rows)
+            if prefill_rows:
+                self.counters.prompt_tokens += prefill.num_tokens
+                for chunk, token in zip(prefill.chunks, prefill_tokens):
                     if chunk.is_last:  # the token after the prompt is the first output token
                         self._deliver(chunk.request, int(token))
-            else:
-                rows = [self._row(r, [r.output_ids[-1]], r.total_len - 1) for r in batch.requests]
-                tokens = self.runner.decode(rows)
-                for request, token in zip(batch.requests, tokens):
+            if decode_rows:
+                for request, token in zip(decode.requests, decode_tokens):
                     self._deliver(request, int(token))
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._fail_step(batch, error)
             return
-        self.scheduler.on_batch_done(batch)
         ended = time.perf_counter()
+        self.scheduler.observe_step(batch, ended - started)
+        self.scheduler.on_batch_done(batch)
         record = StepRecord(batch.phase, isinstance(batch, DecodeBatch) and batch.forced,
                             tuple(_requests_of(batch)), batch.num_tokens, started, ended)
         self.step_record.append(record)
@@ -367,10 +383,18 @@ class Engine:
             log.info("Prefill batch: %d new tokens, %d rows, running %d, waiting %d, %s, %.3f s",
                      batch.num_tokens, len(batch.chunks), st["running"], st["waiting"], kv, seconds)
             return
+        if isinstance(batch, MixedBatch):
+            log.info("Prefill batch (mixed): %d new tokens, %d rows + %d decoding, running %d, waiting %d, %s, "
+                     "%.3f s", batch.prefill.num_tokens, len(batch.prefill.chunks), len(batch.decode.requests),
+                     st["running"], st["waiting"], kv, seconds)
+            return
         self._decodes_since_log += 1
-        if batch.forced:
+        if batch.forced_by == "interleave":
             log.info("Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
                      self.config.decode_interleave_every, len(batch.requests), st["waiting"], kv, seconds)
+        elif batch.forced_by == "stall":
+            log.info("Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
+                     self.config.max_decode_stall_ms, len(batch.requests), st["waiting"], kv, seconds)
         elif self._decodes_since_log >= self.config.decode_log_interval:
             log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(batch.requests), st["waiting"], kv,
                      seconds)
@@ -379,9 +403,17 @@ class Engine:
         self._decodes_since_log = 0
 
 
+def _prefill_part(batch: Batch | None) -> PrefillBatch | None:
+    return batch.prefill if isinstance(batch, MixedBatch) else batch if isinstance(batch, PrefillBatch) else None
+
+
+def _decode_part(batch: Batch | None) -> DecodeBatch | None:
+    return batch.decode if isinstance(batch, MixedBatch) else batch if isinstance(batch, DecodeBatch) else None
+
+
 def _requests_of(batch: Batch) -> list[str]:
-    if isinstance(batch, PrefillBatch):
-        return [c.request.request_id for c in batch.chunks]
-    return [r.request_id for r in batch.requests]
+    prefill, decode = _prefill_part(batch), _decode_part(batch)
+    return ([c.request.request_id for c in prefill.chunks] if prefill else []) + \
+        ([r.request_id for r in decode.requests] if decode else [])
 
 

@@ -37,6 +37,8 @@ ENGINE_COUNTERS = {
     "prefill_steps": ("prefill_steps", "Prefill steps run."),
     "decode_steps": ("decode_steps", "Decode steps run."),
     "forced_decode_steps": ("forced_decode_steps", "Decode steps a policy put ahead of waiting prefill work."),
+    "stall_decode_steps": ("stall_decode_steps", "Decode steps the --max-decode-stall-ms budget asked for."),
+    "mixed_steps": ("mixed_steps", "Prefill steps that also advanced every running request by one token."),
 }
 
 

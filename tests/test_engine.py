@@ -157,3 +157,56 @@ def test_the_log_shows_forced_decodes(runner, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert sum(line.startswith("Prefill batch") for line in lines) == engine.stats()["prefill_steps"]
     assert any(line.startswith("Decode batch (interleaved after 2 prefill steps)") for line in lines)
+
+
+def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefill(runner):
+    engine = make_engine(runner, max_decode_stall_ms=0.01)  # 10 us: every prefill step breaks it
+    victim = engine.submit(prompt(5, 1), greedy(40), request_id="victim")
+    attacker = engine.submit(prompt(11 + 8 * CHUNK, 2), greedy(2), request_id="attacker")
+    engine.start()
+    try:
+        victim.wait(timeout=120)
+        attacker_tokens, _, _ = attacker.wait(timeout=120)
+    finally:
+        engine.shutdown()
+    steps = burst(engine, "attacker")
+    assert steps == "PD" * 8 + "P"  # a decode after every chunk, and the prompt still completes
+    assert len(attacker_tokens) == 2
+    assert engine.stats()["stall_decode_steps"] == sum(r.forced for r in engine.step_record) >= 8
+
+
+@pytest.fixture(scope="module")
+def mixed_runner():
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    weights = place(init_weights(jax.random.key(5), CFG, std=0.15), abstract_weights(CFG), mesh)
+    runner = build_runner(MIXED, CFG, weights, mesh)
+    runner.warmup()
+    return runner
+
+
+MIXED = engine_config(max_num_seqs=2, max_prefill_rows=1, mixed_batches=True)
+
+
+def test_mixed_batches_advance_running_requests_every_step_with_unchanged_outputs(mixed_runner):
+    specs = {"victim": (prompt(5, 1), 30), "attacker": (prompt(100, 2), 3)}
+    engine = Engine(MIXED, CFG, mixed_runner).start()
+    try:
+        alone = {name: engine.submit(ids, greedy(n)).wait(timeout=60)[0] for name, (ids, n) in specs.items()}
+    finally:
+        engine.shutdown()
+    assert "mixed" not in {r.kind for r in engine.step_record}  # alone, nobody rides along
+
+    engine = Engine(MIXED, CFG, mixed_runner)
+    handles = {name: engine.submit(ids, greedy(n), request_id=name) for name, (ids, n) in specs.items()}
+    engine.start()
+    try:
+        together = {name: handle.wait(timeout=60)[0] for name, handle in handles.items()}
+    finally:
+        engine.shutdown()
+    assert together == alone
+    attacker_steps = [r for r in engine.step_record if "attacker" in r.request_ids and r.kind != "decode"]
+    # The victim prefilled alone (one prompt per step); then every attacker chunk carried the victim's token,
+    # in a 16-token budget that the decode row shares: 15 prompt tokens per step.
+    assert [r.kind for r in attacker_steps] == ["mixed"] * 7
+    assert all("victim" in r.request_ids and r.num_tokens == 16 for r in attacker_steps[:-1])
+    assert engine.stats()["mixed_steps"] == 7 and engine.stats()["free_pages"] == engine.page_pool.num_pages

@@ -61,6 +61,7 @@ def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
     stall.note_decoded()  # decodes wait from t=0
     # 100 ms budget - 10 ms decode = 90 tokens at 1 ms each -> 80 page-aligned.
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    stall.observe_prefill(80, 0.080)  # that step ran (still 1 ms per token)
     # With a step in flight until t=50 ms only 40 tokens fit -> 32 aligned, under the 64-token floor: decode.
     stall.note_inflight(0.050)
     batch = scheduler.schedule()
@@ -70,13 +71,30 @@ def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
 
 def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
     scheduler, stall, prefill, _, clock = make(400, adaptive=False)
-    warm(stall)
     stall.note_decoded()
+    warm(stall)  # a prefill step ran since the last decode
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256  # 256 + 10 ms < 400 ms
     clock.now = 0.2  # 200 ms already waited: a 256 ms step would break the budget
     assert letter(scheduler._schedule_next_batch()) == "D"
-    stall.note_decoded()  # the decode ran: the clock restarts
+    stall.note_decoded()  # the decode ran: the clock restarts, and the next step prefills at full size
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+
+
+def test_a_budget_tighter_than_any_step_slows_prefill_but_never_stops_it():
+    scheduler, stall, prefill, _, clock = make(1)  # 1 ms: less than one decode step
+    warm(stall)
+    stall.note_decoded()
+    pattern = ""
+    for _ in range(8):
+        batch = scheduler._schedule_next_batch()
+        pattern += letter(batch)
+        clock.now += 0.05
+        if batch.phase == "decode":
+            stall.note_decoded()
+        else:
+            stall.observe_prefill(prefill.budgets[-1], 0.064)
+    assert pattern == "PDPDPDPD"  # the floor chunk after every decode: no decode ever follows a decode
+    assert set(prefill.budgets) == {64}
 
 
 def test_fresh_arrivals_are_exempt():
@@ -85,6 +103,7 @@ def test_fresh_arrivals_are_exempt():
     clock.now = 30.0  # a long prefill ran while nobody was decoding
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
     stall.note_runnable()  # the first token just arrived: its stall clock starts now, not at its arrival
+    stall.observe_prefill(100, 0.1)
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
     clock.now = 30.05
     stall.note_runnable()  # a second newcomer does not restart the first one's clock
@@ -100,14 +119,14 @@ def test_before_any_measurement_prefill_proceeds():
 def test_composes_with_the_count_policy_whichever_is_due_first():
     # A generous budget: the count policy decides.
     scheduler, stall, _, _, _ = make(10_000, every=3)
-    warm(stall)
     stall.note_decoded()
+    warm(stall)  # a prefill step ran since the last decode
     assert "".join(letter(scheduler.schedule()) for _ in range(8)) == "PPPDPPPD"
     assert scheduler.forced_decode_steps == 2 and scheduler.stall_decode_steps == 0
     # A tight budget fires before the count does.
     scheduler, stall, _, _, clock = make(100, every=8, adaptive=False)
-    warm(stall)
     stall.note_decoded()
+    warm(stall)  # a prefill step ran since the last decode
     clock.now = 0.05
     batch = scheduler.schedule()
     assert letter(batch) == "D" and batch.forced_by == "stall"
@@ -117,8 +136,8 @@ def test_composes_with_the_count_policy_whichever_is_due_first():
 def test_disabled_budget_changes_nothing(stall_ms):
     scheduler, stall, prefill, decode, clock = make(stall_ms, every=3)
     assert scheduler.stall_policy is None
-    warm(stall)
     stall.note_decoded()
+    warm(stall)  # a prefill step ran since the last decode
     clock.now = 1e6
     assert "".join(letter(scheduler._schedule_next_batch()) for _ in range(9)) == "PPPDPPPDP"
     assert prefill.budgets == [None] * 7
@@ -126,8 +145,8 @@ def test_disabled_budget_changes_nothing(stall_ms):
 
 def test_due_but_nothing_to_decode_prefills_at_full_budget():
     scheduler, stall, prefill, decode, clock = make(100, decode_runnable=False)
-    warm(stall)
     stall.note_decoded()
+    warm(stall)  # a prefill step ran since the last decode
     clock.now = 5.0
     assert letter(scheduler._schedule_next_batch()) == "P"
     assert decode.calls == 1 and prefill.budgets[-1] is None  # no slot spent idle to keep the promise

@@ -28,6 +28,9 @@ class DecodeStallPolicy:
         self.decode_step_s: float = 0.0  # learned
         self.waiting_since: float | None = None  # oldest latest-token time among runnable decodes
         self.inflight_until: float | None = None  # predicted end of a step already dispatched
+        # After a decode step, the next step may always prefill at least the floor: a budget tighter than one step
+        # must slow prefill down, never stop it (a request that never prefills never starts).
+        self.prefill_owed = False
 
     @property
     def enabled(self) -> bool:
@@ -37,6 +40,7 @@ class DecodeStallPolicy:
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
             self.prefill_s_per_token = self._smooth(self.prefill_s_per_token, seconds / num_tokens)
+        self.prefill_owed = False
 
     def observe_decode(self, seconds: float) -> None:
         self.decode_step_s = self._smooth(self.decode_step_s or None, seconds)
@@ -44,6 +48,7 @@ class DecodeStallPolicy:
     def note_decoded(self) -> None:
         """Every runnable request just got a token."""
         self.waiting_since = self.clock()
+        self.prefill_owed = True
 
     def note_runnable(self) -> None:
         """A request just produced its first token; older waiters keep their (earlier) start."""
@@ -70,9 +75,11 @@ class DecodeStallPolicy:
         fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
         if fits >= budget_tokens:
             return budget_tokens
+        aligned = fits - fits % self.page_size
+        if self.prefill_owed:
+            return max(aligned, self.min_chunk_tokens) if self.adaptive_chunks else budget_tokens
         if not self.adaptive_chunks:
             return 0
-        aligned = fits - fits % self.page_size
         return aligned if aligned >= self.min_chunk_tokens else 0
 
     def _smooth(self, old: float | None, new: float) -> float:
