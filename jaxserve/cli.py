@@ -303,7 +303,11 @@ def parse(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argpars
 
 def main(argv: list[str] | None = None) -> int:
     command, args = parse(sys.argv[1:] if argv is None else argv)
-    return command(args)
+    try:
+        return command(args)
+    except ValueError as bad:  # ConfigError, CheckpointError and bad knob combinations: say what, not where
+        print(f"jaxserve: error: {bad}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

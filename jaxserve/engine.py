@@ -233,9 +233,10 @@ class Engine:
         self._wake.set()
         return handle
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request at the next step boundary and return its pages; unknown or finished ids are ignored."""
-        self._inbox.put(("abort", request_id, None))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request at the next step boundary and return its pages; unknown or finished ids are ignored.
+        `reason` is what the request finishes with (a server that matched a stop string says "stop")."""
+        self._inbox.put(("abort", request_id, reason))
         self._wake.set()
 
     def stats(self) -> dict:
@@ -277,17 +278,17 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item, handle = self._inbox.get_nowait()
+                kind, item, extra = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "submit":
                 self._requests[item.request_id] = item
-                self._handles[item.request_id] = handle
+                self._handles[item.request_id] = extra
                 self.scheduler.add_request(item)
             else:
                 request = self._requests.get(item)
                 if request is not None:
-                    self._finish(request, "abort")
+                    self._finish(request, extra)
 
     def _note_admitted(self, batch: Batch | None) -> None:
         # A request's first chunk is scheduled in the step that admits it (pages and slot reserved).

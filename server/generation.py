@@ -81,7 +81,7 @@ class Generation:
                         return
         finally:
             if not engine_done:  # a stop string, or the consumer left early (the client is gone)
-                self._engine.abort(self.request_id)
+                self._engine.abort(self.request_id, self._finish_reason or "abort")
             if self._observer is not None:
                 self._observer.on_finish(self._finish_reason or "abort", time.monotonic())
 
