@@ -32,7 +32,7 @@ from checkpoints import default_checkpoint_path
 from jaxserve.config import load_config
 
 RESULTS = Path(__file__).parent / "results"
-PREFILL_LINE = re.compile(r"Prefill batch: (\d+) new tokens, (\d+) rows.* ([0-9.]+) s$")
+PREFILL_LINE = re.compile(r"Prefill batch(?: \(mixed\))?: (\d+) new tokens, (\d+) rows.* ([0-9.]+) s$")
 DECODE_LINE = re.compile(r"Decode batch.*: (\d+) requests.* ([0-9.]+) s$")
 
 
