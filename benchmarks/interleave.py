@@ -177,6 +177,20 @@ def run_row(args: argparse.Namespace, row: Row, alone_p99: float | None) -> Resu
     )
 
 
+def median_result(runs: list[Result]) -> Result:
+    """Each number the median over the repeats; the gap trace of the run with the median max gap."""
+    def med(values):
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    middle = sorted(runs, key=lambda r: r.max_gap_s)[len(runs) // 2]
+    numbers = {name: med([getattr(r, name) for r in runs]) for name in asdict(middle)
+               if name not in ("flag", "chunks", "gaps")}
+    for name in ("victim_tokens", "big_gaps", "huge_gaps"):
+        numbers[name] = int(round(numbers[name]))
+    return Result(flag=middle.flag, chunks=middle.chunks, gaps=middle.gaps, **numbers)
+
+
 # ---- reporting --------------------------------------------------------------------------------------------------
 
 def fmt(value, digits=2) -> str:
@@ -217,16 +231,17 @@ def plot(results: list[Result], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default)")
-    parser.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of the server")
-    parser.add_argument("--attacker-chunks", type=int, default=15)
+    parser.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of the server")
+    parser.add_argument("--attacker-chunks", type=int, default=7)
     parser.add_argument("--victim-tokens", type=int, default=1500)
     parser.add_argument("--attacker-after", type=int, default=30, help="victim tokens streamed before the attack")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--rows", default="alone,unset,8,4,2,mixed,stall,mixed+stall")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the table shows medians")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.attacker_chunks, args.victim_tokens = 9, 600
+        args.attacker_chunks, args.victim_tokens, args.repeats = 5, 600, 1
 
     results: list[Result] = []
     alone_p99 = None
@@ -247,7 +262,7 @@ def main() -> None:
             label = name.replace("stall", f"stall-{stall_ms / 1000:g}s")
             row = Row(label, flags, stall_ms=stall_ms if "stall" in name else None)
         print(f"== row {row.name}: {' '.join(row.flags) or '(no flags)'}", flush=True)
-        result = run_row(args, row, alone_p99)
+        result = median_result([run_row(args, row, alone_p99) for _ in range(args.repeats)])
         if row.name == "alone":
             alone_p99 = float(np.percentile([g for _, g in result.gaps], 99))
         results.append(result)
