@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
-from jaxserve.config import ConfigError, ModelConfig, load_config
+from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
 
 log = logging.getLogger("jaxserve.checkpoints")
@@ -224,15 +224,6 @@ class TensorReader:
 
 # ---- the loader --------------------------------------------------------------------------------------------------
 
-def read_config(folder: Path) -> ModelConfig:
-    """load_config, with every error naming the config file."""
-    try:
-        return load_config(folder)
-    except ConfigError as bad:
-        file = folder / "config.json"
-        raise ConfigError(str(bad) if str(bad).startswith(str(file)) else f"{file}: {bad}") from None
-
-
 def check_complete(reader: TensorReader, needed: list[Source], folder: Path) -> None:
     """Every tensor the config needs is present (all missing names in one error), before anything is read."""
     missing = [reader.stored_name(n) for source in needed for n in source.names if n not in reader]
@@ -269,7 +260,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
-    cfg = cfg or read_config(folder)
+    cfg = cfg or load_config(folder)
     reader = TensorReader(SafetensorsFolder(folder))
     abstract = abstract_weights(cfg)
     named = flatten_with_names(abstract)

@@ -8,9 +8,9 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from checkpoints import default_checkpoint_path
-from checkpoints.deepseek import read_config, load_weights
+from checkpoints.deepseek import load_weights
 from checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.sharding import shardings_for
 from jaxserve.tokenizer import Tokenizer, TokenIdOnly, load_tokenizer
@@ -30,7 +30,7 @@ def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", sho
     been converted in `dtype`) is restored shard by shard, a safetensors folder streamed leaf by leaf into its
     target sharding."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    config = read_config(folder).with_dtype(dtype)
+    config = load_config(folder).with_dtype(dtype)
     if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:

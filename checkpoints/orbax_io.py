@@ -23,9 +23,9 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from checkpoints.deepseek import TensorReader, check_complete, progress, read_config, read_leaf, weight_sources
+from checkpoints.deepseek import TensorReader, check_complete, progress, read_leaf, weight_sources
 from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import Weights, abstract_weights, flatten_with_names
 from jaxserve.sharding import shape_dtype_structs
 
@@ -62,7 +62,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16"
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint folder not found")
-    cfg = read_config(src).with_dtype(dtype)
+    cfg = load_config(src).with_dtype(dtype)
     reader = TensorReader(SafetensorsFolder(src))
     sources = weight_sources(cfg)
     items = _by_item(abstract_weights(cfg))
@@ -134,7 +134,7 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
     if marker.get("dtype") != cfg.dtype:
         raise CheckpointError(f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
                               f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}")
-    converted = read_config(dst).with_dtype(cfg.dtype)
+    converted = load_config(dst).with_dtype(cfg.dtype)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
         raise CheckpointError(f"{dst / 'config.json'}: the converted config differs from the one asked for in "

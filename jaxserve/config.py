@@ -279,16 +279,17 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
 
 
 def load_config(path: str | Path, dtype: str = "bfloat16") -> ModelConfig:
-    """Read `config.json` from a checkpoint folder (or the file itself)."""
+    """Read `config.json` from a checkpoint folder (or the file itself); every error names the file."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: config.json not found")
     try:
-        raw = json.loads(file.read_text())
+        return config_from_dict(json.loads(file.read_text()), dtype=dtype)
     except json.JSONDecodeError as bad:
         raise ConfigError(f"{file}: not valid JSON ({bad})") from None
-    return config_from_dict(raw, dtype=dtype)
+    except ConfigError as bad:
+        raise ConfigError(f"{file}: {bad}") from None
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
