@@ -13,7 +13,7 @@ How it keeps a small, noisy machine honest:
 - rounds: each round runs every row once, in a rotated order, so drift in the machine's speed falls on all rows
   alike. Each number is the median over rounds; the comparisons with `unset` are medians of per-round ratios.
 
-    python benchmarks/interleave.py            # all rows, about 7 minutes on 2 CPU cores
+    python benchmarks/interleave.py            # all rows, about 8 minutes on 2 CPU cores
     python benchmarks/interleave.py --quick    # fewer chunks, tokens and rounds
 """
 
@@ -357,7 +357,7 @@ def plot(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 5))
     for r in results:
         t, g = zip(*r.gaps)
-        ax.plot(t, g, label=r.flag, linewidth=1)
+        ax.step(t, g, where="pre", label=r.flag, linewidth=1)  # each gap drawn across the time it lasted
     ax.set_yscale("log")
     ax.set_xlabel("time since the victim started (s)")
     ax.set_ylabel("victim inter-token gap (s)")
@@ -388,11 +388,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default)")
     parser.add_argument("--chunk", type=int, default=384, help="--chunked-prefill-size of the servers")
     parser.add_argument("--attacker-chunks", type=int, default=10)
-    parser.add_argument("--victim-tokens", type=int, default=1500)
+    parser.add_argument("--victim-tokens", type=int, default=1000)
     parser.add_argument("--attacker-after", type=int, default=30, help="victim tokens streamed before the attack")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--rows", default="alone,unset,8,4,2,mixed,stall,mixed+stall")
-    parser.add_argument("--rounds", type=int, default=9, help="runs per row; the table shows medians")
+    parser.add_argument("--rounds", type=int, default=13, help="runs per row; the table shows medians")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="let servers and client share every CPU instead of splitting them")
     parser.add_argument("--quick", action="store_true", help="5 chunks, 400 victim tokens, 2 rounds")
