@@ -96,10 +96,14 @@ class RequestHandle:
                 return tokens, event.finish_reason, event.error
 
 
+# The latest steps, for tests and debugging: ~290 B each, so 30 MB at most (1M steps kept 290 MB).
+STEP_RECORD_LENGTH = 100_000
+
+
 @dataclass(frozen=True)
 class StepRecord:
-    kind: str  # prefill | decode
-    forced: bool  # a decode taken because the interleave policy said so
+    kind: str  # prefill | decode | mixed
+    forced: bool  # a decode taken because a policy (interleave count or stall budget) said so
     request_ids: tuple[str, ...]
     num_tokens: int
     started: float
@@ -155,7 +159,7 @@ class Engine:
         )
         if engine_cfg.mixed_batches and not runner.buckets.mixed:
             raise ValueError("mixed_batches needs a runner compiled with mixed steps (build_runner does that)")
-        self.step_record: deque[StepRecord] = deque(maxlen=1_000_000)
+        self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = _Counters()
         self._handles: dict[str, RequestHandle] = {}
         self._requests: dict[str, Request] = {}

@@ -41,20 +41,29 @@ def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     kth = sorted_logits[k - 1]
     probs = jax.nn.softmax(jnp.where(jnp.arange(vocab) < k, sorted_logits, -jnp.inf))
     before = jnp.cumsum(probs) - probs  # probability mass strictly ahead of each sorted token
-    last_kept = jnp.maximum(jnp.sum(before < top_p) - 1, 0)
+    # top_p >= 1 is off: the cumulative sum's rounding must not drop the tail.
+    last_kept = jnp.where(top_p < 1, jnp.maximum(jnp.sum(before < top_p) - 1, 0), k - 1)
     threshold = jnp.maximum(kth, sorted_logits[last_kept])
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """logits [b, V] float32 -> token ids [b] int32."""
+    """logits [b, V] float32 -> token ids [b] int32.
+
+    Sorting the vocabulary for top-k / top-p is the costly part: a batch with no sampled row skips all of it, and
+    one whose sampled rows filter nothing skips the sort. Each row's token is the same either way, so it still
+    does not depend on its batch."""
+    logits = logits.astype(F32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def one_row(row_logits, temperature, top_k, top_p, seed, position):
-        key = jax.random.fold_in(jax.random.key(seed), position)
-        scaled = row_logits / jnp.maximum(temperature, 1e-6)
-        return jax.random.categorical(key, _filter_row(scaled, top_k, top_p)).astype(jnp.int32)
+    def draw(_) -> jax.Array:
+        scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
+        filtering = jnp.any((params.top_k > 0) | (params.top_p < 1))
+        filtered = jax.lax.cond(filtering, lambda x: jax.vmap(_filter_row)(x, params.top_k, params.top_p),
+                                lambda x: x, scaled)
+        keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
+            params.seed, params.position)
+        sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, sampled, greedy)
 
-    sampled = jax.vmap(one_row)(logits.astype(F32), params.temperature, params.top_k, params.top_p, params.seed,
-                                params.position)
-    return jnp.where(params.temperature > 0, sampled, greedy)
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)

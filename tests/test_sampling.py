@@ -56,3 +56,20 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     assert reversed_rows.tolist()[::-1] == alone
     other_seed = sample_jit(logits, _params(6, seed=[7 for _ in range(6)], position=[7 + i for i in range(6)]))
     assert other_seed.tolist() != alone  # the seed matters
+
+
+def test_a_row_draws_the_same_token_whatever_its_batch_mates_filter():
+    # A batch sorts the vocabulary only when some row filters (top-k / top-p) and samples only when some row has a
+    # temperature; a row must not see which path its batch took.
+    logits = np.tile(_logits(1, seed=3), (64, 1))
+    plain = sample_jit(logits, _params(64, temperature=1.5, position=list(range(64))))
+    assert len(set(plain.tolist())) > 3  # really sampled
+    with_filtering_mate = sample_jit(np.concatenate([logits, logits[:1]]),
+                                     _params(65, temperature=[1.5] * 64 + [1.0], top_k=[-1] * 64 + [3],
+                                             position=list(range(64)) + [0]))
+    np.testing.assert_array_equal(with_filtering_mate[:64], plain)
+    greedy_rows = sample_jit(logits, _params(64, temperature=0.0))
+    with_sampling_mate = sample_jit(np.concatenate([logits, logits[:1]]),
+                                    _params(65, temperature=[0.0] * 64 + [1.0]))
+    np.testing.assert_array_equal(with_sampling_mate[:64], greedy_rows)
+    np.testing.assert_array_equal(greedy_rows, logits.argmax(-1))
