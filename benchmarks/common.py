@@ -178,7 +178,7 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+def write_results(name: str, data: Any, markdown: str) -> tuple[Path, Path]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
     json_path.write_text(json.dumps(data, indent=2) + "\n")

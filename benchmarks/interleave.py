@@ -36,13 +36,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from checkpoints import default_checkpoint_path
+from common import REPO, RESULTS, markdown_table, write_results
+from jaxserve.config import load_config
 
-from checkpoints import default_checkpoint_path  # noqa: E402
-from jaxserve.config import load_config  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 PREFILL_LINE = re.compile(r"Prefill batch(?: \(mixed\))?: (\d+) new tokens, (\d+) rows.* ([0-9.]+) s$")
 BIG_GAP_FACTOR = 5  # a big gap: above 5x the victim-alone p99 gap; a huge one: above 4x that again
 POLICY_ROWS = ("8", "4", "2", "mixed", "stall", "mixed+stall")
@@ -339,15 +336,14 @@ def pct(value) -> str:
 
 
 def table(results: list[Result]) -> str:
-    head = ("| row | chunks | t_chunk s | attacker prefill s | attacker wall s | attacker TTFT s | victim wall s | "
-            "paced vs unset | victim tok | max gap s | gaps > 5x p99 | gaps > 20x p99 | predicted bound s | gen tok/s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in results:
-        lines.append(f"| {r.flag} | {r.chunks} | {fmt(r.t_chunk_s, 3)} | {fmt(r.attacker_prefill_s)} | "
-                     f"{fmt(r.attacker_wall_s)} | {fmt(r.attacker_ttft_s)} | {fmt(r.victim_wall_s)} | "
-                     f"{pct(r.victim_wall_vs_unset)} | {r.victim_tokens} | {fmt(r.max_gap_s, 3)} | {r.big_gaps} | "
-                     f"{r.huge_gaps} | {fmt(r.predicted_bound_s, 3)} | {r.gen_tok_s:.1f} |")
-    return "\n".join(lines)
+    headers = ["row", "chunks", "t_chunk s", "attacker prefill s", "attacker wall s", "attacker TTFT s",
+               "victim wall s", "paced vs unset", "victim tok", "max gap s", "gaps > 5x p99", "gaps > 20x p99",
+               "predicted bound s", "gen tok/s"]
+    return markdown_table(headers, [
+        [r.flag, str(r.chunks), fmt(r.t_chunk_s, 3), fmt(r.attacker_prefill_s), fmt(r.attacker_wall_s),
+         fmt(r.attacker_ttft_s), fmt(r.victim_wall_s), pct(r.victim_wall_vs_unset), str(r.victim_tokens),
+         fmt(r.max_gap_s, 3), str(r.big_gaps), str(r.huge_gaps), fmt(r.predicted_bound_s, 3), f"{r.gen_tok_s:.1f}"]
+        for r in results])
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -454,21 +450,19 @@ def main() -> None:
              f"{args.victim_tokens} tokens, attacker {args.attacker_chunks} chunks after {args.attacker_after} "
              f"victim tokens; {args.rounds} rounds; big gap > {big_gap * 1000:.1f} ms; whole run "
              f"{time.perf_counter() - began:.0f} s")
-    RESULTS.mkdir(exist_ok=True)
     records = [{k: v for k, v in asdict(r).items() if k != "gaps"} for r in results]
-    (RESULTS / "interleave.json").write_text(json.dumps(records, indent=2) + "\n")
     per_run = [{"row": name, "round": i, "victim_wall_s": r.victim_wall, "pace_s": r.pace, "max_gap_s": r.max_gap,
                 "t_chunk_s": r.t_chunk, "attacker_prefill_s": r.attacker_prefill, "attacker_ttft_s": r.attacker_ttft,
                 "predicted_bound_s": r.bound, "gen_tok_s": r.gen_tok_s}
                for name, rs in runs.items() for i, r in enumerate(rs)]
-    (RESULTS / "interleave_runs.json").write_text(json.dumps(per_run, indent=1) + "\n")
-    (RESULTS / "interleave_gaps.json").write_text(json.dumps({r.flag: r.gaps for r in results}) + "\n")
     legend = ("Each number is the median over the rounds. `paced vs unset`: the median over rounds of (victim wall / "
               "unset's victim wall in the same round) - 1, each wall counted in its own run's decode steps (median "
-              "victim gap), which cancels the machine's speed drift; the checks below pair runs by round the same way (the "
-              "attacker's TTFT, all prefill, is compared in seconds).")
+              "victim gap), which cancels the machine's speed drift; the checks below pair runs by round the same "
+              "way (the attacker's TTFT, all prefill, is compared in seconds).")
     markdown = "\n".join([setup, "", table(results), "", legend, "", *verdicts])
-    (RESULTS / "interleave.md").write_text(markdown + "\n")
+    write_results("interleave", records, markdown)
+    (RESULTS / "interleave_runs.json").write_text(json.dumps(per_run, indent=1) + "\n")
+    (RESULTS / "interleave_gaps.json").write_text(json.dumps({r.flag: r.gaps for r in results}) + "\n")
     plot(results, RESULTS / "interleave.png")
     print(markdown)
 
