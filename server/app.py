@@ -45,7 +45,7 @@ def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str |
         return JSONResponse({"status": "ok"}) if reason is None else APIError(503, reason).response()
 
     @app.get("/metrics")
-    async def metrics(_: Request) -> Response:
+    async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app

@@ -38,6 +38,6 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
                 pending.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pending
-    if not task.done() or task.cancelled():
+    if task.cancelled():  # the listener won: the finally above cancelled the work
         raise ClientDisconnected()
     return task.result()

@@ -36,7 +36,7 @@ class Observer(Protocol):
 
 @dataclass
 class Output:
-    """A whole output, accumulated from Deltas (non-streaming responses, the CLI)."""
+    """A whole output, accumulated from Deltas (non-streaming responses)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -55,8 +55,6 @@ class Generation:
     def __init__(self, engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams,
                  stop: tuple[str, ...], request_id: str, observer: Observer | None = None):
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id)
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
         self.num_generated = 0
         self._engine = engine
         self._sampling = sampling
@@ -81,7 +79,7 @@ class Generation:
                         return
         finally:
             if not engine_done:  # a stop string, or the consumer left early (the client is gone)
-                self._engine.abort(self.request_id, self._finish_reason or "abort")
+                self._engine.abort(self.handle.request_id, self._finish_reason or "abort")
             if self._observer is not None:
                 self._observer.on_finish(self._finish_reason or "abort", time.monotonic())
 
