@@ -18,16 +18,6 @@ from common import REPO, configure_jax, markdown_table, write_results
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
-def leaf_bytes(tree) -> int:
-    """Bytes of every ArrayInfo in an abstract (sub)tree."""
-    import jax
-    import numpy as np
-
-    from jaxserve.model.weights import is_info
-
-    return sum(int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize for i in jax.tree.leaves(tree, is_leaf=is_info))
-
-
 def yes_no(ok: bool) -> str:
     return "yes" if ok else "NO"
 
@@ -35,9 +25,10 @@ def yes_no(ok: bool) -> str:
 def layer_breakdown(cfg, geo) -> list[dict]:
     """Per layer: kind, and bytes of each part of its abstract cache (window, pools, compressor states)."""
     from jaxserve.cache import abstract_cache
+    from jaxserve.model.weights import weights_nbytes  # bytes of every ArrayInfo in an abstract (sub)tree
 
     parts = ("window", "entries", "index_entries", "state", "index_state")
-    return [{"kind": kind, **{p: leaf_bytes(getattr(layer, p)) for p in parts}}
+    return [{"kind": kind, **{p: weights_nbytes(getattr(layer, p)) for p in parts}}
             for kind, layer in zip(cfg.layer_kinds, abstract_cache(cfg, geo))]
 
 
