@@ -1,5 +1,5 @@
-"""KV-cache sizing of DeepSeek-V4-Flash (bf16) from the abstract cache description alone (dsv4-model.md 6.3):
-6880 B of paged KV per token, and the fixed per-slot state (window ring + float32 compressor state)."""
+"""KV-cache sizing of DeepSeek-V4-Flash (bf16) from the abstract cache description alone (dsv4-model.md 6.3): the
+fixed per-slot state (window ring + float32 compressor state). The 6880 B of paged KV per token: test_cache.py."""
 
 from __future__ import annotations
 
@@ -18,15 +18,8 @@ SLOTS, PAGE, PAGES_PER_SEQ = 64, 128, 8192
 GEO = CacheGeometry(num_slots=SLOTS, num_pages=SLOTS * PAGES_PER_SEQ, page_size=PAGE, max_pages_per_seq=PAGES_PER_SEQ)
 
 
-def test_flash_paged_kv_is_6880_bytes_per_token_from_abstract_shapes():
-    live = len(jax.live_arrays())
-    sizes = cache_nbytes(FLASH, GEO)
-    assert len(jax.live_arrays()) == live  # nothing allocated
-    assert sizes["paged"] / (GEO.num_pages * GEO.page_size) == 6880  # 21 CSA x 320 B + 20 HCA x 8 B
-    assert {k: FLASH.layer_kinds.count(k) for k in ("csa", "hca", "swa")} == {"csa": 21, "hca": 20, "swa": 2}
-
-
 def test_flash_fixed_state_per_slot_matches_the_formula():
+    assert {k: FLASH.layer_kinds.count(k) for k in ("csa", "hca", "swa")} == {"csa": 21, "hca": 20, "swa": 2}
     n_csa, n_hca = FLASH.layer_kinds.count("csa"), FLASH.layer_kinds.count("hca")
     d, c_i, m_csa, m_hca = FLASH.head_dim, FLASH.index_head_dim, FLASH.csa_rate, FLASH.hca_rate
     window = FLASH.num_layers * FLASH.sliding_window * d * BF16_BYTES  # 43 x 128 x 512 x 2 B

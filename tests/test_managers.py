@@ -227,7 +227,7 @@ def test_random_workload_returns_every_page_and_slot():
 # --- mixed batches ---------------------------------------------------------------------------------------------
 
 def test_mixed_batches_carry_every_running_request_inside_the_token_budget():
-    prefill, pool = manager(budget=8)
+    prefill, _ = manager(budget=8)
     scheduler = Scheduler(prefill, DecodeManager(4), DecodeInterleavePolicy(3), mixed_batches=True)
     a, b = req("a", 3, max_tokens=50), req("b", 3, max_tokens=50)
     scheduler.add_request(a)
