@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from checkpoints import default_checkpoint_path
+from jaxserve.checkpoints import default_checkpoint_path
 from common import REPO, RESULTS, markdown_table, write_results
 from jaxserve.config import load_config
 

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     sys.path.insert(0, str(REPO / "tests"))
-    from checkpoints.deepseek import load_weights
+    from jaxserve.checkpoints.deepseek import load_weights
     from jaxserve.config import config_from_dict
     from jaxserve.presets import preset_dict
     from jaxserve.sharding import make_mesh

@@ -22,7 +22,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
+from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
-from checkpoints import default_checkpoint_path
-from checkpoints.deepseek import load_weights
-from checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.sharding import shardings_for

@@ -6,7 +6,7 @@ special tokens at DeepSeek's ids 0-2 and the chat markers after them). The weigh
 with a fixed key), stored as the release stores them (BF16, with the HC params, sinks, ape and gate bias in F32),
 so `jaxserve serve` can start with no download and no --model. Running this again writes byte-identical files:
 
-    python -m checkpoints.make_default [--out DIR]
+    python -m jaxserve.checkpoints.make_default [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from checkpoints import default_checkpoint_path
-from checkpoints.writer import write_checkpoint
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.checkpoints.writer import write_checkpoint
 from jaxserve.config import config_from_dict
 from jaxserve.model.weights import init_weights
 from jaxserve.presets import preset_dict

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from checkpoints.deepseek import BF16, F32, FP4, FP4_BLOCK, FP8, FP8_BLOCK, I64, scale_name, weight_sources
+from jaxserve.checkpoints.deepseek import BF16, F32, FP4, FP4_BLOCK, FP8, FP8_BLOCK, I64, scale_name, weight_sources
 from jaxserve.config import ModelConfig, to_hf_dict
 from jaxserve.model.weights import Weights, flatten_with_names
 

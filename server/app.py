@@ -13,11 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import Engine
-from server.errors import APIError, install_error_handlers
-from server.metrics import CONTENT_TYPE
-from server.routes import router
-from server.state import ServerState
-from server.stats_log import log_stats_forever
+from jaxserve.server.errors import APIError, install_error_handlers
+from jaxserve.server.metrics import CONTENT_TYPE
+from jaxserve.server.routes import router
+from jaxserve.server.state import ServerState
+from jaxserve.server.stats_log import log_stats_forever
 
 
 def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str | None = None,

@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from server.errors import APIError
+from jaxserve.server.errors import APIError
 
 
 async def require_api_key(request: Request) -> None:

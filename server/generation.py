@@ -14,7 +14,7 @@ from typing import AsyncIterator, Protocol
 
 from jaxserve.engine import Engine
 from jaxserve.scheduler import SamplingParams
-from server.stop import StopStrings
+from jaxserve.server.stop import StopStrings
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.scheduler import SamplingParams
-from server.errors import bad_request
+from jaxserve.server.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
 SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key

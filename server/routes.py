@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import EngineDraining, QueueFull
 from jaxserve.tokenizer import TokenizerError
-from server.auth import require_api_key
-from server.disconnect import ClientDisconnected, cancel_on_disconnect
-from server.errors import APIError, bad_request
-from server.formats import ChatFormat, CompletionFormat
-from server.generation import Generation
-from server.protocol import GenerationParams, parse_chat, parse_completion
-from server.sse import sse_response
-from server.state import ServerState
+from jaxserve.server.auth import require_api_key
+from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.formats import ChatFormat, CompletionFormat
+from jaxserve.server.generation import Generation
+from jaxserve.server.protocol import GenerationParams, parse_chat, parse_completion
+from jaxserve.server.sse import sse_response
+from jaxserve.server.state import ServerState
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from server.errors import APIError, error_body
+from jaxserve.server.errors import APIError, error_body
 
 log = logging.getLogger("jaxserve.server")
 

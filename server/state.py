@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.engine import Engine
-from server.errors import APIError
-from server.metrics import ServerMetrics
+from jaxserve.server.errors import APIError
+from jaxserve.server.metrics import ServerMetrics
 
 
 @dataclass

@@ -17,9 +17,9 @@ import pytest
 from safetensors.numpy import save_file
 from safetensors.torch import load_file as load_torch_file
 
-from checkpoints.deepseek import load_weights, weight_sources
-from checkpoints.safetensors_file import CheckpointError
-from checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint, write_config
+from jaxserve.checkpoints.deepseek import load_weights, weight_sources
+from jaxserve.checkpoints.safetensors_file import CheckpointError
+from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint, write_config
 from harness import run_schedule
 from jaxserve.config import ConfigError, load_config
 from jaxserve.model.weights import flatten_with_names, init_weights

@@ -18,7 +18,7 @@ import httpx
 import jax
 import pytest
 
-from checkpoints import default_checkpoint_path
+from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.cli import build_engine, engine_config, parse, serve
 from jaxserve.config import EngineConfig
 
@@ -84,8 +84,8 @@ def test_generate_streams_one_prompt_to_the_terminal():
 
 
 def test_convert(tmp_path):
-    pytest.importorskip("checkpoints.orbax_io")
-    from checkpoints.orbax_io import is_orbax_checkpoint
+    pytest.importorskip("jaxserve.checkpoints.orbax_io")
+    from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint
 
     command, args = parse(["convert", str(default_checkpoint_path()), str(tmp_path / "orbax"), "--dtype",
                            "float32"])

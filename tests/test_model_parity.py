@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxserve.model.forward as forward_module
-from checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.deepseek import load_weights
 from harness import chunk_schedule, prefill_then_decode, run_schedule
 from jaxserve.config import config_from_dict
 from jaxserve.presets import preset_dict

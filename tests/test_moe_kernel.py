@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.moe import gathered_matmul, grouped_matmul, tiled_matmul
+from jaxserve.kernels.moe import gathered_matmul, grouped_matmul, tiled_matmul
 
 
 @pytest.mark.parametrize("seed", range(12))

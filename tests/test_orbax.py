@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints import default_checkpoint_path
-from checkpoints.deepseek import load_weights
-from checkpoints.load import load_model
-from checkpoints.orbax_io import convert_checkpoint, is_orbax_checkpoint, restore_weights
-from checkpoints.safetensors_file import CheckpointError
-from checkpoints.writer import write_checkpoint
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.load import load_model
+from jaxserve.checkpoints.orbax_io import convert_checkpoint, is_orbax_checkpoint, restore_weights
+from jaxserve.checkpoints.safetensors_file import CheckpointError
+from jaxserve.checkpoints.writer import write_checkpoint
 from harness import prefill_then_decode, run_schedule
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
 from jaxserve.presets import preset

@@ -23,13 +23,13 @@ import openai
 import pytest
 import uvicorn
 
-from checkpoints import default_checkpoint_path
-from checkpoints.load import load_model
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.checkpoints.load import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine, build_runner
 from jaxserve.sharding import make_mesh
 from jaxserve.tokenizer import TokenIdOnly
-from server import create_app
+from jaxserve.server import create_app
 
 # Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so its
 # subprocess finds these shapes in the persistent compilation cache.

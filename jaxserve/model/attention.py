@@ -19,8 +19,8 @@ from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxserve.model.weights import Attention
-from kernels.attention import sink_attention
-from kernels.indexer import indexer_topk
+from jaxserve.kernels.attention import sink_attention
+from jaxserve.kernels.indexer import indexer_topk
 
 F32 = jnp.float32
 

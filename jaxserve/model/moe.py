@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import MoE
 from jaxserve.sharding import expert_axes, logical_spec
-from kernels.moe import grouped_matmul
+from jaxserve.kernels.moe import grouped_matmul
 
 F32 = jnp.float32
 

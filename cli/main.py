@@ -24,7 +24,7 @@ from typing import Callable
 import jax
 import uvicorn
 
-from checkpoints.load import LoadedModel, load_model
+from jaxserve.checkpoints.load import LoadedModel, load_model
 from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
 from jaxserve.engine import Engine, build_runner
 from jaxserve.scheduler import SamplingParams
@@ -172,8 +172,8 @@ def _compile(engine: Engine) -> None:
 # ---- commands ------------------------------------------------------------------------------------------------------
 
 def serve(args: argparse.Namespace) -> int:
-    from server import create_app
-    from server.shutdown import DrainingServer
+    from jaxserve.server import create_app
+    from jaxserve.server.shutdown import DrainingServer
 
     cfg = engine_config(args)
     engine, loaded = _setup(cfg)
@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from server.generation import Generation
+    from jaxserve.server.generation import Generation
 
     cfg = engine_config(args)
     try:
@@ -250,7 +250,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from checkpoints.orbax_io import convert_checkpoint  # heavy (orbax), and only this command needs it
+    from jaxserve.checkpoints.orbax_io import convert_checkpoint  # heavy (orbax), and only this command needs it
 
     started = time.perf_counter()
     dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True)
