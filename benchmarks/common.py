@@ -151,6 +151,29 @@ def slot_pages(geo, slot: int) -> list[int]:
     return list(range(1 + slot * n, 1 + (slot + 1) * n))
 
 
+def slot_request(geo, slot: int, prompt, output=()) -> "Request":
+    """A greedy request record in `slot` with its `slot_pages`, as the scheduler would hand it to the runner."""
+    from jaxserve.request import Request, SamplingParams
+
+    return Request(f"slot{slot}", list(map(int, prompt)), SamplingParams(temperature=0.0), output_ids=list(output),
+                   slot=slot, pages=slot_pages(geo, slot))
+
+
+def prefill_step(runner, request, start: int, length: int) -> int:
+    """Run one chunk of `request`'s prompt; the token sampled after it."""
+    from jaxserve.request import Batch, PrefillChunk
+
+    return int(runner.run(Batch(prefill=(PrefillChunk(request, start, length),)))[0][0])
+
+
+def decode_step(runner, requests) -> None:
+    """One decode step over `requests`; each gets its next token appended."""
+    from jaxserve.request import Batch
+
+    for request, token in zip(requests, runner.run(Batch(decode=tuple(requests)))[1]):
+        request.output_ids.append(int(token))
+
+
 def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...]):
     """A ModelRunner with `weights` placed on `mesh`, every bucket compiled; returns (runner, compile seconds)."""
     from jaxserve.model.weights import abstract_weights

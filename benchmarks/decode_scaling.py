@@ -26,36 +26,32 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import (REPO, RESULTS, alternate, configure_jax, geometry, load_average, machine_info, make_runner,
-                    markdown_table, median, slot_pages, spread, timed, write_results)
+from common import (REPO, RESULTS, alternate, configure_jax, decode_step, geometry, load_average, machine_info,
+                    make_runner, markdown_table, median, prefill_step, slot_request, spread, timed, write_results)
 
 GOAL_RATIO = 2.0  # decode t(largest context) / t(smallest context)
 
 
 def fill(runner, geo, slot: int, tokens, start: int, end: int, chunk: int) -> list[dict]:
     """Prefill tokens[start:end] into `slot` in chunks of at most `chunk`; the time of each chunk."""
-    from jaxserve.runner import Row
-
+    request = slot_request(geo, slot, tokens[:end])
     record = []
     for pos in range(start, end, chunk):
         n = min(chunk, end - pos)
-        row = Row(list(map(int, tokens[pos:pos + n])), pos, slot, slot_pages(geo, slot))
-        record.append({"position": pos, "tokens": n, "s": round(timed(lambda: runner.prefill([row])), 4)})
+        seconds = timed(lambda: prefill_step(runner, request, pos, n))
+        record.append({"position": pos, "tokens": n, "s": round(seconds, 4)})
     return record
 
 
 class Sequence:
     """A filled sequence in a runner slot, advanced one greedy decode step per call."""
 
-    def __init__(self, runner, geo, slot: int, position: int):
-        self.runner, self.geo, self.slot, self.position, self.last = runner, geo, slot, position, 1
+    def __init__(self, runner, geo, slot: int, tokens):
+        # The filled tokens, then token 1 as the first output: the first step decodes at position len(tokens).
+        self.runner, self.request = runner, slot_request(geo, slot, tokens, output=[1])
 
     def step(self) -> None:
-        from jaxserve.runner import Row
-
-        row = Row([self.last], self.position, self.slot, slot_pages(self.geo, self.slot))
-        self.last = int(self.runner.decode([row])[0])
-        self.position += 1
+        decode_step(self.runner, [self.request])
 
 
 def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: int, repeats: int, steps: int,
@@ -67,7 +63,6 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
 
     from jaxserve.model.weights import init_weights
     from jaxserve.presets import preset
-    from jaxserve.runner import Row
     from jaxserve.sharding import make_mesh
 
     cfg = preset("small", dtype="float32")
@@ -95,12 +90,13 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
         for slot, ctx in enumerate(filled):
             key = f"{name[0]}/{ctx}"
             out["fill"][key] = fill(runner, geo, slot, tokens, 0, ctx, fill_chunk)
-            sequences[key] = Sequence(runner, geo, slot, ctx)
+            sequences[key] = Sequence(runner, geo, slot, tokens[:ctx])
             log(f"{key}: filled {ctx} tokens in {sum(c['s'] for c in out['fill'][key]):.1f} s")
         spare = len(filled)  # a fresh sequence at position 0
         for size in chunks:
-            row = Row(list(map(int, tokens[:size])), 0, spare, slot_pages(geo, spare))
-            chunk_calls[f"{pages}/{size}"] = lambda runner=runner, row=row: runner.prefill([row])
+            request = slot_request(geo, spare, tokens[:size])  # a fresh sequence at position 0
+            chunk_calls[f"{pages}/{size}"] = lambda runner=runner, request=request, size=size: prefill_step(
+                runner, request, 0, size)
 
     for seq in sequences.values():  # warm-up step, untimed
         seq.step()

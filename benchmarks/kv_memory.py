@@ -1,5 +1,5 @@
 """Issue 3: KV-cache bytes the runner allocates for DeepSeek-V4-Flash (bf16), from the abstract cache description
-(jaxserve.cache.abstract_cache / cache_nbytes): shapes only, nothing is allocated. Compared with dsv4-model.md 6.3.
+(jaxserve.cache.abstract_cache / cache_nbytes): shapes only, nothing is allocated. Compared with the hand arithmetic of the model card.
 
 - per token: the paged pools (compressed entries, and the indexer's keys on CSA layers), which grow with context;
 - per slot (per concurrent sequence), fixed: the sliding-window ring of every layer, plus the compressor state
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         by_kind)
     csa_state = next((r[4] for r in by_kind if r[0] == "CSA"), 0)
     hca_state = next((r[4] for r in by_kind if r[0] == "HCA"), 0)
-    comparison = markdown_table(["quantity", "jaxserve (abstract cache)", "dsv4-model.md 6.3", "match"], [
+    comparison = markdown_table(["quantity", "jaxserve (abstract cache)", "hand arithmetic", "match"], [
         ["paged KV per token", f"{per_token:,.0f} B", f"{spec_per_token:,.0f} B "
          f"({kinds['csa']} CSA x {(cfg.head_dim + cfg.index_head_dim) * item // cfg.csa_rate} B + "
          f"{kinds['hca']} HCA x {cfg.head_dim * item // cfg.hca_rate} B)", yes_no(per_token == spec_per_token)],

@@ -20,8 +20,8 @@ import argparse
 import sys
 import tempfile
 
-from common import (REPO, alternate, configure_jax, cpu_cores, geometry, load_average, machine_info, make_runner,
-                    markdown_table, median, slot_pages, spread, write_results)
+from common import (REPO, alternate, configure_jax, cpu_cores, decode_step, geometry, load_average, machine_info,
+                    make_runner, markdown_table, median, prefill_step, slot_request, spread, write_results)
 
 GOAL_DECODE_B1 = 3.0  # jaxserve / transformers decode tokens/s at batch 1
 
@@ -31,25 +31,19 @@ class JaxRows:
 
     def __init__(self, runner, geo, slots: list[int]):
         self.runner, self.geo, self.slots = runner, geo, slots
-        self.positions = [0] * len(slots)
-        self.last = [0] * len(slots)
-        self.emitted: list[list[int]] = [[] for _ in slots]
+        self.requests = []
+
+    @property
+    def emitted(self) -> list[list[int]]:
+        return [r.output_ids for r in self.requests]
 
     def prefill(self, prompts) -> None:
-        from jaxserve.runner import Row
-
-        for i, (slot, prompt) in enumerate(zip(self.slots, prompts)):
-            token = self.runner.prefill([Row(list(map(int, prompt)), 0, slot, slot_pages(self.geo, slot))])
-            self.positions[i], self.last[i], self.emitted[i] = len(prompt), int(token[0]), [int(token[0])]
+        self.requests = [slot_request(self.geo, slot, prompt) for slot, prompt in zip(self.slots, prompts)]
+        for request in self.requests:
+            request.output_ids.append(prefill_step(self.runner, request, 0, request.prompt_len))
 
     def decode(self) -> None:
-        from jaxserve.runner import Row
-
-        rows = [Row([t], p, s, slot_pages(self.geo, s)) for t, p, s in zip(self.last, self.positions, self.slots)]
-        for i, token in enumerate(self.runner.decode(rows)):
-            self.positions[i] += 1
-            self.last[i] = int(token)
-            self.emitted[i].append(int(token))
+        decode_step(self.runner, self.requests)
 
 
 class ReferenceRows:

@@ -33,7 +33,7 @@ FP4_BLOCK = 32
 FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
-# How the release stores each tensor (dsv4-model.md 7.1). Only the writer uses it: the loader accepts any float
+# How the release stores each tensor. Only the writer uses it: the loader accepts any float
 # dtype, and treats a weight as quantized when a `.scale` tensor sits beside it.
 FP8, FP4, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"
 

@@ -26,8 +26,10 @@ import uvicorn
 
 from jaxserve.checkpoints.load import LoadedModel, load_model
 from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
-from jaxserve.engine import Engine, build_runner
-from jaxserve.scheduler import SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.generation import Generation
+from jaxserve.request import SamplingParams
+from jaxserve.runner import build_runner
 from jaxserve.sharding import make_mesh
 
 log = logging.getLogger("jaxserve.cli")
@@ -123,7 +125,8 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
     """Load the checkpoint onto the mesh and make the engine (not started: start() compiles the step shapes)."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
     loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress)
-    return Engine(cfg, loaded.config, build_runner(cfg, loaded.config, loaded.weights, mesh)), loaded
+    runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
+    return Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids), loaded
 
 
 # ---- start-up ------------------------------------------------------------------------------------------------------
@@ -208,8 +211,6 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from jaxserve.server.generation import Generation
-
     cfg = engine_config(args)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -225,6 +226,11 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     prompt_ids = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                   else tokenizer.encode(args.prompt))
+    try:
+        engine.check_admission(prompt_ids, sampling)  # before compiling: a prompt that can never fit fails at once
+    except ValueError as error:
+        print(f"jaxserve generate: {error}", file=sys.stderr)
+        return 2
     _compile(engine)
 
     async def stream() -> tuple[int, str | None]:
@@ -238,9 +244,6 @@ def generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         tokens, reason = asyncio.run(stream())
-    except ValueError as error:  # the engine's admission check: the prompt can never fit
-        print(f"jaxserve generate: {error}", file=sys.stderr)
-        return 2
     finally:
         engine.shutdown()
     seconds = time.perf_counter() - started

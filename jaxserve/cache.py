@@ -1,5 +1,5 @@
 """The KV state: device-side arrays (per-slot window ring and compressor state, paged pools of compressed
-entries) and the host-side page allocator.
+entries); the host-side page allocator is jaxserve.scheduler.allocator.
 
 Layout (per layer):
 - every layer: `window [slots, W, D]`, the last W post-norm, post-RoPE K=V vectors, token p at `p % W`;
@@ -15,14 +15,13 @@ Nothing here needs resetting when a slot is reused: every read is masked by the 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import CSA, HCA, SWA, ModelConfig
+from jaxserve.config import CSA, HCA, SWA, EngineConfig, ModelConfig
 from jaxserve.model.weights import ArrayInfo, is_info, map_infos
 
 F32 = jnp.float32
@@ -54,6 +53,23 @@ class CacheGeometry:
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+def resolve_max_model_len(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Prompt + completion tokens one sequence may hold: the knob, or the model's limit capped at 16384."""
+    max_len = engine_cfg.max_model_len or min(model_cfg.max_position_embeddings, 16384)
+    if max_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                         f"{model_cfg.max_position_embeddings}")
+    return max_len
+
+
+def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> CacheGeometry:
+    """The KV cache geometry these knobs ask for."""
+    per_seq = pages_needed(resolve_max_model_len(engine_cfg, model_cfg), engine_cfg.page_size)
+    num_pages = engine_cfg.num_kv_pages or engine_cfg.max_num_seqs * per_seq
+    return CacheGeometry(num_slots=engine_cfg.max_num_seqs, num_pages=num_pages, page_size=engine_cfg.page_size,
+                         max_pages_per_seq=per_seq)
 
 
 @jax.tree_util.register_dataclass
@@ -134,47 +150,3 @@ def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
         else:
             fixed += size
     return {"paged": paged, "per_slot_fixed": fixed}
-
-
-class PagePoolExhausted(RuntimeError):
-    pass
-
-
-class PagePool:
-    """Host-side allocator of KV pages. Thread-safe; allocation is all-or-nothing."""
-
-    def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages={num_pages}: must be positive")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
-        self._used: set[int] = set()
-        self._lock = threading.Lock()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
-        with self._lock:
-            if n > len(self._free):
-                raise PagePoolExhausted(f"asked for {n} KV pages but only {len(self._free)} of "
-                                        f"{self.num_pages} are free")
-            pages = [self._free.pop() for _ in range(n)]
-            self._used.update(pages)
-            return pages
-
-    def free(self, pages: list[int]) -> None:
-        with self._lock:
-            unknown = [p for p in pages if p not in self._used]
-            if unknown or len(set(pages)) != len(pages):
-                raise ValueError(f"freeing pages that are not allocated (or twice): {sorted(unknown or pages)}")
-            for p in pages:
-                self._used.remove(p)
-                self._free.append(p)

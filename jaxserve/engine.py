@@ -20,11 +20,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from jaxserve.cache import CacheGeometry, PagePool, pages_needed
+from typing import Iterable, Protocol
+
+import numpy as np
+
+from jaxserve.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.runner import Buckets, ModelRunner, Row
-from jaxserve.scheduler import (Batch, DecodeBatch, DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy,
-                                MixedBatch, PrefillBatch, PrefillManager, Request, SamplingParams, Scheduler)
+from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams
+from jaxserve.runner import Buckets
+from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy, IdAllocator, PrefillManager,
+                                Scheduler)
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -43,6 +48,7 @@ class TokenEvent:
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     error: str | None = None
 
     @property
@@ -63,6 +69,7 @@ class RequestHandle:
             self._loop = self._async_queue = None
         self._sync_queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self.finish_reason: str | None = None
+        self.last_event: TokenEvent | None = None
 
     def _push(self, event: TokenEvent) -> None:  # engine thread
         if self._loop is not None:
@@ -84,7 +91,8 @@ class RequestHandle:
                 return
 
     def wait(self, timeout: float | None = None) -> tuple[list[int], str, str | None]:
-        """Block until the request finishes: (all generated token ids, finish reason, error or None)."""
+        """Block until the request finishes: (all generated token ids, finish reason, error or None); the last
+        event, with the stop reason, is `last_event`."""
         if self._loop is not None:
             raise RuntimeError("this handle belongs to an event loop; iterate events() instead")
         tokens: list[int] = []
@@ -92,7 +100,7 @@ class RequestHandle:
             event = self._sync_queue.get(timeout=timeout)
             tokens.extend(event.token_ids)
             if event.finished:
-                self.finish_reason = event.finish_reason
+                self.finish_reason, self.last_event = event.finish_reason, event
                 return tokens, event.finish_reason, event.error
 
 
@@ -103,7 +111,7 @@ STEP_RECORD_LENGTH = 100_000
 @dataclass(frozen=True)
 class StepRecord:
     kind: str  # prefill | decode | mixed
-    forced: bool  # a decode taken because a policy (interleave count or stall budget) said so
+    forced_by: str | None  # the policy that put this decode ahead of prefill: interleave | stall
     request_ids: tuple[str, ...]
     num_tokens: int
     started: float
@@ -111,70 +119,79 @@ class StepRecord:
 
 
 @dataclass
-class _Counters:
+class Counters:
+    """The engine's totals; /metrics and the logs both read these (through stats())."""
+
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
 
-def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[CacheGeometry, int]:
-    """The KV cache geometry and the effective max_model_len for these knobs."""
-    max_len = engine_cfg.max_model_len or min(model_cfg.max_position_embeddings, 16384)
-    if max_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                         f"{model_cfg.max_position_embeddings}")
-    per_seq = pages_needed(max_len, engine_cfg.page_size)
-    num_pages = engine_cfg.num_kv_pages or engine_cfg.max_num_seqs * per_seq
-    return CacheGeometry(num_slots=engine_cfg.max_num_seqs, num_pages=num_pages, page_size=engine_cfg.page_size,
-                         max_pages_per_seq=per_seq), max_len
+class StepRunner(Protocol):
+    """What the engine needs of the device side (jaxserve.runner.ModelRunner; tests use a fake)."""
 
+    geometry: CacheGeometry
+    buckets: Buckets
 
-def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh) -> ModelRunner:
-    geometry, _ = kv_geometry(engine_cfg, model_cfg)
-    buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                 engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
-    return ModelRunner(model_cfg, weights, geometry, mesh, buckets)
+    def warmup(self, show_progress: bool = False) -> None: ...
+
+    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def cache_lost(self) -> bool: ...
+
+    def reset_cache(self) -> None: ...
 
 
 class Engine:
-    """Takes its runner ready-made (see build_runner), so one compiled runner can serve several engines."""
+    """The loop over a runner (jaxserve.runner.build_runner, or any StepRunner); one compiled runner can serve
+    several engines in turn.
 
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, runner: ModelRunner):
+    Owns, for every request: admission (check_admission), when and why it finishes (EOS ids, stop tokens,
+    max_tokens, the context limit, aborts), and the counters that /metrics and the logs read."""
+
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, runner: StepRunner,
+                 eos_token_ids: Iterable[int]):
         self.config = engine_cfg
         self.model_config = model_cfg
-        self.geometry, self.max_model_len = kv_geometry(engine_cfg, model_cfg)
-        if runner.geometry != self.geometry:
-            raise ValueError(f"the runner's KV geometry {runner.geometry} does not match this config's "
-                             f"{self.geometry}")
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_model_len = resolve_max_model_len(engine_cfg, model_cfg)
+        geometry = runner.geometry
+        if geometry.num_slots < engine_cfg.max_num_seqs or geometry.max_tokens_per_seq < self.max_model_len:
+            raise ValueError(f"the runner's KV geometry {geometry} holds fewer than max_num_seqs="
+                             f"{engine_cfg.max_num_seqs} sequences of max_model_len={self.max_model_len} tokens")
+        if engine_cfg.mixed_batches and not runner.buckets.mixed:
+            raise ValueError("mixed_batches needs a runner compiled with mixed steps (build_runner does that)")
         self.runner = runner
-        self.page_pool = PagePool(self.geometry.num_pages)
+        self.geometry = geometry
+        self.page_pool = IdAllocator(geometry.num_pages, "KV pages")
         self.scheduler = Scheduler(
-            PrefillManager(self.page_pool, self.geometry.page_size, engine_cfg.chunked_prefill_size,
-                           engine_cfg.max_prefill_rows, engine_cfg.max_num_seqs, self.max_model_len),
+            PrefillManager(self.page_pool, geometry.page_size, engine_cfg.chunked_prefill_size,
+                           engine_cfg.max_prefill_rows, IdAllocator(engine_cfg.max_num_seqs, "slots")),
             DecodeManager(engine_cfg.max_num_seqs),
             DecodeInterleavePolicy(engine_cfg.decode_interleave_every),
-            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, page_size=self.geometry.page_size,
+            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, page_size=geometry.page_size,
                               min_chunk_tokens=min(runner.buckets.prefill_chunks)),
             mixed_batches=engine_cfg.mixed_batches,
         )
-        if engine_cfg.mixed_batches and not runner.buckets.mixed:
-            raise ValueError("mixed_batches needs a runner compiled with mixed steps (build_runner does that)")
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
-        self.counters = _Counters()
-        self._handles: dict[str, RequestHandle] = {}
-        self._requests: dict[str, Request] = {}
+        self.counters = Counters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._decodes_since_log = 0
-        # Admission bookkeeping shared with submitting threads (the scheduler's own queue is loop-thread only).
+        # Every submitted, unfinished request with its handle: the one record of liveness. Submitting threads
+        # add, the loop thread removes; both under this condition, which drain() waits on.
         self._admission = threading.Condition()
-        self._queued: set[str] = set()  # submitted, not yet admitted: what max_queued_requests bounds
-        self._live: set[str] = set()  # submitted, not yet finished: what drain() waits for
+        self._live: dict[str, tuple[Request, RequestHandle]] = {}
         self._draining = False
         self._publish_stats()
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + completion tokens one request may have: max_model_len, or less if the KV pool is smaller."""
+        return min(self.max_model_len, self.geometry.num_pages * self.geometry.page_size)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self, show_progress: bool = False) -> "Engine":
@@ -210,37 +227,54 @@ class Engine:
         return len(leftover)
 
     # ---- public API (any thread) -----------------------------------------------------------------------------
+    def check_admission(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", sampling.stop_token_ids)):
+            for i, token in enumerate(ids):
+                if not 0 <= int(token) < vocab:
+                    raise InvalidRequest(name, f"{name}[{i}]: token id {token} is outside the vocabulary "
+                                               f"[0, {vocab})")
+        if not prompt_ids:
+            raise InvalidRequest("prompt", "prompt: must not be empty (there is no position to sample from)")
+        limit, prompt_len, completion = self.context_limit, len(prompt_ids), sampling.max_tokens
+        if prompt_len + completion > limit:
+            # The wording OpenAI clients match on; the field at fault is the prompt once it alone fills the context.
+            param, value = ("max_tokens", completion) if prompt_len < limit else ("prompt", prompt_len)
+            raise InvalidRequest(param, f"This model's maximum context length is {limit} tokens. However, you "
+                                        f"requested {prompt_len + completion} tokens ({prompt_len} in the messages, "
+                                        f"{completion} in the completion). Please reduce the length of the messages "
+                                        f"or completion. (parameter={param}, value={value})")
+
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                request_id: str | None = None) -> RequestHandle:
-        """Queue a request; raises ValueError at once for one that is invalid or can never fit, QueueFull when
+        """Queue a request; raises InvalidRequest at once for one that is invalid or can never fit, QueueFull when
         `max_queued_requests` are already waiting, EngineDraining once drain() was called."""
         sampling = sampling or SamplingParams()
+        self.check_admission(prompt_ids, sampling)
         request_id = request_id or f"req-{next(self._ids)}"
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
         request = Request(request_id, [int(t) for t in prompt_ids], sampling)
-        self.scheduler.prefill_manager.check_admissible(request)
         handle = RequestHandle(request_id, request.prompt_ids)
         with self._admission:
             if self._draining:
                 raise EngineDraining("the engine is shutting down and admits no new requests")
-            if len(self._queued) >= self.config.max_queued_requests:
-                raise QueueFull(f"{len(self._queued)} requests are already waiting "
+            if request_id in self._live:
+                raise InvalidRequest("request_id", f"request_id: {request_id!r} is already running")
+            queued = sum(r.status is RequestStatus.WAITING for r, _ in self._live.values())
+            if queued >= self.config.max_queued_requests:
+                raise QueueFull(f"{queued} requests are already waiting "
                                 f"(max_queued_requests={self.config.max_queued_requests})")
-            self._queued.add(request_id)
-            self._live.add(request_id)
-            self._inbox.put(("submit", request, handle))
+            self._live[request_id] = (request, handle)
+            self._inbox.put(("submit", request, None, None))
         self._wake.set()
         return handle
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Stop a request at the next step boundary and return its pages; unknown or finished ids are ignored.
-        `reason` is what the request finishes with (a server that matched a stop string says "stop")."""
-        self._inbox.put(("abort", request_id, reason))
+    def abort(self, request_id: str, reason: str = "abort", stop_reason: str | None = None) -> None:
+        """Finish a request at the next step boundary and return its pages; unknown or finished ids are ignored.
+        `reason` is what it finishes with: a caller that matched a stop string says "stop" and which string."""
+        self._inbox.put(("abort", request_id, reason, stop_reason))
         self._wake.set()
 
     def stats(self) -> dict:
@@ -253,8 +287,8 @@ class Engine:
             "running": len(sched.decode_manager.running),
             "waiting": sched.prefill_manager.num_waiting,
             "free_pages": self.page_pool.num_free,
-            "total_pages": self.page_pool.num_pages,
-            "kv_usage": self.page_pool.num_used / self.page_pool.num_pages,
+            "total_pages": self.page_pool.size,
+            "kv_usage": self.page_pool.num_used / self.page_pool.size,
             "prefill_steps": sched.prefill_steps,
             "decode_steps": sched.decode_steps,
             "forced_decode_steps": sched.forced_decode_steps,
@@ -270,7 +304,6 @@ class Engine:
         while not self._stop.is_set():
             self._drain_inbox()
             batch = self.scheduler.schedule()
-            self._note_admitted(batch)
             self._publish_stats()
             if batch is None:
                 self._wake.wait(timeout=0.05)
@@ -282,143 +315,95 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item, extra = self._inbox.get_nowait()
+                kind, item, reason, stop_reason = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "submit":
-                self._requests[item.request_id] = item
-                self._handles[item.request_id] = extra
-                self.scheduler.add_request(item)
-            else:
-                request = self._requests.get(item)
-                if request is not None:
-                    self._finish(request, extra)
-
-    def _note_admitted(self, batch: Batch | None) -> None:
-        # A request's first chunk is scheduled in the step that admits it (pages and slot reserved).
-        prefill = _prefill_part(batch)
-        if prefill is not None:
-            with self._admission:
-                self._queued.difference_update(c.request.request_id for c in prefill.chunks if c.start == 0)
+                if not item.finished:  # not aborted (through drain) before it got here
+                    self.scheduler.add_request(item)
+                continue
+            live = self._live.get(item)
+            if live is not None:
+                self._finish(live[0], reason, stop_reason)
 
     def _run(self, batch: Batch) -> None:
         started = time.perf_counter()
         try:
-            prefill, decode = _prefill_part(batch), _decode_part(batch)
-            prefill_rows = [self._row(c.request, c.token_ids, c.start) for c in prefill.chunks] if prefill else None
-            decode_rows = [self._row(r, [r.output_ids[-1]], r.total_len - 1) for r in decode.requests] \
-                if decode else None
-            if prefill_rows and decode_rows:
-                prefill_tokens, decode_tokens = self.runner.mixed(prefill_rows, decode_rows)
-            elif prefill_rows:
-                prefill_tokens, decode_tokens = self.runner.prefill(prefill_rows), []
-            else:
-                prefill_tokens, decode_tokens = [], self.runner.decode(decode_rows)
-            if prefill_rows:
-                self.counters.prompt_tokens += prefill.num_tokens
-                for chunk, token in zip(prefill.chunks, prefill_tokens):
-                    if chunk.is_last:  # the token after the prompt is the first output token
-                        self._deliver(chunk.request, int(token))
-            if decode_rows:
-                for request, token in zip(decode.requests, decode_tokens):
-                    self._deliver(request, int(token))
+            prefill_tokens, decode_tokens = self.runner.run(batch)
+            self.counters.prompt_tokens += batch.num_prefill_tokens
+            for chunk, token in zip(batch.prefill, prefill_tokens):
+                if chunk.is_last:  # the token after the prompt is the first output token
+                    self._deliver(chunk.request, int(token))
+            for request, token in zip(batch.decode, decode_tokens):
+                self._deliver(request, int(token))
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._fail_step(batch, error)
             return
         ended = time.perf_counter()
         self.scheduler.observe_step(batch, ended - started)
         self.scheduler.on_batch_done(batch)
-        record = StepRecord(batch.phase, isinstance(batch, DecodeBatch) and batch.forced,
-                            tuple(_requests_of(batch)), batch.num_tokens, started, ended)
-        self.step_record.append(record)
+        self.step_record.append(StepRecord(batch.phase, batch.forced_by, tuple(r.request_id for r in batch.requests),
+                                           batch.num_tokens, started, ended))
         self._log_step(batch, ended - started)
-
-    def _row(self, request: Request, tokens: list[int], position: int) -> Row:
-        s = request.sampling
-        return Row(tokens, position, request.slot, request.pages, temperature=s.temperature, top_k=s.top_k,
-                   top_p=s.top_p, seed=s.seed)
 
     def _deliver(self, request: Request, token: int) -> None:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
-        reason = self._stop_reason(request, token)
+        reason, stop_reason = self._stop_reason(request, token)
         if reason is None:
-            self._handles[request.request_id]._push(TokenEvent((token,)))
+            self._live[request.request_id][1]._push(TokenEvent((token,)))
         else:
-            self._finish(request, reason, final_tokens=(token,))
+            self._finish(request, reason, stop_reason, final_tokens=(token,))
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
+    def _stop_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
+        """(finish reason, stop token) after `token`; EOS is reported without a stop token, as vLLM does."""
         s = request.sampling
-        if not s.ignore_eos and token == self.model_config.eos_token_id:
-            return "stop"
+        if not s.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
         if token in s.stop_token_ids:
-            return "stop"
-        if len(request.output_ids) >= s.max_tokens or request.total_len >= self.max_model_len:
-            return "length"
-        return None
+            return "stop", token
+        if len(request.output_ids) >= s.max_tokens:  # admission kept prompt + max_tokens within the context
+            return "length", None
+        return None, None
 
-    def _finish(self, request: Request, reason: str, final_tokens: tuple[int, ...] = (),
-                error: str | None = None) -> None:
-        self.scheduler.finish(request, reason)
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
+                final_tokens: tuple[int, ...] = (), error: str | None = None) -> None:
+        self.scheduler.finish(request, reason, stop_reason)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        self._requests.pop(request.request_id, None)
         with self._admission:
-            self._queued.discard(request.request_id)
-            self._live.discard(request.request_id)
+            _, handle = self._live.pop(request.request_id)
             self._admission.notify_all()
-        handle = self._handles.pop(request.request_id, None)
-        if handle is not None:
-            handle._push(TokenEvent(final_tokens, finish_reason=reason, error=error))
+        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error))
 
     def _fail_step(self, batch: Batch, error: Exception) -> None:
-        log.exception("step failed (%s batch of %d requests)", batch.phase, len(_requests_of(batch)))
-        failed = [self._requests[rid] for rid in _requests_of(batch) if rid in self._requests]
+        log.exception("step failed (%s batch of %d requests)", batch.phase, len(batch.requests))
+        failed = [r for r in batch.requests if not r.finished]
         if self.runner.cache_lost():
             # The donated cache went with the failed call: every sequence's KV state is gone, not only the batch's.
             self.runner.reset_cache()
-            failed = list(self._requests.values())
+            failed = [r for r, _ in self._live.values() if not r.finished]
         for request in failed:
             self._finish(request, "error", error=f"{type(error).__name__}: {error}")
 
     def _log_step(self, batch: Batch, seconds: float) -> None:
-        self._publish_stats()
         st = self._stats
         kv = f"KV use {st['kv_usage']:.1%}"
-        if isinstance(batch, PrefillBatch):
-            log.info("Prefill batch: %d new tokens, %d rows, running %d, waiting %d, %s, %.3f s",
-                     batch.num_tokens, len(batch.chunks), st["running"], st["waiting"], kv, seconds)
-            return
-        if isinstance(batch, MixedBatch):
-            log.info("Prefill batch (mixed): %d new tokens, %d rows + %d decoding, running %d, waiting %d, %s, "
-                     "%.3f s", batch.prefill.num_tokens, len(batch.prefill.chunks), len(batch.decode.requests),
+        if batch.prefill:
+            mixed = f" + {len(batch.decode)} decoding" if batch.decode else ""
+            log.info("Prefill batch%s: %d new tokens, %d rows%s, running %d, waiting %d, %s, %.3f s",
+                     " (mixed)" if batch.decode else "", batch.num_prefill_tokens, len(batch.prefill), mixed,
                      st["running"], st["waiting"], kv, seconds)
             return
         self._decodes_since_log += 1
         if batch.forced_by == "interleave":
             log.info("Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
-                     self.config.decode_interleave_every, len(batch.requests), st["waiting"], kv, seconds)
+                     self.config.decode_interleave_every, len(batch.decode), st["waiting"], kv, seconds)
         elif batch.forced_by == "stall":
             log.info("Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
-                     self.config.max_decode_stall_ms, len(batch.requests), st["waiting"], kv, seconds)
+                     self.config.max_decode_stall_ms, len(batch.decode), st["waiting"], kv, seconds)
         elif self._decodes_since_log >= self.config.decode_log_interval:
-            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(batch.requests), st["waiting"], kv,
+            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(batch.decode), st["waiting"], kv,
                      seconds)
         else:
             return
         self._decodes_since_log = 0
-
-
-def _prefill_part(batch: Batch | None) -> PrefillBatch | None:
-    return batch.prefill if isinstance(batch, MixedBatch) else batch if isinstance(batch, PrefillBatch) else None
-
-
-def _decode_part(batch: Batch | None) -> DecodeBatch | None:
-    return batch.decode if isinstance(batch, MixedBatch) else batch if isinstance(batch, DecodeBatch) else None
-
-
-def _requests_of(batch: Batch) -> list[str]:
-    prefill, decode = _prefill_part(batch), _decode_part(batch)
-    return ([c.request.request_id for c in prefill.chunks] if prefill else []) + \
-        ([r.request_id for r in decode.requests] if decode else [])
-
-

@@ -1,7 +1,7 @@
 """Named model geometries, written as config.json dicts so they go through the same parser as checkpoints.
 
 - `flash`: DeepSeek-V4-Flash (43 layers, 256 experts); for sizing checks, never allocated in tests.
-- `tiny`: every feature at CPU-seconds size (dsv4-model.md section 10, config A).
+- `tiny`: every feature at CPU-seconds size; the parity tests' config A.
 - `small`: sized for CPU benchmarks (real window 128 and HCA ratio 128).
 """
 
@@ -33,7 +33,7 @@ FLASH: dict[str, Any] = {
 
 TINY: dict[str, Any] = {
     "model_type": "deepseek_v4",
-    "vocab_size": 97, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 5,
+    "vocab_size": 96, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 5,
     "layer_types": [_SWA, _CSA, _HCA, _CSA, _SWA],
     "compress_rates": {_CSA: 4, _HCA: 8},
     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "qk_rope_head_dim": 8, "q_lora_rank": 24,

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.cache import CacheGeometry, abstract_cache, init_cache
-from jaxserve.config import ModelConfig
+from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.forward import logits_last
 from jaxserve.model.inputs import StepInputs
+from jaxserve.request import Batch, Request
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
 
@@ -36,6 +37,7 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
 
 
 GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
+GroupRow = tuple[Sequence[int], int, Request]  # a row's tokens, the position of the first, and its request
 StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
 
 
@@ -71,20 +73,6 @@ def _fit(sizes: Sequence[int], need: int, what: str) -> int:
         if size >= need:
             return size
     raise ValueError(f"{what} {need} exceeds the largest compiled bucket {max(sizes)}")
-
-
-@dataclass
-class Row:
-    """One row of a step: `tokens` at positions `position..`, for the sequence in `slot` with `pages`."""
-
-    tokens: Sequence[int]
-    position: int
-    slot: int
-    pages: Sequence[int]
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int = 0
 
 
 class CompileCounter:
@@ -179,32 +167,25 @@ class ModelRunner:
             self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
-    def prefill(self, rows: Sequence[Row]) -> np.ndarray:
-        """Run prompt chunks (one per row); returns the token sampled after each row's last chunk token."""
-        return self._run([self._prefill_group(rows)])[0]
+    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """One step: (the token sampled after each prefill chunk, the next token of each decode row).
 
-    def decode(self, rows: Sequence[Row]) -> np.ndarray:
-        """One token per row; returns the next token of each."""
-        return self._run([self._decode_group(rows)])[0]
-
-    def mixed(self, prefill_rows: Sequence[Row], decode_rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """A prefill step that also advances every decode row by one token, in one call."""
-        if not self.buckets.mixed:
+        A chunk that is not its prompt's last still samples (its token is simply not used)."""
+        groups = []
+        if batch.prefill:
+            rows = [(c.token_ids, c.start, c.request) for c in batch.prefill]
+            chunk = _fit(self.buckets.prefill_chunks, max(c.length for c in batch.prefill), "prefill chunk length")
+            groups.append((rows, (_fit(self.buckets.prefill_rows, len(rows), "prefill rows"), chunk)))
+        if batch.decode:
+            rows = [([r.output_ids[-1]], r.total_len - 1, r) for r in batch.decode]
+            groups.append((rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1)))
+        if batch.prefill and batch.decode and not self.buckets.mixed:
             raise RuntimeError("mixed steps were not compiled (Buckets.mixed is off)")
-        prefill, decode = self._run([self._prefill_group(prefill_rows), self._decode_group(decode_rows)])
-        return prefill, decode
+        outputs = self._run(groups)
+        empty = np.zeros(0, np.int32)
+        return (outputs[0] if batch.prefill else empty), (outputs[-1] if batch.decode else empty)
 
-    def _prefill_group(self, rows: Sequence[Row]) -> tuple[Sequence[Row], GroupShape]:
-        bucket_rows = _fit(self.buckets.prefill_rows, len(rows), "prefill rows")
-        chunk = _fit(self.buckets.prefill_chunks, max(len(r.tokens) for r in rows), "prefill chunk length")
-        return rows, (bucket_rows, chunk)
-
-    def _decode_group(self, rows: Sequence[Row]) -> tuple[Sequence[Row], GroupShape]:
-        if any(len(r.tokens) != 1 for r in rows):
-            raise ValueError("decode rows carry exactly one token each")
-        return rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1)
-
-    def _run(self, groups: list[tuple[Sequence[Row], GroupShape]]) -> list[np.ndarray]:
+    def _run(self, groups: list[tuple[list[GroupRow], GroupShape]]) -> list[np.ndarray]:
         shape = tuple(group_shape for _, group_shape in groups)
         compiled = self._compiled.get(shape)
         if compiled is None:
@@ -214,27 +195,27 @@ class ModelRunner:
                                       tuple(s for _, s in arrays))
         return [np.asarray(t)[: len(rows)] for t, (rows, _) in zip(tokens, groups)]
 
-    def _host_arrays(self, rows: Sequence[Row], bucket_rows: int, chunk: int):
-        n = len(rows)
+    def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int):
         max_pages = self.geometry.max_pages_per_seq
         tokens = np.zeros((bucket_rows, chunk), np.int32)
         page_table = np.zeros((bucket_rows, max_pages), np.int32)
         positions = np.zeros(bucket_rows, np.int32)
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
-        for i, row in enumerate(rows):
-            if len(row.pages) > max_pages:
-                raise ValueError(f"row {i} has {len(row.pages)} pages; a page table holds {max_pages}")
-            tokens[i, : len(row.tokens)] = row.tokens
-            page_table[i, : len(row.pages)] = row.pages
-            positions[i], lengths[i], slots[i] = row.position, len(row.tokens), row.slot
-        pad = bucket_rows - n
-        sampling = SamplingArrays.build(
-            temperature=[r.temperature for r in rows] + [0.0] * pad,
-            top_k=[r.top_k for r in rows] + [-1] * pad,
-            top_p=[r.top_p for r in rows] + [1.0] * pad,
-            seed=[r.seed for r in rows] + [0] * pad,
-            position=list(positions + np.maximum(lengths, 1)),  # the sampled token's own position
-        )
+        for i, (row_tokens, position, request) in enumerate(rows):
+            if len(request.pages) > max_pages:
+                raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
+            tokens[i, : len(row_tokens)] = row_tokens
+            page_table[i, : len(request.pages)] = request.pages
+            positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
+        # Each row samples the token after its last one, at that token's own position.
+        sampling = SamplingArrays.for_rows([r.sampling for _, _, r in rows], positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
         return inputs, sampling
+
+
+def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:
+    """The runner (KV geometry and step buckets) these knobs ask for."""
+    buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
+                                 engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
+    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, buckets)

@@ -7,10 +7,13 @@ other requests share its batch, nor on the batch size or row order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.request import SamplingParams
 
 F32 = jnp.float32
 
@@ -25,11 +28,16 @@ class SamplingArrays:
     position: jax.Array  # [b] int32, the position of the token being sampled (its key's second half)
 
     @staticmethod
-    def build(temperature, top_k, top_p, seed, position) -> "SamplingArrays":
+    def for_rows(params: Sequence[SamplingParams], positions: np.ndarray) -> "SamplingArrays":
+        """Host arrays for a bucket of `len(positions)` rows; rows past `params` are padding and sample greedily
+        (their token is dropped). `positions[i]`: the position of the token row i samples."""
+        pad = len(positions) - len(params)
         return SamplingArrays(
-            temperature=np.asarray(temperature, np.float32), top_k=np.asarray(top_k, np.int32),
-            top_p=np.asarray(top_p, np.float32), seed=np.asarray(seed, np.uint32),
-            position=np.asarray(position, np.int32),
+            temperature=np.asarray([p.temperature for p in params] + [0.0] * pad, np.float32),
+            top_k=np.asarray([p.top_k for p in params] + [-1] * pad, np.int32),
+            top_p=np.asarray([p.top_p for p in params] + [1.0] * pad, np.float32),
+            seed=np.asarray([p.seed or 0 for p in params] + [0] * pad, np.uint32),
+            position=np.asarray(positions, np.int32),
         )
 
 

@@ -8,7 +8,7 @@ only; `logical_spec` turns them into PartitionSpecs here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -46,27 +46,50 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1, devi
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def _divisible(info: ArrayInfo, mesh: Mesh) -> PartitionSpec:
-    """The logical spec, with any axis whose size the mesh does not divide left replicated."""
-    spec = logical_spec(info.axes)
-    dims = []
-    for size, mesh_axes in zip(info.shape, spec):
+# The flag that sets each mesh axis's size, to name in errors.
+PARALLEL_FLAGS = {EXPERT: "expert_parallel_size", TENSOR: "tensor_parallel_size"}
+
+
+class ShardingError(ValueError):
+    """The mesh cannot make a split the logical-axis table asks for."""
+
+
+def _uneven_splits(info: ArrayInfo, mesh: Mesh) -> list[tuple[str, int, str, int]]:
+    """(logical axis, its size, the flags that size the mesh axes, ways) for each split the mesh cannot make."""
+    uneven = []
+    for logical, size, mesh_axes in zip(info.axes, info.shape, logical_spec(info.axes)):
         names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
         ways = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-        dims.append(mesh_axes if size % ways == 0 else None)
-    return PartitionSpec(*dims)
+        if size % ways:
+            uneven.append((logical, size, " x ".join(f"{PARALLEL_FLAGS[n]}={mesh.shape[n]}" for n in names), ways))
+    return uneven
+
+
+def _named_shardings(abstract: Any, mesh: Mesh, make: Callable[[ArrayInfo, NamedSharding], Any]) -> Any:
+    """`make(info, sharding)` at every leaf. A split the mesh cannot make is refused, never silently replicated:
+    one ShardingError names every such axis, its size and the parallel sizes."""
+    found: dict[tuple, str] = {}  # (axis, size, flags, ways) -> the first weight it was found in
+    for path, info in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)[0]:
+        for uneven in _uneven_splits(info, mesh):
+            found.setdefault(uneven, jax.tree_util.keystr(path))
+    if found:
+        raise ShardingError("; ".join(
+            f"cannot split {axis} ({size}) over {flags}: {size} is not a multiple of {ways} (first in {where})"
+            for (axis, size, flags, ways), where in found.items()) + "; choose parallel sizes that divide them")
+    return jax.tree.map(lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes))), abstract,
+                        is_leaf=is_info)
 
 
 def shardings_for(abstract: Any, mesh: Mesh) -> Any:
-    """NamedShardings for every ArrayInfo leaf of an abstract tree (weights or cache)."""
-    return jax.tree.map(lambda info: NamedSharding(mesh, _divisible(info, mesh)), abstract, is_leaf=is_info)
+    """NamedShardings for every ArrayInfo leaf of an abstract tree (weights or cache); ShardingError when the mesh
+    cannot split an axis the table shards."""
+    return _named_shardings(abstract, mesh, lambda info, sharding: sharding)
 
 
 def shape_dtype_structs(abstract: Any, mesh: Mesh) -> Any:
     """Restore targets: ShapeDtypeStructs carrying the target shardings."""
-    return jax.tree.map(lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype,
-                                                          sharding=NamedSharding(mesh, _divisible(info, mesh))),
-                        abstract, is_leaf=is_info)
+    return _named_shardings(abstract, mesh,
+                            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding))
 
 
 def expert_axes() -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from jaxserve.server.generation import Delta, Output
+from jaxserve.generation import Delta, Output
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,14 +1,14 @@
 """Prometheus metrics under vLLM's names with a `jaxserve:` prefix and a `model_name` label.
 
-Latency histograms and finish reasons are measured here, per request, from the server's arrival time (so time
-to first token includes tokenization and queueing, as in vLLM); gauges and token/step counters are read from
-`engine.stats()` at scrape time. Each app has its own registry, so several apps can live in one process.
+Latency histograms are measured here, per request, from the server's arrival time (so time to first token
+includes tokenization and queueing, as in vLLM); gauges, token and step counters and finished requests by reason
+are the engine's own counters, read from `engine.stats()` at scrape time (the logs read the same ones). Each app has its own registry, so several apps can live in one process.
 """
 
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine import Engine
@@ -54,6 +54,11 @@ class _EngineCollector:
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric([self.model_name], stats[key])
                 yield family
+        finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                       labels=["model_name", "finished_reason"])
+        for reason, count in sorted(stats["finished"].items()):
+            finished.add_metric([self.model_name, reason], count)
+        yield finished
 
 
 class RequestTimer:
@@ -73,7 +78,6 @@ class RequestTimer:
 
     def on_finish(self, reason: str, now: float) -> None:
         self._metrics.e2e.observe(now - self._arrival)
-        self._metrics.finished.labels(self._metrics.model_name, reason).inc()
 
 
 class ServerMetrics:
@@ -89,8 +93,6 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
-        self.finished = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
 
     def timer(self, arrival: float) -> RequestTimer:

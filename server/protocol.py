@@ -1,8 +1,10 @@
 """Request bodies of /v1/completions and /v1/chat/completions -> validated parameters.
 
-Types and ranges are checked here, by hand, so every mistake is a 400 whose message starts with the field's name
-(FastAPI's pydantic models would answer 422). Unknown fields are ignored, as vLLM does: benchmark tools send
-extras. Fields for features jaxserve lacks are accepted only at their no-op value.
+Types are checked here, by hand, so every mistake is a 400 whose message starts with the field's name (FastAPI's
+pydantic models would answer 422). Ranges and what fits the model (sampling ranges, the vocabulary, the context)
+are the engine's rules: SamplingParams and Engine.check_admission raise InvalidRequest naming the field, and
+the routes answer 400 with it. Unknown fields are ignored, as vLLM does: benchmark tools send extras. Fields for
+features jaxserve lacks are accepted only at their no-op value.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.scheduler import SamplingParams
+from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
@@ -30,6 +32,7 @@ class GenerationParams:
 
     model: str | None
     max_tokens: int | None  # None: the endpoint's default (chat: the rest of the context)
+    max_tokens_field: str  # the name the client used for it (chat: max_completion_tokens or max_tokens)
     temperature: float
     top_p: float
     top_k: int
@@ -42,9 +45,24 @@ class GenerationParams:
     return_token_ids: bool
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos)
+        """The engine's SamplingParams; a value out of range is an InvalidRequest naming the client's field."""
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, seed=self.seed, stop_token_ids=self.stop_token_ids,
+                                  ignore_eos=self.ignore_eos)
+        except InvalidRequest as error:
+            raise self.renamed(error, "prompt") from None
+
+    def renamed(self, error: InvalidRequest, prompt_field: str) -> InvalidRequest:
+        """`error` with the engine's field names (prompt, max_tokens) replaced by the ones this client sent."""
+        names = {"prompt": prompt_field, "max_tokens": self.max_tokens_field}
+        name = names.get(error.param)
+        if name is None or name == error.param:
+            return error
+        message = str(error)
+        for old in (error.param, f"parameter={error.param}"):  # the leading field name, the context wording's
+            message = message.replace(old, old.replace(error.param, name), 1)
+        return InvalidRequest(name, message)
 
 
 @dataclass(frozen=True)
@@ -60,19 +78,17 @@ class ChatRequest:
     params: GenerationParams
 
 
-def parse_completion(body: Any, vocab_size: int) -> CompletionRequest:
+def parse_completion(body: Any) -> CompletionRequest:
     fields = _Fields(body)
-    params = _generation_params(fields, vocab_size, fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
-    return CompletionRequest(_prompt(body.get("prompt"), vocab_size), params)
+    params = _generation_params(fields, fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), "max_tokens")
+    return CompletionRequest(_prompt(body.get("prompt")), params)
 
 
-def parse_chat(body: Any, vocab_size: int) -> ChatRequest:
+def parse_chat(body: Any) -> ChatRequest:
     fields = _Fields(body)
     # vLLM's bench chat client sends max_completion_tokens, others max_tokens; the newer name wins.
-    max_tokens = fields.integer("max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", None)
-    params = _generation_params(fields, vocab_size, max_tokens)
+    name = "max_completion_tokens" if fields.raw.get("max_completion_tokens") is not None else "max_tokens"
+    params = _generation_params(fields, fields.integer(name, None), name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
@@ -81,10 +97,7 @@ def parse_chat(body: Any, vocab_size: int) -> ChatRequest:
     return ChatRequest(messages, thinking, params)
 
 
-def _generation_params(fields: _Fields, vocab_size: int, max_tokens: int | None) -> GenerationParams:
-    if max_tokens is not None and max_tokens < 1:
-        name = "max_completion_tokens" if fields.raw.get("max_completion_tokens") is not None else "max_tokens"
-        raise bad_request(name, f"{name}: must be >= 1, got {max_tokens}")
+def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field: str) -> GenerationParams:
     for name, values in NO_OP_VALUES.items():
         value = fields.raw.get(name)
         if value is not None and not any(_same(value, v) for v in values):
@@ -101,12 +114,13 @@ def _generation_params(fields: _Fields, vocab_size: int, max_tokens: int | None)
     return GenerationParams(
         model=fields.string("model"),
         max_tokens=max_tokens,
-        temperature=fields.number("temperature", 1.0, lambda t: t >= 0, ">= 0"),
-        top_p=fields.number("top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
+        max_tokens_field=max_tokens_field,
+        temperature=fields.number("temperature", 1.0),
+        top_p=fields.number("top_p", 1.0),
         top_k=top_k if top_k > 0 else -1,  # <= 0 means off, as in vLLM
         seed=None if seed is None else seed % 2**32,
         stop=_stop_strings(fields.raw.get("stop")),
-        stop_token_ids=tuple(_token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")), vocab_size,
+        stop_token_ids=tuple(_token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")),
                                         allow_empty=True)),
         ignore_eos=fields.boolean("ignore_eos", False),
         stream=stream,
@@ -115,7 +129,7 @@ def _generation_params(fields: _Fields, vocab_size: int, max_tokens: int | None)
     )
 
 
-def _prompt(prompt: Any, vocab_size: int) -> str | list[int]:
+def _prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt is that prompt
     if isinstance(prompt, str):
@@ -125,19 +139,17 @@ def _prompt(prompt: Any, vocab_size: int) -> str | list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("prompt", "prompt: batches of several prompts are not supported; send one per request")
     if isinstance(prompt, list):
-        return _token_ids("prompt", prompt, vocab_size)
+        return _token_ids("prompt", prompt)
     raise bad_request("prompt", f"prompt: must be a string or a list of token ids, got {_show(prompt)}")
 
 
-def _token_ids(name: str, ids: Any, vocab_size: int, allow_empty: bool = False) -> list[int]:
+def _token_ids(name: str, ids: Any, allow_empty: bool = False) -> list[int]:
     if not isinstance(ids, list) or (not ids and not allow_empty):
         kind = "a list" if allow_empty else "a non-empty list"
         raise bad_request(name, f"{name}: must be {kind} of token ids, got {_show(ids)}")
     for i, token in enumerate(ids):
         if not _is_int(token):
             raise bad_request(name, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
-        if not 0 <= token < vocab_size:
-            raise bad_request(name, f"{name}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
@@ -171,12 +183,12 @@ class _Fields:
             raise self._fail(name, "an integer", value)
         return value
 
-    def number(self, name: str, default: float, ok, rule: str) -> float:
+    def number(self, name: str, default: float) -> float:
         value = self.raw.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise self._fail(name, f"a number {rule}", value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._fail(name, "a number", value)
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:

@@ -15,12 +15,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import EngineDraining, QueueFull
+from jaxserve.request import InvalidRequest
 from jaxserve.tokenizer import TokenizerError
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat
-from jaxserve.server.generation import Generation
+from jaxserve.generation import Generation
 from jaxserve.server.protocol import GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
@@ -63,14 +64,14 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
 
 
-async def _parse(request: Request, parse: Callable[[Any, int], T]) -> tuple[ServerState, T]:
+async def _parse(request: Request, parse: Callable[[Any], T]) -> tuple[ServerState, T]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(None, f"Invalid JSON body: {error}") from None
-    parsed = parse(body, state.vocab_size)
+    parsed = parse(body)
     state.check_model(parsed.params.model)
     if parsed.params.stop and not state.tokenizer.has_text:
         raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")
@@ -89,7 +90,7 @@ def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
 
 async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams,
                     prompt_field: str, arrival: float) -> Response:
-    max_tokens = state.completion_budget(len(prompt_ids), params.max_tokens, prompt_field)
+    max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
     try:
         generation = Generation(state.engine, state.tokenizer, prompt_ids, params.sampling(max_tokens), params.stop,
                                 fmt.id, state.metrics.timer(arrival))
@@ -97,8 +98,9 @@ async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[
         raise APIError(429, f"The request queue is full: {error}") from None
     except EngineDraining as error:
         raise APIError(503, f"The server is shutting down: {error}") from None
-    except ValueError as error:  # the engine's admission check: a request that can never fit
-        raise bad_request(prompt_field, str(error)) from None
+    except InvalidRequest as error:  # the engine's admission: out of range, outside the vocabulary, too long
+        error = params.renamed(error, prompt_field)
+        raise bad_request(error.param, str(error)) from None
     if params.stream:
         return sse_response(_chunks(generation, fmt, params.include_usage))
     try:

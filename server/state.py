@@ -1,5 +1,5 @@
-"""What every route shares: the engine, the tokenizer, the served name, the metrics, and the admission checks
-that come before a request reaches the engine (model name, availability, context length)."""
+"""What every route shares: the engine, the tokenizer, the served name, the metrics, and the checks that come
+before a request reaches the engine (model name, availability); the engine itself admits or refuses it."""
 
 from __future__ import annotations
 
@@ -25,13 +25,7 @@ class ServerState:
 
     @property
     def context_limit(self) -> int:
-        """Prompt + completion tokens one request may have: max_model_len, or less if the KV pool is smaller."""
-        geometry = self.engine.geometry
-        return min(self.engine.max_model_len, geometry.num_pages * geometry.page_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.engine.context_limit
 
     def unavailable_reason(self) -> str | None:
         if self.engine.is_draining:
@@ -49,15 +43,7 @@ class ServerState:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
-    def completion_budget(self, prompt_len: int, max_tokens: int | None, prompt_field: str) -> int:
-        """max_tokens (None: the rest of the context) after the context-length check, in the wording clients
-        match on ("This model's maximum context length is ...")."""
-        limit = self.context_limit
-        completion = max(limit - prompt_len, 1) if max_tokens is None else max_tokens
-        if prompt_len + completion > limit:
-            param, value = ("max_tokens", completion) if prompt_len < limit else (prompt_field, prompt_len)
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{prompt_len + completion} tokens ({prompt_len} in the messages, {completion} in the "
-                                "completion). Please reduce the length of the messages or completion. "
-                                f"(parameter={param}, value={value})", param)
-        return completion
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """max_tokens when a chat request sends none: the rest of the context (the engine refuses a prompt that
+        leaves none)."""
+        return max(self.context_limit - prompt_len, 1)

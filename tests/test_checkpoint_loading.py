@@ -30,11 +30,11 @@ TOL = 1e-4
 # row blocks); experts 64 wide: FP4 rows of five (w1, w3) and two (w2) 32-blocks.
 CFG = preset("tiny", dtype="float32", hidden_size=160, moe_intermediate_size=64)
 
-# dsv4-model.md 7.1: which release tensors are FP8 (128x128 scales) and which packed FP4 (1x32 scales).
+# Which release tensors are FP8 (128x128 scales) and which packed FP4 (1x32 scales).
 FP8_NAME = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
                       r"\.weight$")
 FP4_NAME = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
-# dsv4-model.md 7.2, written out again here so the loader's own tables are not the oracle.
+# The release's decoding of them, written out again here so the loader's own tables are not the oracle.
 E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
 
 

@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.cli import build_engine, engine_config, parse, serve
+from jaxserve.cli.main import build_engine, engine_config, parse, serve
 from jaxserve.config import EngineConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
@@ -81,6 +81,21 @@ def test_generate_streams_one_prompt_to_the_terminal():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
     assert "compiled 5 step shapes in" in result.stdout
+
+
+def test_a_split_the_mesh_cannot_make_is_refused_naming_axis_size_and_parallel_size(tmp_path):
+    from jaxserve.checkpoints.writer import write_checkpoint
+    from jaxserve.model.weights import init_weights
+    from jaxserve.presets import preset
+
+    cfg = preset("tiny", dtype="float32", num_attention_heads=6)  # every other sharded axis divides by 4
+    folder = write_checkpoint(init_weights(jax.random.key(0), cfg), cfg, tmp_path / "six-heads", dtype="float32")
+    result = run_cli("serve", "--model", str(folder), "--dtype", "float32", "--tensor-parallel-size", "4",
+                     "--port", "0")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert "cannot split heads (6) over tensor_parallel_size=4" in line and "vocab" not in line
+    assert "Traceback" not in result.stderr and "jaxserve ready" not in result.stdout
 
 
 def test_convert(tmp_path):

@@ -1,4 +1,4 @@
-"""DecodeInterleavePolicy on its own: the counter semantics of docs/scheduling.md 0.1."""
+"""DecodeInterleavePolicy on its own: the counter semantics of docs/scheduling.md."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""KV-cache sizing of DeepSeek-V4-Flash (bf16) from the abstract cache description alone (dsv4-model.md 6.3): the
+"""KV-cache sizing of DeepSeek-V4-Flash (bf16) from the abstract cache description alone: the
 fixed per-slot state (window ring + float32 compressor state). The 6880 B of paged KV per token: test_cache.py."""
 
 from __future__ import annotations

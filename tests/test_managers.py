@@ -1,13 +1,12 @@
-"""Request records, SlotAllocator, PrefillManager and DecodeManager with the real PagePool, and the hand-off
+"""Request records, the id allocator (pages and slots), PrefillManager and DecodeManager, and the hand-off
 between them through the real Scheduler."""
 
 import random
 
 import pytest
 
-from jaxserve.cache import PagePool
-from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, PrefillManager, Request, RequestStatus,
-                                SamplingParams, Scheduler, SlotAllocator, SlotsExhausted)
+from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams
+from jaxserve.scheduler import DecodeInterleavePolicy, DecodeManager, Exhausted, IdAllocator, PrefillManager, Scheduler
 
 PAGE = 4  # tokens per KV page in these tests
 
@@ -16,13 +15,14 @@ def req(rid, prompt_len, max_tokens=4):
     return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
-def chunks(batch):
-    return [(c.request.request_id, c.start, c.length) for c in batch.chunks]
+def chunks(prefill):
+    """(request, start, length) of each chunk of a prefill manager's step, or of a Batch's prefill part."""
+    return [(c.request.request_id, c.start, c.length) for c in getattr(prefill, "prefill", prefill)]
 
 
-def manager(num_pages=64, budget=8, rows=4, slots=4, max_model_len=None):
-    pool = PagePool(num_pages)
-    return PrefillManager(pool, PAGE, budget, rows, slots, max_model_len=max_model_len), pool
+def manager(num_pages=64, budget=8, rows=4, slots=4):
+    pool = IdAllocator(num_pages, "KV pages")
+    return PrefillManager(pool, PAGE, budget, rows, IdAllocator(slots, "slots")), pool
 
 
 # --- request records -----------------------------------------------------------------------------------------
@@ -30,8 +30,9 @@ def manager(num_pages=64, budget=8, rows=4, slots=4, max_model_len=None):
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2)])
 def test_sampling_params_reject_bad_values_naming_field_and_value(field, value):
-    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+    with pytest.raises(InvalidRequest, match=f"{field}={value!r}") as refused:
         SamplingParams(**{field: value})
+    assert refused.value.param == field
 
 
 def test_sampling_params_store_stop_ids_as_tuple():
@@ -48,21 +49,25 @@ def test_request_lengths():
 
 
 def test_empty_prompt_is_refused():
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(InvalidRequest, match="is empty"):
         Request("a", [])
 
 
-def test_slot_allocator():
-    slots = SlotAllocator(2)
-    assert [slots.allocate(), slots.allocate()] == [0, 1]
-    with pytest.raises(SlotsExhausted, match="all 2 slots"):
-        slots.allocate()
-    slots.free(1)
-    assert slots.num_free == 1
-    with pytest.raises(ValueError, match="slot 1"):
-        slots.free(1)
-    with pytest.raises(ValueError, match="slot 5"):
-        slots.free(5)
+def test_id_allocator_hands_out_low_ids_all_or_nothing_and_checks_frees():
+    pool = IdAllocator(8, "KV pages")
+    assert pool.allocate(3) == [0, 1, 2] and pool.allocate(2) == [3, 4]
+    with pytest.raises(Exhausted, match="asked for 4 KV pages but only 3 of 8 are free"):
+        pool.allocate(4)
+    assert (pool.num_free, pool.num_used) == (3, 5)  # the refused allocation took nothing
+    pool.free([1, 3])
+    assert sorted(pool.allocate(2)) == [1, 3]  # the freed ones, and only they
+    with pytest.raises(ValueError, match=r"freeing KV pages that are not allocated \(or twice\): \[5\]"):
+        pool.free([0, 5])
+    with pytest.raises(ValueError, match="or twice"):
+        pool.free([0, 0])
+    assert pool.num_used == 5  # refused frees changed nothing
+    with pytest.raises(ValueError, match="slots: 0 in total"):
+        IdAllocator(0, "slots")
 
 
 # --- prefill manager -----------------------------------------------------------------------------------------
@@ -72,16 +77,15 @@ def test_long_prompt_is_split_into_budget_sized_chunks():
     a = req("a", 20, max_tokens=4)
     pm.add(a)
     assert a.status is RequestStatus.WAITING and pm.num_waiting == 1
-    b1 = pm.schedule_next_batch()
-    assert chunks(b1) == [("a", 0, 8)] and b1.num_tokens == 8
+    b1 = pm.schedule_next_chunks()
+    assert chunks(b1) == [("a", 0, 8)]
     assert a.status is RequestStatus.PREFILLING and a.num_prefilled == 8 and pm.num_waiting == 0
     assert len(a.pages) == 6 and pool.num_used == 6  # all of ceil((20 + 4) / 4) reserved at admission
-    b2, b3 = pm.schedule_next_batch(), pm.schedule_next_batch()
+    b2, b3 = pm.schedule_next_chunks(), pm.schedule_next_chunks()
     assert chunks(b2) == [("a", 8, 8)] and chunks(b3) == [("a", 16, 4)]
-    assert [c.is_last for c in b1.chunks + b2.chunks + b3.chunks] == [False, False, True]
-    assert b3.completed == [a] and b2.completed == []
-    assert b3.chunks[0].token_ids == a.prompt_ids[16:20]
-    assert pm.schedule_next_batch() is None and not pm.has_work
+    assert [c.is_last for c in b1 + b2 + b3] == [False, False, True]
+    assert b3[0].token_ids == a.prompt_ids[16:20]
+    assert pm.schedule_next_chunks() == () and not pm.has_work
     assert pool.num_used == 6  # pages stay with the request until it finishes
 
 
@@ -89,17 +93,17 @@ def test_in_progress_prompt_continues_first_then_fifo_fills_the_budget():
     pm, _ = manager(budget=8, slots=8)
     for rid, n in [("a", 3), ("b", 3), ("c", 5), ("d", 2), ("e", 9)]:
         pm.add(req(rid, n))
-    assert chunks(pm.schedule_next_batch()) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 2)]
-    assert chunks(pm.schedule_next_batch()) == [("c", 2, 3), ("d", 0, 2), ("e", 0, 3)]
-    assert chunks(pm.schedule_next_batch()) == [("e", 3, 6)]
+    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 2)]
+    assert chunks(pm.schedule_next_chunks()) == [("c", 2, 3), ("d", 0, 2), ("e", 0, 3)]
+    assert chunks(pm.schedule_next_chunks()) == [("e", 3, 6)]
 
 
 def test_row_limit_caps_chunks_per_batch():
     pm, _ = manager(budget=100, rows=2)
     for rid in "abc":
         pm.add(req(rid, 2))
-    assert chunks(pm.schedule_next_batch()) == [("a", 0, 2), ("b", 0, 2)]
-    assert chunks(pm.schedule_next_batch()) == [("c", 0, 2)]
+    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 2), ("b", 0, 2)]
+    assert chunks(pm.schedule_next_chunks()) == [("c", 0, 2)]
 
 
 def test_admission_stops_fifo_when_pages_run_out():
@@ -107,13 +111,13 @@ def test_admission_stops_fifo_when_pages_run_out():
     a, b, c = req("a", 8, max_tokens=8), req("b", 16, max_tokens=16), req("c", 2, max_tokens=2)  # 4, 8, 1 pages
     for r in (a, b, c):
         pm.add(r)
-    assert chunks(pm.schedule_next_batch()) == [("a", 0, 8)]
+    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 8)]
     # b needs 8 pages, 6 are free; c would fit but must not overtake b.
-    assert pm.schedule_next_batch() is None
+    assert pm.schedule_next_chunks() == ()
     assert (b.status, c.status, pm.num_waiting, pool.num_free) == (RequestStatus.WAITING, RequestStatus.WAITING, 2, 6)
     pm.remove(a)  # a finished
     assert pool.num_free == 10 and a.pages == [] and a.slot is None
-    assert chunks(pm.schedule_next_batch()) == [("b", 0, 16), ("c", 0, 2)]
+    assert chunks(pm.schedule_next_chunks()) == [("b", 0, 16), ("c", 0, 2)]
     assert pool.num_free == 1
 
 
@@ -122,52 +126,40 @@ def test_admission_stops_fifo_when_slots_run_out():
     a, b = req("a", 3), req("b", 3)
     pm.add(a)
     pm.add(b)
-    assert chunks(pm.schedule_next_batch()) == [("a", 0, 3)]
-    assert pm.schedule_next_batch() is None and b.status is RequestStatus.WAITING and b.pages == []
+    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 3)]
+    assert pm.schedule_next_chunks() == () and b.status is RequestStatus.WAITING and b.pages == []
     pm.remove(a)
-    assert chunks(pm.schedule_next_batch()) == [("b", 0, 3)] and b.slot == 0
+    assert chunks(pm.schedule_next_chunks()) == [("b", 0, 3)] and b.slot == 0
 
 
-def test_never_fitting_requests_are_refused_with_the_numbers():
-    pm, _ = manager(num_pages=10, max_model_len=48)
-    with pytest.raises(ValueError, match=r"= 44 tokens needs 11 KV pages of 4 tokens, but the pool has only 10"):
-        pm.add(req("big", 40, max_tokens=4))
-    with pytest.raises(ValueError, match=r"= 50 exceeds max_model_len=48"):
-        pm.add(req("long", 20, max_tokens=30))
-    assert pm.num_waiting == 0 and not pm.has_work
-    pm.add(req("ok", 36, max_tokens=4))  # exactly the whole pool
-    assert pm.num_waiting == 1
-
-
-def test_abort_frees_pages_and_slot_of_waiting_and_in_progress_requests():
-    slots = SlotAllocator(2)
-    pool = PagePool(20)
-    pm = PrefillManager(pool, PAGE, 8, 4, slots)
+def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once():
+    pm, pool = manager(num_pages=20, slots=2)
+    scheduler = Scheduler(pm, DecodeManager(2))
     a, b = req("a", 20), req("b", 4)
-    pm.add(a)
-    pm.add(b)
-    assert chunks(pm.schedule_next_batch()) == [("a", 0, 8)]  # a in progress, b waiting
-    assert pm.abort("b") is b and b.status is RequestStatus.FINISHED and b.finish_reason == "abort"
-    assert pm.abort("a") is a and a.finish_reason == "abort"
-    assert (pool.num_free, slots.num_free, a.pages, a.slot) == (20, 2, [], None)
-    assert pm.abort("a") is None and pm.abort("nobody") is None
-    assert pm.schedule_next_batch() is None and not pm.has_work
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert chunks(scheduler.schedule()) == [("a", 0, 8)]  # a in progress, b waiting
+    scheduler.finish(b, "abort")
+    assert b.status is RequestStatus.FINISHED and b.finish_reason == "abort"
+    scheduler.finish(a, "abort")
+    assert (pool.num_free, pm.slots.num_free, a.pages, a.slot) == (20, 2, [], None)
+    scheduler.finish(a, "abort")  # again: nothing is freed twice
+    assert pool.num_free == 20 and scheduler.schedule() is None and not pm.has_work
 
 
 # --- decode manager ------------------------------------------------------------------------------------------
 
 def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
     dm = DecodeManager(max_num_seqs=2)
-    assert dm.schedule_next_batch() is None and not dm.has_work
+    assert dm.schedule_next_rows() == () and not dm.has_work
     a, b, c = req("a", 1), req("b", 1), req("c", 1)
     for r in (a, b, c):
         dm.add(r)
     assert a.status is RequestStatus.RUNNING and dm.running == [a, b, c]
-    batch = dm.schedule_next_batch()
-    assert (batch.phase, batch.requests, batch.num_tokens, batch.forced) == ("decode", [a, b], 2, False)
+    assert dm.schedule_next_rows() == (a, b)
     dm.remove(a)
     dm.remove(a)  # absent: no-op
-    assert dm.schedule_next_batch().requests == [b, c]
+    assert dm.schedule_next_rows() == (b, c)
     with pytest.raises(ValueError, match="already decoding"):
         dm.add(b)
 
@@ -186,15 +178,15 @@ def test_completed_prompts_start_decoding_only_after_their_batch_ran():
     scheduler.finish(b, "abort")  # aborted while its last chunk was in flight
     scheduler.on_batch_done(batch)
     assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.FINISHED)
-    assert scheduler.schedule().requests == [a]
+    assert scheduler.schedule().decode == (a,)
     scheduler.finish(a, "length")
     assert a.finish_reason == "length" and pool.num_free == 64 and not scheduler.has_work
 
 
 def test_random_workload_returns_every_page_and_slot():
     rng = random.Random(0)
-    pool, slots = PagePool(40), SlotAllocator(3)
-    pm = PrefillManager(pool, PAGE, max_prefill_tokens=16, max_prefill_rows=2, slots=slots, max_model_len=96)
+    pool, slots = IdAllocator(40, "KV pages"), IdAllocator(3, "slots")
+    pm = PrefillManager(pool, PAGE, max_prefill_tokens=16, max_prefill_rows=2, slots=slots)
     scheduler = Scheduler(pm, DecodeManager(3), DecodeInterleavePolicy(2))
     requests = [req(f"r{i}", rng.randint(1, 60), max_tokens=rng.randint(1, 30)) for i in range(60)]
     for r in requests:
@@ -205,7 +197,7 @@ def test_random_workload_returns_every_page_and_slot():
         if batch is None:
             break
         # Deliver: one sampled token per completed prompt or decoding request, then stop checks.
-        produced = batch.completed if batch.phase == "prefill" else batch.requests
+        produced = batch.completed + list(batch.decode)
         for r in produced:
             r.output_ids.append(0)
             if len(r.output_ids) == r.sampling.max_tokens:
@@ -240,9 +232,9 @@ def test_mixed_batches_carry_every_running_request_inside_the_token_budget():
     steps = []
     while c.remaining_prompt:
         batch = scheduler.schedule()
-        assert batch.phase == "mixed" and batch.decode.requests == [a, b]
+        assert batch.phase == "mixed" and batch.decode == (a, b)
         assert batch.num_tokens <= 8  # prefill tokens + one per running request
-        steps.append(chunks(batch.prefill))
+        steps.append(chunks(batch))
         scheduler.on_batch_done(batch)
     assert steps == [[("c", 0, 6)], [("c", 6, 6)], [("c", 12, 6)], [("c", 18, 2)]]
     # The count policy never forces a separate decode: every step already advanced the running requests.

@@ -18,7 +18,7 @@ TOL = 1e-4
 _CSA, _HCA, _SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 CASES = {
-    # dsv4-model.md config A: every feature, window 8 evicts, HCA ratio 8, top-3 of up to 10 CSA entries.
+    # Config A: every feature, window 8 evicts, HCA ratio 8, top-3 of up to 10 CSA entries.
     "A": dict(
         raw=preset_dict("tiny"),
         lengths=[41, 29, 36],

@@ -35,7 +35,7 @@ def converted(tmp_path_factory):
     return weights, src, convert_checkpoint(src, root / "converted", dtype="float32")
 
 
-@pytest.mark.parametrize("tp, ep", [(8, 1), (2, 4)])
+@pytest.mark.parametrize("tp, ep", [(4, 2), (2, 4)])
 def test_restore_is_exact_carries_target_shardings_and_gives_the_same_logits(converted, tp, ep):
     weights, src, dst = converted
     mesh = make_mesh(tp, ep)
@@ -72,7 +72,7 @@ def test_load_model_restores_a_conversion_with_its_tokenizer(tmp_path):
 
 def test_errors_name_the_path(converted, tmp_path):
     _, src, dst = converted
-    mesh = make_mesh(8, 1)
+    mesh = make_mesh(4, 2)
     with pytest.raises(CheckpointError, match=re.escape(f"{dst}: already exists; pass overwrite=True")):
         convert_checkpoint(src, dst, dtype="float32")
     with pytest.raises(CheckpointError, match=re.escape(f"{src.parent}: holds the source")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxserve.request import SamplingParams
 from jaxserve.sampling import SamplingArrays, sample
 
 sample_jit = jax.jit(sample)
@@ -13,7 +14,9 @@ sample_jit = jax.jit(sample)
 def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=0):
     def fill(value):
         return value if isinstance(value, list) else [value] * n
-    return SamplingArrays.build(fill(temperature), fill(top_k), fill(top_p), fill(seed), fill(position))
+    rows = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s)
+            for t, k, p, s in zip(fill(temperature), fill(top_k), fill(top_p), fill(seed))]
+    return SamplingArrays.for_rows(rows, np.asarray(fill(position)))
 
 
 def _logits(rows=4, vocab=50, seed=0):

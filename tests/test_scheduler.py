@@ -7,26 +7,30 @@ import itertools
 
 import pytest
 
-from jaxserve.scheduler import DecodeBatch, DecodeInterleavePolicy, PrefillBatch, Scheduler
+from jaxserve.request import PrefillChunk, Request
+from jaxserve.scheduler import DecodeInterleavePolicy, Scheduler
 
 
 class StubManager:
-    """Returns a fresh batch from `make` on every call while `runnable`, else None; counts calls."""
+    """Returns fresh rows from `make` on every call while `runnable`, else nothing; counts calls. Serves as either
+    manager (schedule_next_chunks for prefill, schedule_next_rows for decode)."""
 
     def __init__(self, make, runnable=True):
         self.make = make
         self.runnable = runnable
         self.calls = 0
 
-    def schedule_next_batch(self, token_budget=None):
+    def schedule_next_chunks(self, token_budget=None):
         self.calls += 1
-        return self.make() if self.runnable else None
+        return self.make() if self.runnable else ()
+
+    schedule_next_rows = schedule_next_chunks
 
 
 def make_scheduler(every=None, *, policy=True, prefill=True, decode=True):
     """`policy=False` passes no policy object at all; otherwise DecodeInterleavePolicy(every)."""
-    prefill_stub = StubManager(lambda: PrefillBatch([]), prefill)
-    decode_stub = StubManager(lambda: DecodeBatch([]), decode)
+    prefill_stub = StubManager(lambda: (PrefillChunk(Request("p", [1, 2]), 0, 1),), prefill)
+    decode_stub = StubManager(lambda: (Request("d", [1]),), decode)
     interleave = DecodeInterleavePolicy(every) if policy else None
     return Scheduler(prefill_stub, decode_stub, interleave), prefill_stub, decode_stub
 
@@ -72,7 +76,7 @@ def test_pure_decode_fallback_when_no_prefill(every):
     scheduler, prefill, decode = make_scheduler(every, policy=every is not None, prefill=False)
     batches = [scheduler.schedule() for _ in range(5)]
     assert "".join(map(letter, batches)) == "DDDDD"
-    assert [b.forced for b in batches] == [False] * 5  # every decode was the fallback
+    assert [b.forced_by for b in batches] == [None] * 5  # every decode was the fallback
     assert prefill.calls == 5 and decode.calls == 5
     assert (scheduler.decode_steps, scheduler.forced_decode_steps, scheduler.prefill_steps) == (5, 0, 0)
 
@@ -124,8 +128,8 @@ def test_forced_flag_marks_policy_decodes_only():
     batches = [scheduler.schedule() for _ in range(3)]  # P P D(forced)
     prefill.runnable = False
     batches.append(scheduler.schedule())  # D (fallback)
-    assert [(letter(b), getattr(b, "forced", None)) for b in batches] == [
-        ("P", None), ("P", None), ("D", True), ("D", False)]
+    assert [(letter(b), b.forced_by) for b in batches] == [
+        ("P", None), ("P", None), ("D", "interleave"), ("D", None)]
     assert (scheduler.prefill_steps, scheduler.decode_steps, scheduler.forced_decode_steps) == (2, 2, 1)
 
 

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import socket
 import statistics
 import threading
@@ -26,7 +27,9 @@ import uvicorn
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine, build_runner
+from jaxserve.engine import Engine
+from jaxserve.request import SamplingParams
+from jaxserve.runner import build_runner
 from jaxserve.sharding import make_mesh
 from jaxserve.tokenizer import TokenIdOnly
 from jaxserve.server import create_app
@@ -85,10 +88,11 @@ def runner(loaded):
 
 @contextmanager
 def serving(runner, loaded, tokenizer=None, api_key=None, start=True, **overrides):
-    engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner)
+    tokenizer = tokenizer or loaded.tokenizer
+    engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner, tokenizer.eos_ids)
     if start:
         engine.start()
-    app = create_app(engine, tokenizer or loaded.tokenizer, MODEL, api_key=api_key,
+    app = create_app(engine, tokenizer, MODEL, api_key=api_key,
                      model_path=str(default_checkpoint_path()))
     try:
         with ServerThread(app, engine) as server:
@@ -114,16 +118,22 @@ def http(server):
         yield http
 
 
+def before_each_decode(runner, monkeypatch, action) -> None:
+    """Patch the runner so that `action()` runs before every step that carries decode rows."""
+    real = runner.run
+
+    def run(batch):
+        if batch.decode:
+            action()
+        return real(batch)
+
+    monkeypatch.setattr(runner, "run", run)
+
+
 @pytest.fixture
 def slow_decode(runner, monkeypatch):
     """Every decode step takes at least 10 ms more, so a long request is still running when a client leaves."""
-    real = runner.decode
-
-    def decode(rows):
-        time.sleep(0.01)
-        return real(rows)
-
-    monkeypatch.setattr(runner, "decode", decode)
+    before_each_decode(runner, monkeypatch, lambda: time.sleep(0.01))
 
 
 def sse_payloads(lines) -> list:
@@ -246,6 +256,42 @@ def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
         chunks = sse_payloads(response.iter_lines())[:-1]
     streamed = [c["choices"][0]["text"] for c in chunks]
     assert "".join(streamed) == expected and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_every_eos_id_of_the_generation_config_ends_generation_in_the_engine_and_over_http(http, runner, loaded,
+                                                                                          tmp_path):
+    prompts = [[7, 8, 9], [20, 21, 22, 23]]
+    ids = [http.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                              "return_token_ids": True}).json()["choices"][0]["token_ids"]
+           for p in prompts]
+    # Two EOS ids, each ending one prompt's greedy continuation first: the checkpoint's config.json says 1.
+    eos_a = next(t for t in ids[0][2:] if t != 1)
+    stop_a = ids[0].index(eos_a)
+    eos_b = next(t for i, t in enumerate(ids[1][2:], 2) if t not in ids[0][:stop_a + 1] + [1]
+                 and not {eos_a, 1} & set(ids[1][:i]))
+    stop_b = ids[1].index(eos_b)
+    assert 1 not in ids[0][:stop_a] and eos_b not in ids[0][:stop_a + 1] and eos_a not in ids[1][:stop_b + 1]
+    folder = tmp_path / "two-eos"
+    shutil.copytree(default_checkpoint_path(), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [eos_a, eos_b]}))
+    tokenizer = load_model(folder, make_mesh(1, 1), dtype=CONFIG.dtype).tokenizer
+    assert set(tokenizer.eos_ids) == {eos_a, eos_b, 1}
+
+    engine = Engine(CONFIG, loaded.config, runner, tokenizer.eos_ids).start()
+    try:
+        handles = [engine.submit(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
+        through_engine = [h.wait(timeout=60) for h in handles]
+    finally:
+        engine.shutdown()
+    assert through_engine == [(ids[0][:stop_a + 1], "stop", None), (ids[1][:stop_b + 1], "stop", None)]
+
+    with serving(runner, loaded, tokenizer=tokenizer) as two_eos, httpx.Client(base_url=two_eos.url,
+                                                                              timeout=60) as client:
+        choices = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0,
+                                                        "return_token_ids": True}).json()["choices"][0]
+                   for p in prompts]
+    assert [(c["token_ids"], c["finish_reason"], c["stop_reason"]) for c in choices] == [
+        (ids[0][:stop_a + 1], "stop", None), (ids[1][:stop_b + 1], "stop", None)]
 
 
 def test_stop_token_ids(http):
@@ -373,13 +419,7 @@ def test_unknown_route_and_method_keep_the_error_shape(http):
 
 def test_a_full_queue_answers_429_with_retry_after(server, runner, loaded, monkeypatch):
     gate = threading.Event()
-    real = runner.decode
-
-    def gated_decode(rows):
-        gate.wait(30)
-        return real(rows)
-
-    monkeypatch.setattr(runner, "decode", gated_decode)
+    before_each_decode(runner, monkeypatch, lambda: gate.wait(30))
     with serving(runner, loaded, max_queued_requests=1) as queued, httpx.Client(base_url=queued.url,
                                                                                 timeout=60) as http:
         body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
@@ -426,10 +466,10 @@ def test_token_id_only_mode(server, runner, loaded):
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event_then_done(server, http, runner, monkeypatch):
-    def failing_decode(rows):
+    def fail() -> None:
         raise RuntimeError("injected decode failure")
 
-    monkeypatch.setattr(runner, "decode", failing_decode)
+    before_each_decode(runner, monkeypatch, fail)
     body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         payloads = sse_payloads(response.iter_lines())

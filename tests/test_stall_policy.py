@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.scheduler import DecodeBatch, DecodeInterleavePolicy, DecodeStallPolicy, PrefillBatch, Scheduler
+from jaxserve.request import PrefillChunk, Request
+from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler
 
 
 class FakeClock:
@@ -21,9 +22,9 @@ class StubPrefill:
     def __init__(self):
         self.budgets = []
 
-    def schedule_next_batch(self, token_budget=None):
+    def schedule_next_chunks(self, token_budget=None):
         self.budgets.append(token_budget)
-        return PrefillBatch([])
+        return (PrefillChunk(Request("p", [1, 2]), 0, 1),)
 
 
 class StubDecode:
@@ -33,9 +34,9 @@ class StubDecode:
 
     has_work = property(lambda self: self.runnable)
 
-    def schedule_next_batch(self):
+    def schedule_next_rows(self):
         self.calls += 1
-        return DecodeBatch([]) if self.runnable else None
+        return (Request("d", [1]),) if self.runnable else ()
 
 
 def make(stall_ms, every=None, adaptive=True, decode_runnable=True):

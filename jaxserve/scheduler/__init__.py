@@ -1,14 +1,11 @@
-"""Host-side scheduling: request records, the prefill and decode managers, the interleave policy, the decision."""
+"""Host-side scheduling: the prefill and decode managers, the page and slot allocator, the policies, the decision."""
 
+from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.interleave import DecodeInterleavePolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.scheduler.request import (Batch, DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, Request,
-                                        RequestStatus, SamplingParams)
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.stall import DecodeStallPolicy
-from jaxserve.scheduler.slots import SlotAllocator, SlotsExhausted
 
-__all__ = ["Batch", "DecodeBatch", "DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "MixedBatch",
-           "PrefillBatch", "PrefillChunk", "PrefillManager", "Request", "RequestStatus", "SamplingParams", "Scheduler",
-           "SlotAllocator", "SlotsExhausted"]
+__all__ = ["DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "Exhausted", "IdAllocator",
+           "PrefillManager", "Scheduler"]

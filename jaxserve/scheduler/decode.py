@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.scheduler.request import DecodeBatch, Request, RequestStatus
+from jaxserve.request import Request, RequestStatus
 
 
 class DecodeManager:
@@ -32,7 +32,6 @@ class DecodeManager:
         if self._running.get(request.request_id) is request:
             del self._running[request.request_id]
 
-    def schedule_next_batch(self) -> DecodeBatch | None:
-        if not self._running:
-            return None
-        return DecodeBatch(self.running[:self.max_num_seqs])  # oldest first
+    def schedule_next_rows(self) -> tuple[Request, ...]:
+        """The requests the next decode step advances (oldest first); empty when none is decoding."""
+        return tuple(self.running[:self.max_num_seqs])

@@ -1,6 +1,6 @@
 """`--decode-interleave-every N`: after N consecutive prefill steps, take one decode step if one is runnable.
 
-A pure counter (no engine, no device), semantics as in docs/scheduling.md 0.1. The scheduler reports every
+A pure counter (no engine, no device), semantics as in docs/scheduling.md. The scheduler reports every
 step it actually schedules; the policy only answers "is a decode due?".
 """
 

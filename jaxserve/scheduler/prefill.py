@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from jaxserve.cache import PagePool, PagePoolExhausted, pages_needed
-from jaxserve.scheduler.request import PrefillBatch, PrefillChunk, Request, RequestStatus
-from jaxserve.scheduler.slots import SlotAllocator
+from jaxserve.cache import pages_needed
+from jaxserve.request import PrefillChunk, Request, RequestStatus
+from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 
 
 class PrefillManager:
-    def __init__(self, page_pool: PagePool, page_size: int, max_prefill_tokens: int, max_prefill_rows: int,
-                 slots: SlotAllocator | int, max_model_len: int | None = None):
+    def __init__(self, page_pool: IdAllocator, page_size: int, max_prefill_tokens: int, max_prefill_rows: int,
+                 slots: IdAllocator):
         for name, value in (("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens),
                             ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
@@ -26,8 +26,7 @@ class PrefillManager:
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens  # token budget of one step (--chunked-prefill-size)
         self.max_prefill_rows = max_prefill_rows  # chunks (requests) in one step
-        self.slots = SlotAllocator(slots) if isinstance(slots, int) else slots
-        self.max_model_len = max_model_len
+        self.slots = slots
         # Arrival order. Only the last chunk of a batch can be partial, so a request whose prompt is part-way
         # done is always at the head: continuing it first and FIFO admission are the same walk.
         self._queue: deque[Request] = deque()
@@ -41,25 +40,14 @@ class PrefillManager:
         return bool(self._queue)
 
     def add(self, request: Request) -> None:
-        """Queue `request`; refuse (ValueError) one that could never be admitted, so nothing waits forever."""
-        self.check_admissible(request)
+        """Queue `request`, which Engine.check_admission accepted: it fits the pool once it is empty, so it never
+        waits at the head forever."""
         request.status = RequestStatus.WAITING
         self._queue.append(request)
 
-    def check_admissible(self, request: Request) -> None:
-        """Raise ValueError (with the numbers) if `request` could never be admitted, however long it waited."""
-        total = request.max_total_len
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
-                             f"({request.sampling.max_tokens}) = {total} exceeds max_model_len={self.max_model_len}")
-        need = pages_needed(total, self.page_size)
-        if need > self.page_pool.num_pages:
-            raise ValueError(f"request {request.request_id!r}: prompt ({request.prompt_len} tokens) + max_tokens "
-                             f"({request.sampling.max_tokens}) = {total} tokens needs {need} KV pages of "
-                             f"{self.page_size} tokens, but the pool has only {self.page_pool.num_pages} in total")
-
-    def schedule_next_batch(self, token_budget: int | None = None) -> PrefillBatch | None:
-        """The next prefill step, or None. Scheduling is the commitment: `num_prefilled` advances now.
+    def schedule_next_chunks(self, token_budget: int | None = None) -> tuple[PrefillChunk, ...]:
+        """The next prefill step's chunks (empty: nothing to prefill). Scheduling is the commitment:
+        `num_prefilled` advances now.
 
         `token_budget` lowers this step's budget below max_prefill_tokens (adaptive chunking)."""
         chunks: list[PrefillChunk] = []
@@ -74,7 +62,7 @@ class PrefillManager:
             budget -= length
             if request.prefill_done:
                 self._queue.popleft()
-        return PrefillBatch(chunks) if chunks else None
+        return tuple(chunks)
 
     def remove(self, request: Request) -> None:
         """Forget `request` wherever it is in its life and give back its pages and slot (each exactly once)."""
@@ -84,24 +72,16 @@ class PrefillManager:
             self.page_pool.free(request.pages)
             request.pages = []
         if request.slot is not None:
-            self.slots.free(request.slot)
+            self.slots.free([request.slot])
             request.slot = None
-
-    def abort(self, request_id: str) -> Request | None:
-        """Drop a waiting or part-prefilled request by id; returns it (finished), or None if it is not here."""
-        request = next((r for r in self._queue if r.request_id == request_id), None)
-        if request is not None:
-            self.remove(request)
-            request.mark_finished("abort")
-        return request
 
     def _admit(self, request: Request) -> bool:
         if self.slots.num_free == 0:
             return False
         try:
             request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
-        except PagePoolExhausted:
+        except Exhausted:
             return False
-        request.slot = self.slots.allocate()
+        request.slot, = self.slots.allocate(1)
         request.status = RequestStatus.PREFILLING
         return True

@@ -1,4 +1,4 @@
-"""The per-iteration decision: a prefill batch, a decode batch, or nothing (docs/scheduling.md 0.1).
+"""The per-iteration decision: a prefill step, a decode step, a mixed step, or nothing (docs/scheduling.md).
 
 Request life and the prefill -> decode hand-off (driven by the engine loop):
   add_request -> PrefillManager queue (WAITING) -> admitted, chunks scheduled (PREFILLING)
@@ -11,12 +11,10 @@ last chunk; a request finished (or aborted) in between is never handed over.
 
 from __future__ import annotations
 
-import dataclasses
-
+from jaxserve.request import Batch, Request
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.interleave import DecodeInterleavePolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.scheduler.request import Batch, DecodeBatch, MixedBatch, PrefillBatch, Request, RequestStatus
 from jaxserve.scheduler.stall import DecodeStallPolicy
 
 
@@ -32,7 +30,7 @@ class Scheduler:
         self.prefill_steps = 0  # mixed steps included
         self.mixed_steps = 0
         self.decode_steps = 0
-        self.forced_decode_steps = 0  # decodes a policy put ahead of prefill (DecodeBatch.forced)
+        self.forced_decode_steps = 0  # decode steps a policy put ahead of prefill (Batch.forced_by)
         self.stall_decode_steps = 0  # ... of which the stall budget asked for
 
     @property
@@ -45,12 +43,14 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next batch to run, counted in the step statistics."""
         batch = self._schedule_next_batch()
-        if isinstance(batch, (PrefillBatch, MixedBatch)):
+        if batch is None:
+            return None
+        if batch.prefill:
             self.prefill_steps += 1
-            self.mixed_steps += isinstance(batch, MixedBatch)
-        elif isinstance(batch, DecodeBatch):
+            self.mixed_steps += bool(batch.decode)
+        else:
             self.decode_steps += 1
-            self.forced_decode_steps += batch.forced
+            self.forced_decode_steps += batch.forced_by is not None
             self.stall_decode_steps += batch.forced_by == "stall"
         return batch
 
@@ -61,27 +61,27 @@ class Scheduler:
         token_limit = stall.prefill_token_limit(self.prefill_manager.max_prefill_tokens) if stall else None
         due = "interleave" if policy is not None and policy.wants_decode() else "stall" if token_limit == 0 else None
         if due is not None:
-            batch = self.decode_manager.schedule_next_batch()
-            if batch is not None:
+            rows = self.decode_manager.schedule_next_rows()
+            if rows:
                 self._note_decode()
-                return dataclasses.replace(batch, forced_by=due)
+                return Batch(decode=rows, forced_by=due)
             # No decode runnable: fall through to prefill; the streak is kept, so the due state latches.
-        riders = self.decode_manager.schedule_next_batch() if self.mixed_batches else None
-        if riders is not None:  # the step's token budget covers the decode rows too
-            budget = max(self.prefill_manager.max_prefill_tokens - riders.num_tokens, 1)
+        riders = self.decode_manager.schedule_next_rows() if self.mixed_batches else ()
+        if riders:  # the step's token budget covers the decode rows too
+            budget = max(self.prefill_manager.max_prefill_tokens - len(riders), 1)
             token_limit = min(token_limit or budget, budget)
-        batch = self.prefill_manager.schedule_next_batch(token_limit or None)
-        if batch is not None:
-            if riders is not None:
+        chunks = self.prefill_manager.schedule_next_chunks(token_limit or None)
+        if chunks:
+            if riders:
                 self._note_decode()
-                return MixedBatch(batch, riders)
-            if policy is not None:
+            elif policy is not None:
                 policy.note_prefill()
-            return batch
-        batch = riders or self.decode_manager.schedule_next_batch()
-        if batch is not None:
+            return Batch(prefill=chunks, decode=riders)
+        rows = riders or self.decode_manager.schedule_next_rows()
+        if rows:
             self._note_decode()
-        return batch
+            return Batch(decode=rows)
+        return None
 
     def _note_decode(self) -> None:
         if self.interleave_policy is not None:
@@ -91,32 +91,31 @@ class Scheduler:
         """Step timing for the stall budget's cost model (and the predicted end of a step still in flight)."""
         if self.stall_policy is None:
             return
-        if isinstance(batch, DecodeBatch):
-            self.stall_policy.observe_decode(seconds)
-        else:
+        if batch.prefill:
             self.stall_policy.observe_prefill(batch.num_tokens, seconds)
+        else:
+            self.stall_policy.observe_decode(seconds)
         self.stall_policy.note_inflight(inflight_until)
 
     def on_batch_done(self, batch: Batch) -> None:
         """Call after `batch` ran and its tokens were delivered: completed prompts start decoding."""
         started = False
-        if not isinstance(batch, DecodeBatch):
-            for request in batch.completed:
-                if request.status is not RequestStatus.FINISHED:
-                    self.decode_manager.add(request)
-                    started = True
+        for request in batch.completed:
+            if not request.finished:
+                self.decode_manager.add(request)
+                started = True
         if self.stall_policy is not None:
             if not self.decode_manager.has_work:
                 self.stall_policy.note_idle()
-            elif isinstance(batch, (DecodeBatch, MixedBatch)):
+            elif batch.decode:
                 self.stall_policy.note_decoded()
             elif started:
                 self.stall_policy.note_runnable()
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End `request` in any state (also an abort, reason "abort"); frees its pages and slot exactly once."""
         self.decode_manager.remove(request)
         self.prefill_manager.remove(request)
-        request.mark_finished(reason)
+        request.mark_finished(reason, stop_reason)
         if self.stall_policy is not None and not self.decode_manager.has_work:
             self.stall_policy.note_idle()

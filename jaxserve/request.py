@@ -1,15 +1,26 @@
-"""Host-side request records and the two kinds of batch the scheduler hands to the runner."""
+"""The request record and the batch: what the scheduler decides, the runner's inputs are built from, and the
+engine delivers to. One record per request, from submission to finish."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+
+
+class InvalidRequest(ValueError):
+    """A request refused at the door; `param` names the request field at fault (the HTTP layer answers 400 with
+    it), and the message starts with that field's name."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling and stopping; the one place their ranges are checked."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -26,10 +37,11 @@ class SamplingParams:
             "temperature": (self.temperature >= 0, "must be >= 0"),
             "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
             "top_k": (self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            "seed": (self.seed is None or 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {rule}")
+                raise InvalidRequest(name, f"{name}={getattr(self, name)!r}: {rule}")
 
 
 class RequestStatus(enum.Enum):
@@ -50,11 +62,13 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
 
     def __post_init__(self):
         if not self.prompt_ids:
-            raise ValueError(f"request {self.request_id!r}: empty prompt (there is no position to sample from)")
+            raise InvalidRequest("prompt", f"prompt: request {self.request_id!r} is empty (there is no position "
+                                           "to sample from)")
 
     @property
     def prompt_len(self) -> int:
@@ -76,9 +90,14 @@ class Request:
     def max_total_len(self) -> int:
         return self.prompt_len + self.sampling.max_tokens
 
-    def mark_finished(self, reason: str) -> None:
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def mark_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+        self.stop_reason = stop_reason
 
 
 @dataclass(frozen=True)
@@ -100,52 +119,40 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class PrefillBatch:
-    phase: ClassVar[str] = "prefill"
-    chunks: list[PrefillChunk]
+class Batch:
+    """One step: prompt chunks, one next token for each decoding request, or both (a mixed step).
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+    `forced_by` says which policy put a decode-only step ahead of waiting prefill work ("interleave" or
+    "stall"); None when none did (prefill steps, and the decode taken because there was nothing to prefill)."""
 
-    @property
-    def completed(self) -> list[Request]:
-        """Requests whose prompt this batch completes, in batch order."""
-        return [c.request for c in self.chunks if c.is_last]
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    phase: ClassVar[str] = "decode"
-    requests: list[Request]
-    # The policy that put this decode ahead of prefill ("interleave" or "stall"); None for the fallback decode
-    # taken because no prefill batch could be formed. Prefill is not asked first, so it may have had nothing.
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[Request, ...] = ()
     forced_by: str | None = None
 
-    @property
-    def forced(self) -> bool:
-        return self.forced_by is not None
+    def __post_init__(self):
+        if not self.prefill and not self.decode:
+            raise ValueError("a batch carries prefill chunks, decode rows or both")
+        if self.forced_by is not None and self.prefill:
+            raise ValueError("only a decode-only step is forced ahead of prefill")
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.requests)
+    def phase(self) -> str:
+        return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
 
-
-@dataclass(frozen=True)
-class MixedBatch:
-    """A prefill step that also advances every running request by one token (`--mixed-batches`)."""
-
-    phase: ClassVar[str] = "mixed"
-    prefill: PrefillBatch
-    decode: DecodeBatch
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.length for c in self.prefill)
 
     @property
     def num_tokens(self) -> int:
-        return self.prefill.num_tokens + self.decode.num_tokens
+        return self.num_prefill_tokens + len(self.decode)
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every request the step advances, prefill rows first, in row order."""
+        return [c.request for c in self.prefill] + list(self.decode)
 
     @property
     def completed(self) -> list[Request]:
-        return self.prefill.completed
-
-
-Batch = PrefillBatch | DecodeBatch | MixedBatch
+        """Requests whose prompt this step completes, in row order."""
+        return [c.request for c in self.prefill if c.is_last]

@@ -1,4 +1,5 @@
 """One engine request seen as text: token events in, one Delta per event out (detokenized, stop strings applied).
+Both `jaxserve generate` and the HTTP server stream through it.
 
 The request is submitted when the Generation is made, so a refusal (queue full, never fits, draining) raises
 before any response has started. Leaving `deltas()` early for any reason (a stop string, the client gone, a
@@ -12,9 +13,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from jaxserve.engine import Engine
-from jaxserve.scheduler import SamplingParams
-from jaxserve.server.stop import StopStrings
+from jaxserve.engine import Engine, TokenEvent
+from jaxserve.request import SamplingParams
+from jaxserve.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,11 @@ class Generation:
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id)
         self.num_generated = 0
         self._engine = engine
-        self._sampling = sampling
         self._detokenizer = tokenizer.detokenizer()
         self._stops = StopStrings(stop)
         self._observer = observer
         self._finish_reason: str | None = None
+        self._stop_string: str | None = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """One Delta per engine event, the last one with a finish reason. Use under `contextlib.aclosing`, so
@@ -71,15 +72,15 @@ class Generation:
             async with aclosing(self.handle.events()) as events:
                 async for event in events:
                     engine_done = event.finished
-                    delta = self._delta(event.token_ids, event.finish_reason, event.error)
+                    delta = self._delta(event)
                     if self._observer is not None and event.token_ids:
                         self._observer.on_tokens(len(event.token_ids), time.monotonic())
                     yield delta
                     if delta.finish_reason is not None:
                         return
         finally:
-            if not engine_done:  # a stop string, or the consumer left early (the client is gone)
-                self._engine.abort(self.handle.request_id, self._finish_reason or "abort")
+            if not engine_done:  # a stop string (the engine records it as the stop reason), or the consumer left
+                self._engine.abort(self.handle.request_id, self._finish_reason or "abort", self._stop_string)
             if self._observer is not None:
                 self._observer.on_finish(self._finish_reason or "abort", time.monotonic())
 
@@ -91,23 +92,17 @@ class Generation:
                 output.add(delta)
         return output
 
-    def _delta(self, token_ids: tuple[int, ...], finish_reason: str | None, error: str | None) -> Delta:
-        self.num_generated += len(token_ids)
-        text = "".join(self._detokenizer.step(t) for t in token_ids)
-        if finish_reason is not None:
+    def _delta(self, event: TokenEvent) -> Delta:
+        self.num_generated += len(event.token_ids)
+        text = "".join(self._detokenizer.step(t) for t in event.token_ids)
+        if event.finished:
             text += self._detokenizer.flush()
         text, stop = self._stops.feed(text)
         if stop is not None:
-            finish_reason, stop_reason = "stop", stop
-        elif finish_reason is not None:
-            text += self._stops.flush()
-            stop_reason = self._stop_token(token_ids) if finish_reason == "stop" else None
+            finish_reason, stop_reason, self._stop_string = "stop", stop, stop
         else:
-            stop_reason = None
+            finish_reason, stop_reason = event.finish_reason, event.stop_reason
+            if event.finished:
+                text += self._stops.flush()
         self._finish_reason = finish_reason
-        return Delta(text, token_ids, finish_reason, stop_reason, error)
-
-    def _stop_token(self, token_ids: tuple[int, ...]) -> int | None:
-        # vLLM reports the stop token id, and None for EOS.
-        last = token_ids[-1] if token_ids else None
-        return last if last in self._sampling.stop_token_ids else None
+        return Delta(text, event.token_ids, finish_reason, stop_reason, event.error)

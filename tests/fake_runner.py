@@ -1,0 +1,81 @@
+"""A StepRunner for engine and server tests that compiles nothing: its "model" is a rolling hash of everything
+written to a sequence's slot, so the next token is hand-computable (`continuation`) and depends on every token
+the engine fed, at the right positions, in the right slot.
+
+It also checks what a real cache would silently get wrong: a chunk that does not continue its slot where the
+last one ended, two rows of one step sharing a slot or a page, a row whose pages are too few for its positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.cache import CacheGeometry
+from jaxserve.request import Batch
+from jaxserve.runner import Buckets
+
+HASH_MULTIPLIER = 1_000_003
+HASH_MODULUS = 2**31 - 1
+
+
+def next_token(history: list[int], vocab: int) -> int:
+    """The fake model: the token after `history` (a whole sequence, prompt and output so far)."""
+    h = 17
+    for t in history:
+        h = (h * HASH_MULTIPLIER + t + 1) % HASH_MODULUS
+    return h % vocab
+
+
+def continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
+    """The n tokens the fake model generates after `prompt`, on its own (what any batch must reproduce)."""
+    history = list(prompt)
+    for _ in range(n):
+        history.append(next_token(history, vocab))
+    return history[len(prompt):]
+
+
+class FakeRunner:
+    def __init__(self, geometry: CacheGeometry, buckets: Buckets, vocab: int):
+        self.geometry = geometry
+        self.buckets = buckets
+        self.vocab = vocab
+        self.warmups = 0
+        self.steps: list[Batch] = []
+        self.fail = None  # a callable(batch) -> Exception | None, to inject failures
+        self.lose_cache_on_failure = False
+        self.reset_cache()
+
+    def warmup(self, show_progress: bool = False) -> None:
+        self.warmups += 1
+
+    def cache_lost(self) -> bool:
+        return self._lost
+
+    def reset_cache(self) -> None:
+        self._written: dict[int, list[int]] = {}  # slot -> the tokens its sequence has written, in order
+        self._lost = False
+
+    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        error = self.fail(batch) if self.fail is not None else None
+        if error is not None:
+            self._lost = self.lose_cache_on_failure
+            raise error
+        rows = [(c.token_ids, c.start, c.request) for c in batch.prefill]
+        rows += [([r.output_ids[-1]], r.total_len - 1, r) for r in batch.decode]
+        slots = [r.slot for _, _, r in rows]
+        pages = [p for _, _, r in rows for p in r.pages]
+        assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
+        assert len(set(pages)) == len(pages), "two rows share a KV page"
+        assert len(batch.prefill) <= max(self.buckets.prefill_rows), "more prefill rows than any bucket"
+        assert len(batch.decode) <= max(self.buckets.decode_rows), "more decode rows than any bucket"
+        out = []
+        for tokens, position, request in rows:
+            written = [] if position == 0 else self._written[request.slot]
+            assert position == len(written), f"{request.request_id}: writes at {position}, slot holds {len(written)}"
+            written = written + list(tokens)
+            assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
+            self._written[request.slot] = written
+            out.append(next_token(written, self.vocab))
+        self.steps.append(batch)
+        tokens = np.asarray(out, np.int32)
+        return tokens[:len(batch.prefill)], tokens[len(batch.prefill):]

@@ -1,0 +1,66 @@
+"""The dependency direction (docs/architecture.md): each layer imports only the layers below it, under whatever
+import name, lazily inside a function or not. The layers are the repository's folders."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# folder -> the installed package names it must never import (below it: what it may).
+FORBIDDEN = {
+    "kernels": ("jaxserve",),  # pure-JAX primitives: nothing of ours
+    "jaxserve": ("jaxserve.server", "jaxserve.checkpoints", "jaxserve.cli"),  # the core
+    "checkpoints": ("jaxserve.server", "jaxserve.cli"),
+    "server": ("jaxserve.checkpoints", "jaxserve.cli"),
+}
+# The folders as the import system would also find them from the repository root.
+TOP_LEVEL_ALIASES = {"server": "jaxserve.server", "checkpoints": "jaxserve.checkpoints", "cli": "jaxserve.cli",
+                     "kernels": "jaxserve.kernels"}
+NEVER_AT_RUN_TIME = ("torch", "transformers")
+
+
+def imported_modules(source: str) -> list[str]:
+    """Every module an `import`, `from ... import` or importlib.import_module("...") in `source` names."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
+                "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+            names.append(str(node.args[0].value))
+    return names
+
+
+def canonical(name: str) -> str:
+    head, _, rest = name.partition(".")
+    alias = TOP_LEVEL_ALIASES.get(head)
+    return name if alias is None else alias + ("." + rest if rest else "")
+
+
+def violations(folder: str) -> list[str]:
+    found = []
+    for path in sorted((REPO / folder).rglob("*.py")):
+        for name in map(canonical, imported_modules(path.read_text())):
+            banned = FORBIDDEN[folder] + NEVER_AT_RUN_TIME
+            if any(name == b or name.startswith(b + ".") for b in banned):
+                found.append(f"{path.relative_to(REPO)} imports {name}")
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_each_layer_imports_only_the_layers_below_it(folder):
+    assert violations(folder) == []
+
+
+def test_the_scan_sees_every_form_of_import():
+    source = ("import server.app\nfrom checkpoints import load\nfrom jaxserve.server.routes import router\n"
+              "def f():\n    import jaxserve.cli.main\n    importlib.import_module('jaxserve.checkpoints.load')\n")
+    names = {canonical(n) for n in imported_modules(source)}
+    assert {"jaxserve.server.app", "jaxserve.checkpoints.load", "jaxserve.server.routes", "jaxserve.cli.main",
+            "jaxserve.checkpoints"} <= names
