@@ -210,6 +210,9 @@ OUTPUTS = [  # (options, model output, reasoning, content, calls)
     # Without tools, DSML is not parsed: it is text like any other.
     (ChatOptions(), "x\n\n" + CALLS_DSML, "", "x\n\n" + CALLS_DSML, []),
     (AUTO_TOOLS, "a\n\n" + CALLS_DSML + "\ntrailing", "", "a\ntrailing", CALLS),
+    # Stray think tags in an answer are dropped, as they were when special tokens were skipped.
+    (ChatOptions(), "a</think>b<think>c<thin", "", "abc<thin", []),
+    (chat_options(thinking=True), "r</think>a</think>b", "r", "ab", []),
 ]
 
 

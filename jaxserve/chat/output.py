@@ -6,7 +6,8 @@ streaming and whole outputs alike (`parse_output` feeds everything at once), so 
 to exactly what the whole output parses to, wherever the text was split.
 
 - Text that may be the start of a marker (`</think>`, the tool-call block's opening, the separator before it) is
-  held back until the next piece decides, so no markup ever reaches content or reasoning.
+  held back until the next piece decides, so no markup ever reaches content or reasoning. Stray `<think>` or
+  `</think>` tags in the answer are dropped, as skipping special tokens did before the parser saw them.
 - A tool-call block is held whole until its closing tag and then checked; its calls come out together, each as
   name then arguments (a JSON object text). A block that breaks DSML's grammar, or that the output ends inside,
   comes back verbatim as content: malformed model output is the client's to see, never a server error.
@@ -121,7 +122,7 @@ class ChatOutputParser:
     @property
     def _markers(self) -> tuple[str, ...]:
         block = (TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN) if self._tools else ()
-        return (THINK_END, *block) if self._state == _REASONING else block
+        return (THINK_END, *block) if self._state == _REASONING else (THINK_START, THINK_END, *block)
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -156,7 +157,7 @@ class ChatOutputParser:
                 at, marker = min(found, key=lambda f: (f[0], -len(f[1])))
                 self._emit(out, self._buffer[:at])
                 rest = self._buffer[at + len(marker):]
-                if marker == THINK_END:
+                if marker in (THINK_START, THINK_END):  # ends the reasoning; in the answer, a stray tag is dropped
                     self._state, self._buffer = _CONTENT, rest
                 else:
                     self._state, self._buffer = _BLOCK, TOOL_CALLS_OPEN + rest
