@@ -113,7 +113,6 @@ class ChatOutputParser:
         self._buffer = ""
         self._at_start = True  # a leading <think> in thinking mode is the model repeating the prompt's
         self._block_lead = ""  # the separator read before the open block, given back if the block is text
-        self.tool_calls: list[ToolCall] = []
         prefix = options.answer_prefix
         if prefix:
             self._buffer = prefix[len(TOOL_CALLS_SEPARATOR):]
@@ -143,7 +142,8 @@ class ChatOutputParser:
                 if calls is None:  # not DSML after all: the block is text
                     out.content += self._block_lead + self._buffer[:block_end]
                 else:
-                    out.tool_calls += self._new_calls(calls)
+                    out.tool_calls += [ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+                                       for name, arguments in calls]
                 self._buffer = self._buffer[block_end:]
                 self._state = _CONTENT
                 continue
@@ -173,11 +173,6 @@ class ChatOutputParser:
             out.reasoning += text
         else:
             out.content += text
-
-    def _new_calls(self, calls: list[tuple[str, str]]) -> list[ToolCall]:
-        made = [ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in calls]
-        self.tool_calls += made
-        return made
 
 
 def parse_output(text: str, options: ChatOptions) -> ParsedDelta:
