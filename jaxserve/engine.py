@@ -227,14 +227,17 @@ class Engine:
         return len(leftover)
 
     # ---- public API (any thread) -----------------------------------------------------------------------------
+    def check_token_ids(self, param: str, ids) -> None:
+        """Raise InvalidRequest naming `param` and the position if an id is outside the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= int(token) < vocab:
+                raise InvalidRequest(param, f"{param}[{i}]: token id {token} is outside the vocabulary [0, {vocab})")
+
     def check_admission(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", sampling.stop_token_ids)):
-            for i, token in enumerate(ids):
-                if not 0 <= int(token) < vocab:
-                    raise InvalidRequest(name, f"{name}[{i}]: token id {token} is outside the vocabulary "
-                                               f"[0, {vocab})")
+        self.check_token_ids("prompt", prompt_ids)
+        self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt: must not be empty (there is no position to sample from)")
         limit, prompt_len, completion = self.context_limit, len(prompt_ids), sampling.max_tokens

@@ -54,11 +54,12 @@ class Output:
 
 class Generation:
     def __init__(self, engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None):
+                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None, keep_markup: bool = False):
+        """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser)."""
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id)
         self.num_generated = 0
         self._engine = engine
-        self._detokenizer = tokenizer.detokenizer()
+        self._detokenizer = tokenizer.detokenizer(keep_markup=keep_markup)
         self._stops = StopStrings(stop)
         self._observer = observer
         self._finish_reason: str | None = None

@@ -4,9 +4,9 @@
   that knows the BOS/EOS ids but refuses text (the server then takes prompts as token ids only).
 - BOS/EOS ids come from `generation_config.json`, `config.json` and `tokenizer_config.json`; EOS is their union.
 - `IncrementalDetokenizer`: per request, token ids in, only complete text out (never half a UTF-8 character).
-- `render_chat` / `Tokenizer.apply_chat_template`: DeepSeek-V4's chat encoding (official `encoding_dsv4.py`,
-  `encode_messages`): BOS, system text, `<｜User｜>` user text, `<｜Assistant｜>` then `</think>` (chat mode) or
-  `<think>` (thinking mode); finished assistant turns end with EOS.
+- `Tokenizer.apply_chat_template`: the ids of DeepSeek-V4's chat encoding (jaxserve.chat.encoding).
+- `Tokenizer.detokenizer(keep_markup=True)`: output text for the chat output parser, with the reasoning and
+  tool-call markup kept even where the tokenizer marks those tokens special (BOS, EOS and the rest still dropped).
 """
 
 from __future__ import annotations
@@ -19,15 +19,10 @@ from typing import Any, Iterable
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from jaxserve.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
+
 log = logging.getLogger("jaxserve.tokenizer")
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-CHAT_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, THINK_START, THINK_END)
 
 
 class TokenizerError(ValueError):
@@ -94,24 +89,27 @@ class IncrementalDetokenizer:
 
     Bytes of a character split over several byte-level tokens are held back until the character is complete, so
     a stream never carries a broken UTF-8 sequence. `flush()` at the end returns what is still held back.
+    Ids in `silent_ids` (the special tokens a caller does not want as text) decode to nothing.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, silent_ids: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._silent = silent_ids
+        self._stream = DecodeStream(skip_special_tokens=False)
         self.ids: list[int] = []
         self.text = ""
 
     def step(self, token_id: int) -> str:
         self.ids.append(int(token_id))
+        if token_id in self._silent:
+            return ""
         piece = self._stream.step(self._tokenizer, int(token_id)) or ""
         self.text += piece
         return piece
 
     def flush(self) -> str:
         """The text still held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
-        full = self._tokenizer.decode(self.ids, skip_special_tokens=self._skip_special)
+        full = self._tokenizer.decode([i for i in self.ids if i not in self._silent], skip_special_tokens=False)
         rest = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += rest
         return rest
@@ -132,63 +130,6 @@ class _NoTextDetokenizer:
         return ""
 
 
-# ---- chat encoding -------------------------------------------------------------------------------------------------
-
-def _content_text(content: Any, where: str) -> str:
-    """OpenAI message content: a string, None, or a list of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise TokenizerError(f"{where}: only text content parts are supported, got {part!r}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise TokenizerError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
-
-
-def render_chat(messages: list[dict[str, Any]], thinking: bool = False) -> str:
-    """DeepSeek-V4's prompt text for `messages` (roles system, developer, user, assistant), as `encode_messages`
-    renders it with past reasoning dropped. A conversation ending in a user turn ends with the generation prompt.
-    """
-    if not messages:
-        raise TokenizerError("messages: at least one message is needed")
-    for k, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("system", "developer", "user", "assistant"):
-            raise TokenizerError(f"messages[{k}]: role {role!r} is not supported (system, developer, user, "
-                                 "assistant)")
-        if message.get("tool_calls") or message.get("tools"):
-            raise TokenizerError(f"messages[{k}]: tool calls are not supported by this chat encoder")
-
-    def last_user(msgs):
-        return max((k for k, m in enumerate(msgs) if m["role"] in ("user", "developer")), default=-1)
-
-    if thinking:  # past reasoning is dropped, and so are developer turns before the last user turn
-        cut = last_user(messages)
-        messages = [m for k, m in enumerate(messages) if k >= cut or m["role"] != "developer"]
-    cut = last_user(messages)
-    out = [BOS_TOKEN]
-    for k, message in enumerate(messages):
-        role, text = message["role"], _content_text(message.get("content"), f"messages[{k}]")
-        if role == "system":
-            out.append(text)
-        elif role in ("user", "developer"):
-            out.append(USER_TOKEN + text)
-        else:
-            reasoning = ""
-            if thinking and k > cut:
-                reasoning = _content_text(message.get("reasoning_content"), f"messages[{k}]") + THINK_END
-            out.append(reasoning + text + EOS_TOKEN)
-        following = messages[k + 1]["role"] if k + 1 < len(messages) else None
-        if role in ("user", "developer") and following in (None, "assistant"):
-            out.append(ASSISTANT_TOKEN + (THINK_START if thinking and k >= cut else THINK_END))
-    return "".join(out)
-
-
 # ---- the two tokenizer kinds ---------------------------------------------------------------------------------------
 
 class Tokenizer:
@@ -204,6 +145,11 @@ class Tokenizer:
         except Exception as bad:  # the Rust side raises plain Exception for unreadable or malformed files
             raise TokenizerError(f"{self.file}: cannot load tokenizer ({bad})") from None
         self.bos_id, self.eos_ids = _special_ids(self.folder, self._tok.token_to_id)
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        # Reasoning and tool-call markup the chat output parser reads, whether or not the tokenizer calls it special.
+        self._markup_ids = frozenset(i for i, token in added.items()
+                                     if token.content in (THINK_START, THINK_END) or DSML in token.content)
         add_bos = _read_json(self.folder / "tokenizer_config.json").get("add_bos_token")
         if add_bos is None:  # no explicit setting: whatever the tokenizer's own post-processor does
             add_bos = self.bos_id is not None and self._tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
@@ -216,6 +162,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def config(self) -> dict[str, Any]:
+        """`tokenizer_config.json` as transformers reads it (token entries as their strings), with the BOS and
+        EOS tokens this tokenizer resolved and a `tokenizer_class`: what vLLM's /tokenizer_info serves."""
+        raw = _read_json(self.folder / "tokenizer_config.json")
+        config = {key: _token_string(value) if isinstance(value, dict) and "content" in value else value
+                  for key, value in raw.items() if key != "added_tokens_decoder"}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        for key, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None)):
+            if config.get(key) is None and token_id is not None:
+                config[key] = self.id_to_token(token_id)
+        return config
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 
@@ -227,16 +185,19 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._tok, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> IncrementalDetokenizer:
+        """`keep_markup`: special tokens are skipped except `<think>`, `</think>` and DSML ones (chat output)."""
+        silent = self._special_ids - self._markup_ids if keep_markup else self._special_ids
+        return IncrementalDetokenizer(self._tok, silent if skip_special_tokens else frozenset())
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], thinking: bool = False) -> list[int]:
-        """Token ids of `render_chat(messages)`; needs the DeepSeek-V4 chat tokens in the vocabulary."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
+        """Token ids of `render_prompt(messages, options)`; needs the DeepSeek-V4 chat tokens in the vocabulary.
+        Raises ChatTemplateError (naming the request field) for messages or options it cannot render."""
         absent = [t for t in CHAT_TOKENS if self._tok.token_to_id(t) is None]
         if absent:
             raise TokenizerError(f"{self.file}: the tokenizer has no {', '.join(absent)} token(s), so this model "
                                  "has no DeepSeek-V4 chat template")
-        return self._tok.encode(render_chat(messages, thinking), add_special_tokens=False).ids
+        return self._tok.encode(render_prompt(messages, options), add_special_tokens=False).ids
 
 
 class TokenIdOnly:
@@ -256,13 +217,13 @@ class TokenIdOnly:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise self._refuse()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], thinking: bool = False) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
         raise self._refuse()
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return ""  # no text output in token-id-only mode; clients read the token ids
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> _NoTextDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> _NoTextDetokenizer:
         return _NoTextDetokenizer()
 
 

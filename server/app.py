@@ -18,6 +18,7 @@ from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.routes import router
 from jaxserve.server.state import ServerState
 from jaxserve.server.stats_log import log_stats_forever
+from jaxserve.server.tokenize import router as tokenize_router
 
 
 def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str | None = None,
@@ -38,6 +39,7 @@ def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str |
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(tokenize_router)
 
     @app.get("/health")
     async def health() -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.chat import ChatOptions, ChatTemplateError, chat_options
 from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
 
@@ -22,7 +23,7 @@ SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to 
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "min_tokens": (0,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
-    "logit_bias": ({},), "tools": ([],),
+    "logit_bias": ({},),
 }
 
 
@@ -74,7 +75,7 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     messages: list[dict[str, Any]]
-    thinking: bool
+    options: ChatOptions  # thinking, reasoning effort, tools and tool_choice
     params: GenerationParams
 
 
@@ -92,9 +93,26 @@ def parse_chat(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
-    kwargs = fields.object("chat_template_kwargs")
-    thinking = _Fields(kwargs, prefix="chat_template_kwargs.").boolean("thinking", False)
-    return ChatRequest(messages, thinking, params)
+    return ChatRequest(messages, _chat_options(fields), params)
+
+
+def _chat_options(fields: _Fields) -> ChatOptions:
+    """Thinking mode and reasoning effort as the vLLM and SGLang recipes send them (`chat_template_kwargs`, also
+    read at the top level), and the tools; DeepSeek-V4's encoding checks the values."""
+    kwargs = _Fields(fields.object("chat_template_kwargs"), prefix="chat_template_kwargs.")
+    thinking = kwargs.boolean("thinking", None)
+    if thinking is None:
+        thinking = kwargs.boolean("enable_thinking", False)
+    effort_field = "chat_template_kwargs.reasoning_effort"
+    effort = kwargs.raw.get("reasoning_effort")
+    if effort is None:
+        effort_field, effort = "reasoning_effort", fields.raw.get("reasoning_effort")
+    try:
+        return chat_options(thinking, effort, fields.raw.get("tools"), fields.raw.get("tool_choice"))
+    except ChatTemplateError as error:
+        field = effort_field if error.field == "reasoning_effort" else error.field
+        message = str(error).replace("reasoning_effort:", f"{field}:", 1)
+        raise bad_request(field, message) from None
 
 
 def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field: str) -> GenerationParams:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import EngineDraining, QueueFull
+from jaxserve.chat import ChatTemplateError
 from jaxserve.request import InvalidRequest
 from jaxserve.tokenizer import TokenizerError
 from jaxserve.server.auth import require_api_key
@@ -22,7 +23,7 @@ from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat
 from jaxserve.generation import Generation
-from jaxserve.server.protocol import GenerationParams, parse_chat, parse_completion
+from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
 
@@ -53,25 +54,35 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_chat)
+    prompt_ids = chat_prompt_ids(state, parsed)
+    fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids, parsed.options)
+    return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
+
+
+def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
+    """The prompt of a chat request: DeepSeek-V4's encoding of its messages, tools and options."""
     if not state.tokenizer.has_text:
         raise bad_request("messages", "messages: this server has no tokenizer, so it has no chat template; use "
                                       "/v1/completions with the prompt as a list of token ids")
     try:
-        prompt_ids = state.tokenizer.apply_chat_template(parsed.messages, thinking=parsed.thinking)
+        return state.tokenizer.apply_chat_template(parsed.messages, parsed.options)
+    except ChatTemplateError as error:
+        raise bad_request(error.field, str(error)) from None
     except TokenizerError as error:
-        raise bad_request("messages", str(error) if str(error).startswith("messages") else f"messages: {error}")
-    fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
-    return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
+        raise bad_request("messages", f"messages: {error}") from None
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(None, f"Invalid JSON body: {error}") from None
 
 
 async def _parse(request: Request, parse: Callable[[Any], T]) -> tuple[ServerState, T]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(None, f"Invalid JSON body: {error}") from None
-    parsed = parse(body)
+    parsed = parse(await json_body(request))
     state.check_model(parsed.params.model)
     if parsed.params.stop and not state.tokenizer.has_text:
         raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")
@@ -93,7 +104,7 @@ async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[
     max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
     try:
         generation = Generation(state.engine, state.tokenizer, prompt_ids, params.sampling(max_tokens), params.stop,
-                                fmt.id, state.metrics.timer(arrival))
+                                fmt.id, state.metrics.timer(arrival), keep_markup=fmt.keeps_markup)
     except QueueFull as error:
         raise APIError(429, f"The request queue is full: {error}") from None
     except EngineDraining as error:

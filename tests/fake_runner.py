@@ -8,6 +8,9 @@ last one ended, two rows of one step sharing a slot or a page, a row whose pages
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Callable
+
 import numpy as np
 
 from jaxserve.cache import CacheGeometry
@@ -34,11 +37,37 @@ def continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
     return history[len(prompt):]
 
 
+class ScriptedModel:
+    """A fake model that answers each new prompt with the next scripted token list, then EOS: for tests of the
+    text layer (tool calls, reasoning) through the real engine. Records every prompt it was given."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+        self.scripts: deque[list[int]] = deque()
+        self.prompts: list[list[int]] = []
+        self._answers: dict[str, list[int]] = {}
+
+    def __call__(self, request, written: list[int]) -> int:
+        if len(written) < request.prompt_len:  # a chunk short of the prompt's end: its token is not used
+            return self.eos_id
+        if len(written) == request.prompt_len:  # the prompt is complete: its first output token
+            if not self.scripts:
+                raise AssertionError("the test scripted no answer for this request")
+            self.prompts.append(list(written))
+            self._answers[request.request_id] = self.scripts.popleft()
+        answer = self._answers[request.request_id]
+        done = len(written) - request.prompt_len
+        return answer[done] if done < len(answer) else self.eos_id
+
+
 class FakeRunner:
-    def __init__(self, geometry: CacheGeometry, buckets: Buckets, vocab: int):
+    def __init__(self, geometry: CacheGeometry, buckets: Buckets, vocab: int,
+                 model: Callable[[object, list[int]], int] | None = None):
         self.geometry = geometry
         self.buckets = buckets
         self.vocab = vocab
+        # (request, every token its slot holds) -> the next token; by default the rolling hash
+        self.model = model or (lambda request, written: next_token(written, vocab))
         self.warmups = 0
         self.steps: list[Batch] = []
         self.fail = None  # a callable(batch) -> Exception | None, to inject failures
@@ -75,7 +104,7 @@ class FakeRunner:
             written = written + list(tokens)
             assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
             self._written[request.slot] = written
-            out.append(next_token(written, self.vocab))
+            out.append(self.model(request, written))
         self.steps.append(batch)
         tokens = np.asarray(out, np.int32)
         return tokens[:len(batch.prefill)], tokens[len(batch.prefill):]

@@ -15,8 +15,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.tokenizer import (NoTokenizerError, Tokenizer, TokenIdOnly, TokenizerError, load_tokenizer,
-                                render_chat)
+from jaxserve.chat import ChatOptions, ChatTemplateError, render_prompt
+from jaxserve.tokenizer import NoTokenizerError, Tokenizer, TokenIdOnly, TokenizerError, load_tokenizer
+
+THINKING = ChatOptions(thinking=True)
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
     "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
@@ -114,16 +116,16 @@ def test_chat_encoding_follows_deepseek_v4():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
             {"role": "user", "content": [{"type": "text", "text": "Why"}, {"type": "text", "text": "?"}]}]
-    assert render_chat(chat) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
-                                 f"{USER}Why?{ASSISTANT}{END_THINK}")
+    assert render_prompt(chat) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
+                                   f"{USER}Why?{ASSISTANT}{END_THINK}")
     # Thinking mode: past reasoning dropped, the new turn opens with <think>.
-    assert render_chat(chat, thinking=True) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
-                                                f"{USER}Why?{ASSISTANT}{THINK}")
+    assert render_prompt(chat, THINKING) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
+                                             f"{USER}Why?{ASSISTANT}{THINK}")
     # A reply after the last user turn keeps its reasoning and ends with EOS.
     done = chat[:2] + [{"role": "assistant", "content": "Yo.", "reasoning_content": "short"}]
-    assert render_chat(done, thinking=True) == f"{BOS}Be brief.{USER}Hi{ASSISTANT}{THINK}short{END_THINK}Yo.{EOS}"
-    with pytest.raises(TokenizerError, match=r"messages\[0\]: role 'tool'"):
-        render_chat([{"role": "tool", "content": "42"}])
+    assert render_prompt(done, THINKING) == f"{BOS}Be brief.{USER}Hi{ASSISTANT}{THINK}short{END_THINK}Yo.{EOS}"
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]: role 'wizard'"):
+        render_prompt([{"role": "wizard", "content": "42"}])
 
 
 def test_chat_template_ids_use_the_special_tokens(folder):
@@ -132,7 +134,7 @@ def test_chat_template_ids_use_the_special_tokens(folder):
     ids = tok.apply_chat_template(messages)
     assert ids[:2] == [tok.bos_id, tok.token_to_id(USER)]
     assert ids[-2:] == [tok.token_to_id(ASSISTANT), tok.token_to_id(END_THINK)]
-    assert tok.decode(ids, skip_special_tokens=False) == render_chat(messages)
+    assert tok.decode(ids, skip_special_tokens=False) == render_prompt(messages)
     assert tok.decode(ids) == "Hello there"
 
 

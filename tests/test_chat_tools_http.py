@@ -1,0 +1,268 @@
+"""Tool calls, reasoning and the tokenizer endpoints over HTTP, with the openai client and raw httpx, against a
+real uvicorn and the real engine over the fake runner with a scripted model (tests/fake_runner.py): the model's
+output is written out as DSML text and sent as the tokens of that text, so the whole text layer is exercised
+without compiling a model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from fake_runner import FakeRunner, ScriptedModel
+from jaxserve.cache import kv_geometry
+from jaxserve.chat import chat_options, render_prompt
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.config import EngineConfig, load_config
+from jaxserve.engine import Engine
+from jaxserve.runner import Buckets
+from jaxserve.server import create_app
+from jaxserve.tokenizer import load_tokenizer
+from test_chat_encoding import CALLS, CALLS_DSML, TOOLS
+from test_server import ServerThread
+
+MODEL = "tiny-v4"
+QUESTION = [{"role": "user", "content": "Weather in São Paulo and news?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_checkpoint_path())
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    cfg = EngineConfig(max_num_seqs=4, chunked_prefill_size=256, max_prefill_rows=1, page_size=16, max_model_len=2048)
+    model_cfg = load_config(default_checkpoint_path())
+    buckets = Buckets.for_limits(cfg.max_prefill_rows, cfg.chunked_prefill_size, cfg.max_num_seqs)
+    runner = FakeRunner(kv_geometry(cfg, model_cfg), buckets, model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0]))
+    engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids).start()
+    try:
+        with ServerThread(create_app(engine, tokenizer, MODEL), engine) as server:
+            yield server
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def engine(served):
+    """The scripted model: `scripts` holds the next answers, `prompts` what the engine fed it."""
+    model = served.engine.runner.model
+    model.scripts.clear()
+    return model
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture
+def http(served):
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        yield client
+
+
+def script(engine, tokenizer, text: str) -> None:
+    engine.scripts.append(tokenizer.encode(text, add_special_tokens=False))
+
+
+def streamed(chunks) -> dict:
+    """The chunks of one streamed choice put together as OpenAI's clients do, keeping every delta seen."""
+    out = {"content": "", "reasoning_content": "", "tool_calls": {}, "finish_reason": None, "deltas": []}
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta.model_dump(exclude_none=True)
+        out["deltas"].append(delta)
+        out["content"] += delta.get("content", "")
+        out["reasoning_content"] += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", []):
+            entry = out["tool_calls"].setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+            entry["id"] = call.get("id") or entry["id"]
+            entry["name"] += call.get("function", {}).get("name", "")
+            entry["arguments"] += call.get("function", {}).get("arguments", "")
+        out["finish_reason"] = choice.finish_reason or out["finish_reason"]
+    return out
+
+
+def test_a_tool_call_round_trip_non_streaming(client, engine, tokenizer):
+    script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.role == "assistant" and choice.message.content == "Let me check."
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", name, args) for name, args in CALLS]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    # The engine got the release's encoding of the messages with the tools.
+    assert engine.prompts[-1] == tokenizer.encode(render_prompt(QUESTION, chat_options(tools=TOOLS)),
+                                                  add_special_tokens=False)
+    assert "## Tools" in tokenizer.decode(engine.prompts[-1])
+
+    # The client sends the calls and their results back: the next prompt renders them as the encoding does.
+    history = QUESTION + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": f"result {k}"} for k, c in enumerate(calls)]
+    script(engine, tokenizer, "Sunny; no news.")
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Sunny; no news.", "stop")
+    assert answer.choices[0].message.tool_calls is None
+    prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    assert prompt.endswith("Let me check.\n\n" + CALLS_DSML + "<｜end▁of▁sentence｜><｜User｜>"
+                           "<tool_result>result 0</tool_result>\n\n<tool_result>result 1</tool_result>"
+                           "<｜Assistant｜></think>")
+
+
+def test_a_tool_call_round_trip_streaming(client, engine, tokenizer):
+    script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    out = streamed(chunks)
+    assert out["content"] == "Let me check." and out["reasoning_content"] == ""
+    assert out["finish_reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(out["tool_calls"].items())] == CALLS
+    assert all(c["id"].startswith("call_") for c in out["tool_calls"].values())
+    assert not any("DSML" in d.get("content", "") for d in out["deltas"])
+    assert chunks[-1].usage.completion_tokens == len(tokenizer.encode("Let me check.\n\n" + CALLS_DSML)) + 1
+
+
+def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
+    kwargs = {"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max"}}
+    text = "The user wants 2+2… 🤔</think>It is 4."
+    script(engine, tokenizer, text)
+    message = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs).choices[0].message
+    assert (message.content, message.model_extra["reasoning_content"]) == ("It is 4.", "The user wants 2+2… 🤔")
+    prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    assert prompt.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum") and prompt.endswith("<think>")
+
+    script(engine, tokenizer, text)
+    out = streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True))
+    assert (out["reasoning_content"], out["content"], out["finish_reason"]) == ("The user wants 2+2… 🤔", "It is 4.",
+                                                                                 "stop")
+    assert not any("think>" in d.get("content", "") + d.get("reasoning_content", "") for d in out["deltas"])
+
+    # The client passes its reasoning back: after the last user turn it is rendered, before it dropped.
+    history = QUESTION + [{"role": "assistant", "content": "It is 4.", "reasoning_content": "2+2"}]
+    script(engine, tokenizer, "ok")
+    client.chat.completions.create(model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}],
+                                   extra_body=kwargs)
+    assert "2+2</think>" not in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    script(engine, tokenizer, "ok")
+    client.chat.completions.create(model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}],
+                                   tools=TOOLS, extra_body=kwargs)  # with tools, every turn keeps its reasoning
+    assert "<think>2+2</think>It is 4." in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+
+
+def test_a_named_tool_choice_is_forced_and_parsed(client, engine, tokenizer):
+    script(engine, tokenizer, "<｜DSML｜parameter name=\"city\" string=\"true\">Lima</｜DSML｜parameter>\n"
+                              "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    choice = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Lima"})]
+    assert tokenizer.decode(engine.prompts[-1]).endswith('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
+
+
+def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
+    script(engine, tokenizer, "No tools.")
+    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
+                                            ).choices[0]
+    assert (choice.message.content, choice.finish_reason, choice.message.tool_calls) == ("No tools.", "stop", None)
+    assert "## Tools" not in tokenizer.decode(engine.prompts[-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_malformed_tool_output_is_plain_content(client, engine, tokenizer, stream):
+    text = "Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\noops"
+    script(engine, tokenizer, text)
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
+    if stream:
+        out = streamed(response)
+        assert (out["content"], out["tool_calls"], out["finish_reason"]) == (text, {}, "stop")
+    else:
+        choice = response.choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+
+
+def test_a_tool_call_cut_by_max_tokens_is_text_and_length(client, engine, tokenizer):
+    script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
+    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=30).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith("Let me check.\n\n<｜DSML｜tool_calls>")
+
+
+BAD = [
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": {"thinking": True}}, "tool_choice"),
+    ({"chat_template_kwargs": {"reasoning_effort": "extreme"}}, "chat_template_kwargs.reasoning_effort"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"enable_thinking": "on"}}, "chat_template_kwargs.enable_thinking"),
+    ({"messages": [{"role": "tool", "content": "r"}]}, "messages"),
+    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[]"}}]},
+                              {"role": "tool", "tool_call_id": "x", "content": "r"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("extra, field", BAD)
+def test_bad_tool_and_reasoning_fields_are_a_400_naming_them(http, engine, extra, field):
+    submitted = len(engine.prompts)
+    response = http.post("/v1/chat/completions", json={"messages": QUESTION, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert len(engine.prompts) == submitted
+
+
+# ---- tokenizer endpoints ---------------------------------------------------------------------------------------------
+
+def test_tokenize_detokenize_and_tokenizer_info(http, tokenizer, served):
+    text = "Olá, 東京! <｜DSML｜x>"
+    body = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer.encode(text)
+    assert body == {"count": len(ids), "max_model_len": served.engine.context_limit, "tokens": ids,
+                    "token_strs": [tokenizer.id_to_token(i) for i in ids]}
+    assert http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["token_strs"] is None
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    bos_eos = [tokenizer.bos_id, *ids, tokenizer.eos_ids[0]]
+    assert http.post("/detokenize", json={"tokens": bos_eos}).json()["prompt"] == (
+        "<｜begin▁of▁sentence｜>" + text + "<｜end▁of▁sentence｜>")  # special tokens kept, as in vLLM
+
+    chat = {"messages": QUESTION, "tools": TOOLS, "chat_template_kwargs": {"thinking": True}}
+    assert http.post("/tokenize", json=chat).json()["tokens"] == tokenizer.apply_chat_template(
+        QUESTION, chat_options(thinking=True, tools=TOOLS))
+
+    info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (info["bos_token"], info["eos_token"]) == ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+    # What lm-eval's remote tokenizer does with it: the EOS id is the encoding of the eos_token string.
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tokenizer.eos_ids[0]]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "nobody"}]}, "messages"),
+    ("/tokenize", {"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
+    ("/detokenize", {"tokens": [1, 100000]}, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/tokenize", {"prompt": "a", "model": 3}, "model"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(http, path, body, field):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert http.post("/tokenize", json={"prompt": "a", "model": "other"}).status_code == 404
