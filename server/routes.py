@@ -2,6 +2,8 @@
 
 Every refusal (bad field, unknown model, loading or draining, context too long, queue full) is decided before the
 response starts, so it gets its real status code; only engine failures after that arrive as an SSE error event.
+Decoding, validating and tokenizing a body run on worker threads: a large one never stalls the event loop, which
+delivers every other request's tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
 from jaxserve.tokenizer import TokenizerError
@@ -29,6 +32,10 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
+# A text prompt longer than this many characters per token of context is first judged by its head alone (see
+# _encode_prompt): real text averages 3-5 characters per token.
+HEAD_CHARS_PER_TOKEN = 16
+HEAD_CUT_MARGIN_TOKENS = 16
 
 
 @router.get("/models")
@@ -43,7 +50,7 @@ async def models(request: Request) -> dict:
 async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
-    prompt_ids = _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
+    prompt_ids = await _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
     fmt = CompletionFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
 
@@ -56,7 +63,8 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("messages", "messages: this server has no tokenizer, so it has no chat template; use "
                                       "/v1/completions with the prompt as a list of token ids")
     try:
-        prompt_ids = state.tokenizer.apply_chat_template(parsed.messages, thinking=parsed.thinking)
+        prompt_ids = await run_in_threadpool(state.tokenizer.apply_chat_template, parsed.messages,
+                                             thinking=parsed.thinking)
     except TokenizerError as error:
         raise bad_request("messages", str(error) if str(error).startswith("messages") else f"messages: {error}")
     fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
@@ -66,22 +74,37 @@ async def chat_completions(request: Request) -> Response:
 async def _parse(request: Request, parse: Callable[[Any, int], T]) -> tuple[ServerState, T]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(None, f"Invalid JSON body: {error}") from None
-    parsed = parse(body, state.vocab_size)
+    parsed = await run_in_threadpool(_decode, await request.body(), parse, state.vocab_size)
     state.check_model(parsed.params.model)
     if parsed.params.stop and not state.tokenizer.has_text:
         raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")
-    state.check_available()
     return state, parsed
 
 
-def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
-    if not state.tokenizer.has_text:
+def _decode(body: bytes, parse: Callable[[Any, int], T], vocab_size: int) -> T:
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(None, f"Invalid JSON body: {error}") from None
+    return parse(raw, vocab_size)
+
+
+async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
+    tokenizer = state.tokenizer
+    if not tokenizer.has_text:
         raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
-    ids = state.tokenizer.encode(prompt)
+    limit = state.context_limit
+    head = prompt[:limit * HEAD_CHARS_PER_TOKEN]
+    if len(head) < len(prompt):
+        # A prompt whose head alone is longer than the context is refused without tokenizing the rest (up to
+        # --max-request-bytes of it). Only the last word of the head can tokenize differently in the whole prompt,
+        # hence the margin.
+        in_head = await run_in_threadpool(tokenizer.count, head) - HEAD_CUT_MARGIN_TOKENS
+        if in_head > limit:
+            raise bad_request("prompt", f"This model's maximum context length is {limit} tokens. However, the "
+                                        f"prompt alone has more than {in_head} tokens. Please reduce the length of "
+                                        "the prompt.")
+    ids = await run_in_threadpool(tokenizer.encode, prompt)
     if not ids:
         raise bad_request("prompt", "prompt: encodes to no tokens")
     return ids
@@ -99,6 +122,7 @@ async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[
         raise APIError(503, f"The server is shutting down: {error}") from None
     except ValueError as error:  # the engine's admission check: a request that can never fit
         raise bad_request(prompt_field, str(error)) from None
+    request.state.generation = generation  # for the access log's token counts
     if params.stream:
         return sse_response(_chunks(generation, fmt, params.include_usage))
     try:
