@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve: error: {bad}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted:  # start-up interrupted outside serve's own handling; the line is already printed
-        return EXIT_FAILED
+        end_process(EXIT_FAILED)
 
 
 if __name__ == "__main__":
