@@ -25,6 +25,7 @@ import numpy as np
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
+from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
 
@@ -245,13 +246,6 @@ def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo, path: str) 
                                   f"the config needs {list(need)} (for {path})")
         arrays.append(array)
     return source.build(arrays).astype(info.dtype, copy=False)
-
-
-def progress(label: str, done: int, total: int, started: float) -> None:
-    width = 30
-    filled = width * done // total
-    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-          f"{time.perf_counter() - started:5.1f}s", end="" if done < total else "\n", flush=True)
 
 
 def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None,

@@ -23,10 +23,11 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from jaxserve.checkpoints.deepseek import TensorReader, check_complete, progress, read_leaf, weight_sources
+from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_leaf, weight_sources
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import Weights, abstract_weights, flatten_with_names
+from jaxserve.progress import progress
 from jaxserve.sharding import shape_dtype_structs
 
 MARKER = "jaxserve_orbax.json"

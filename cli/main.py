@@ -1,8 +1,12 @@
 """The `jaxserve` command: `serve` (the default: plain `jaxserve` is `jaxserve serve`), `generate`, `convert`.
 
-Every engine and server flag is one EngineConfig field, named as in vLLM/SGLang, with the field's default.
-Start-up prints the weight-loading progress, the KV capacity, the compile progress and time, then one stable
-line, `jaxserve ready on http://HOST:PORT`, that scripts can wait for.
+Every flag fills one field of EngineConfig (the engine) or of ServerConfig (the HTTP server, `serve` only), is
+named as in vLLM/SGLang and has the field's default. `serve` binds its port first (a taken port is an error at
+once), loads the weights, starts answering HTTP (503 until ready), compiles every step shape, then prints one
+stable line, `jaxserve ready on http://HOST:PORT`, that scripts can wait for.
+
+Exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C once serving: drain, then stop); 1 when serving fails or
+start-up is interrupted; 2 for bad flags, configs or checkpoints. Never a signal's.
 """
 
 from __future__ import annotations
@@ -14,22 +18,22 @@ import gc
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import jax
-import uvicorn
 
 from jaxserve.checkpoints.load import LoadedModel, load_model
+from jaxserve.cli.interrupts import Interrupted, Interrupts
 from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
+from jaxserve.server.config import ServerConfig
 from jaxserve.sharding import make_mesh
 
 log = logging.getLogger("jaxserve.cli")
@@ -37,7 +41,8 @@ log = logging.getLogger("jaxserve.cli")
 COMPILE_CACHE_ENV = "JAXSERVE_COMPILE_CACHE"  # a folder, or "" to switch the persistent cache off
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
 DEFAULT_SERVED_NAME = "jaxserve-default"
-UVICORN_GRACE_SECONDS = 5  # after the drain: for finished streams to flush and connections to close
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 
 INTERLEAVE_HELP = (
     "After N consecutive prefill steps, take one decode step (when a request is decoding) before prefilling "
@@ -58,52 +63,57 @@ STALL_HELP = (
 
 @dataclass(frozen=True)
 class Flag:
-    field: str  # the EngineConfig field, which is also the flag's name (--max-num-seqs: max_num_seqs)
+    config: type  # the dataclass the flag fills: EngineConfig, or ServerConfig (flags of `serve` only)
+    field: str  # its field, which is also the flag's name (--max-num-seqs: max_num_seqs)
     type: Callable
     help: str
-    server_only: bool = False  # meaningless to `generate`
     choices: tuple | None = None
     metavar: str | None = None  # default: N for integers, SECONDS for floats
 
 
 FLAGS = (
-    Flag("model", str, "checkpoint folder (safetensors, or an orbax conversion); default: the embedded tiny "
-                       "DeepSeek-V4", metavar="PATH"),
-    Flag("served_model_name", str, f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or the --model "
-                                   "folder's name)", server_only=True, metavar="NAME"),
-    Flag("dtype", str, "weights and activations", choices=SUPPORTED_DTYPES),
-    Flag("seed", int, "base of the per-request sampling seeds of requests that bring none"),
-    Flag("tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
-    Flag("expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
-    Flag("max_num_seqs", int, "requests running at once (KV slots), also the largest decode batch"),
-    Flag("max_model_len", int, "prompt + completion tokens of one request (default: the model's, at most 16384)"),
-    Flag("chunked_prefill_size", int, "prompt tokens in one prefill step"),
-    Flag("max_prefill_rows", int, "prompts in one prefill step"),
-    Flag("num_kv_pages", int, "KV cache pages (default: enough for --max-num-seqs requests of --max-model-len)"),
-    Flag("page_size", int, "tokens per KV page; a multiple of every compress rate of the model"),
-    Flag("max_queued_requests", int, "requests waiting for admission; more are refused with HTTP 429",
-         server_only=True),
-    Flag("decode_interleave_every", int, INTERLEAVE_HELP),
-    Flag("max_decode_stall_ms", float, STALL_HELP, metavar="MS"),
-    Flag("mixed_batches", bool, "put one token of every running request into each prefill step, so running "
-                                "requests advance every step (each then waits one prefill step, not N)"),
-    Flag("decode_log_interval", int, "log one decode step in this many"),
-    Flag("log_stats_interval", float, "seconds between throughput lines while busy; <= 0: never",
-         server_only=True),
-    Flag("host", str, "address to listen on", server_only=True, metavar="HOST"),
-    Flag("port", int, "port to listen on (0: any free port)", server_only=True),
-    Flag("api_key", str, "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)",
-         server_only=True, metavar="KEY"),
-    Flag("shutdown_timeout", float, "seconds running requests get to finish after SIGTERM", server_only=True),
+    Flag(EngineConfig, "model", str, "checkpoint folder (safetensors, or an orbax conversion); default: the "
+                                     "embedded tiny DeepSeek-V4", metavar="PATH"),
+    Flag(ServerConfig, "served_model_name", str, f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or "
+                                                 "the --model folder's name)", metavar="NAME"),
+    Flag(EngineConfig, "dtype", str, "weights and activations", choices=SUPPORTED_DTYPES),
+    Flag(EngineConfig, "seed", int, "base of the per-request sampling seeds of requests that bring none"),
+    Flag(EngineConfig, "tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
+    Flag(EngineConfig, "expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
+    Flag(EngineConfig, "max_num_seqs", int, "requests running at once (KV slots), also the largest decode batch"),
+    Flag(EngineConfig, "max_model_len", int, "prompt + completion tokens of one request (default: the model's, at "
+                                             "most 16384)"),
+    Flag(EngineConfig, "chunked_prefill_size", int, "prompt tokens in one prefill step"),
+    Flag(EngineConfig, "max_prefill_rows", int, "prompts in one prefill step"),
+    Flag(EngineConfig, "num_kv_pages", int, "KV cache pages (default: enough for --max-num-seqs requests of "
+                                            "--max-model-len)"),
+    Flag(EngineConfig, "page_size", int, "tokens per KV page; a multiple of every compress rate of the model"),
+    Flag(EngineConfig, "max_queued_requests", int, "requests waiting for admission; more are refused (HTTP 429)"),
+    Flag(EngineConfig, "decode_interleave_every", int, INTERLEAVE_HELP),
+    Flag(EngineConfig, "max_decode_stall_ms", float, STALL_HELP, metavar="MS"),
+    Flag(EngineConfig, "mixed_batches", bool, "put one token of every running request into each prefill step, so "
+                                              "running requests advance every step (each then waits one prefill "
+                                              "step, not N)"),
+    Flag(EngineConfig, "decode_log_interval", int, "log one decode step in this many"),
+    Flag(ServerConfig, "log_stats_interval", float, "seconds between throughput lines while busy; <= 0: never"),
+    Flag(ServerConfig, "host", str, "address to listen on", metavar="HOST"),
+    Flag(ServerConfig, "port", int, "port to listen on (0: any free port)"),
+    Flag(ServerConfig, "api_key", str, "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay "
+                                       "open)", metavar="KEY"),
+    Flag(ServerConfig, "shutdown_timeout", float, "seconds running requests get to finish after SIGTERM"),
+    Flag(ServerConfig, "max_request_bytes", int, "larger request bodies are refused with HTTP 413, unread",
+         metavar="BYTES"),
+    Flag(ServerConfig, "access_log", bool, "log one line per request (client, method, path, status, prompt and "
+                                           "completion tokens, seconds)"),
 )
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, server: bool) -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
+    """The flags of EngineConfig, and with `server` those of ServerConfig too."""
     for flag in FLAGS:
-        if flag.server_only and not server:
+        if flag.config is ServerConfig and not server:
             continue
-        default = defaults[flag.field]
+        default = {f.name: f.default for f in dataclasses.fields(flag.config)}[flag.field]
         name = "--" + flag.field.replace("_", "-")
         if flag.type is bool:
             parser.add_argument(name, dest=flag.field, action=argparse.BooleanOptionalAction, default=default,
@@ -115,10 +125,19 @@ def add_engine_flags(parser: argparse.ArgumentParser, server: bool) -> None:
                             help=flag.help + (" (default: %(default)s)" if default is not None else ""))
 
 
+def filled(config: type, args: argparse.Namespace):
+    """The `config` (EngineConfig or ServerConfig) the parsed flags describe; fields without a flag in this command
+    keep their default."""
+    return config(**{flag.field: getattr(args, flag.field) for flag in FLAGS
+                     if flag.config is config and hasattr(args, flag.field)})
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the parsed flags describe (fields without a flag in this command keep their default)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                           if hasattr(args, f.name)})
+    return filled(EngineConfig, args)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return filled(ServerConfig, args)
 
 
 def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine, LoadedModel]:
@@ -134,6 +153,9 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
 def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     # force: importing orbax (through absl) has already given the root logger a bare handler.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # JAX reports at INFO every backend it probes and does not find (`Unable to initialize backend 'tpu'` on every
+    # machine without libtpu); its warnings and errors still show.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     cache = os.environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
     if cache:
         # Every step shape is compiled at start; the persistent cache makes the next start with the same flags fast.
@@ -160,10 +182,9 @@ def capacity_line(engine: Engine) -> str:
 
 def _compile(engine: Engine) -> None:
     shapes = len(engine.runner.buckets.shapes())
-    print(f"compiling {shapes} step shapes (rows x chunk buckets); each is logged as it is done", flush=True)
+    print(f"compiling {shapes} step shapes (rows x chunk buckets)", flush=True)
     started = time.perf_counter()
-    # The runner logs every compiled shape with its time; its own progress bar would tangle with those lines.
-    engine.start(show_progress=False)
+    engine.start(show_progress=True)
     print(f"compiled {shapes} step shapes in {time.perf_counter() - started:.1f} s", flush=True)
     # Everything alive now (JAX, the executables, the weights' host objects) lives as long as the process. Freezing
     # it keeps the collector from walking it: a full collection of that heap took ~200 ms on 2 cores, a stall the
@@ -175,39 +196,71 @@ def _compile(engine: Engine) -> None:
 # ---- commands ------------------------------------------------------------------------------------------------------
 
 def serve(args: argparse.Namespace) -> int:
+    cfg, server_cfg = engine_config(args), server_config(args)
+    with Interrupts() as interrupts:
+        status = _serve(cfg, server_cfg, interrupts)
+    if status != 0:
+        end_process(status)
+    return status
+
+
+def end_process(status: int) -> NoReturn:
+    """Exit without the interpreter's teardown. A start-up that failed or was interrupted may have left an XLA
+    compile unfinished (its exception unwound out of jax), and tearing jaxlib's objects down after that can crash
+    the process (a segfault) after our last line. By now every thread of ours has stopped; only the output needs
+    flushing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) -> int:
     from jaxserve.server import create_app
-    from jaxserve.server.shutdown import DrainingServer
+    from jaxserve.server.serving import BackgroundServer, ListenError, bind
 
-    cfg = engine_config(args)
-    engine, loaded = _setup(cfg)
-    name = cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
-    app = create_app(engine, loaded.tokenizer, name, api_key=cfg.api_key, model_path=str(loaded.path))
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, access_log=False,
-                            timeout_graceful_shutdown=UVICORN_GRACE_SECONDS)
-    server = DrainingServer(config, engine, cfg.shutdown_timeout)
-    failed = threading.Event()
-
-    def warm_up_then_announce() -> None:
-        # The port is bound while compiling, so /health can say "Loading model" (503) meanwhile.
-        try:
-            _compile(engine)
-        except Exception:  # noqa: BLE001 - report, then stop the server
-            log.exception("compiling the step shapes failed")
-            failed.set()
-            server.should_exit = True
-            return
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
-        if server.started:
-            port = server.servers[0].sockets[0].getsockname()[1]
-            print(f"jaxserve ready on http://{cfg.host}:{port} (model={name})", flush=True)
-
-    threading.Thread(target=warm_up_then_announce, name="jaxserve-warmup", daemon=True).start()
     try:
-        server.run()
+        sock = bind(server_cfg.host, server_cfg.port)
+    except ListenError as error:
+        print(f"jaxserve: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    http: BackgroundServer | None = None
+    engine: Engine | None = None
+    try:
+        engine, loaded = _setup(cfg)
+        name = server_cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
+        http = BackgroundServer(create_app(engine, loaded.tokenizer, name, server_cfg,
+                                           model_path=str(loaded.path)), sock)
+        http.start()
+        url = f"http://{server_cfg.host}:{http.address[1]}"
+        print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
+        try:
+            _compile(engine)  # on this thread: see cli/interrupts.py
+        except Exception as error:  # noqa: BLE001 - one line, not XLA's traceback
+            print(f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        interrupts.serving = True
+        print(f"jaxserve ready on {url} (model={name})", flush=True)
+        while not interrupts.requested.wait(0.2):
+            if http.stopped.is_set():
+                print("jaxserve: error: the HTTP server stopped on its own", file=sys.stderr)
+                return EXIT_FAILED
+        log.info("shutdown requested: draining, running requests get up to %.0f s to finish",
+                 server_cfg.shutdown_timeout)
+        aborted = engine.drain(server_cfg.shutdown_timeout)
+        if aborted:
+            log.warning("shutdown timeout reached: aborted %d unfinished requests", aborted)
+        return 0
+    except Interrupted:
+        return EXIT_FAILED  # its line is already printed
     finally:
-        engine.shutdown()
-    return 1 if failed.is_set() else 0
+        if http is not None:
+            http.stop()
+        else:
+            sock.close()
+        if engine is not None:
+            engine.shutdown()
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -217,20 +270,20 @@ def generate(args: argparse.Namespace) -> int:
                                   top_k=args.top_k, ignore_eos=args.ignore_eos)
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     engine, loaded = _setup(cfg)
     tokenizer = loaded.tokenizer
     if not tokenizer.has_text:
         print("jaxserve generate: this checkpoint has no tokenizer.json; serve it and send token ids",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     prompt_ids = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                   else tokenizer.encode(args.prompt))
     try:
         engine.check_admission(prompt_ids, sampling)  # before compiling: a prompt that can never fit fails at once
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     _compile(engine)
 
     async def stream() -> tuple[int, str | None]:
@@ -249,7 +302,7 @@ def generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     print(f"\n[{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), finish reason: {reason}]",
           file=sys.stderr)
-    return 0 if reason != "error" else 1
+    return 0 if reason != "error" else EXIT_FAILED
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -270,7 +323,7 @@ def serve_parser() -> argparse.ArgumentParser:
         epilog="Other commands: `jaxserve generate PROMPT` (one prompt, streamed to the terminal), "
                "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint). Each has --help.")
     parser.add_argument("--version", action="version", version=f"jaxserve {version('jaxserve')}")
-    add_engine_flags(parser, server=True)
+    add_flags(parser, server=True)
     return parser
 
 
@@ -285,7 +338,7 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=-1, help="-1: off (default: %(default)s)")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    add_engine_flags(parser, server=False)
+    add_flags(parser, server=False)
     return parser
 
 
@@ -316,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)
     except ValueError as bad:  # ConfigError, CheckpointError and bad knob combinations: say what, not where
         print(f"jaxserve: error: {bad}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except Interrupted:  # start-up interrupted outside serve's own handling; the line is already printed
+        end_process(EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -281,9 +281,11 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
 def load_config(path: str | Path, dtype: str = "bfloat16") -> ModelConfig:
     """Read `config.json` from a checkpoint folder (or the file itself); every error names the file."""
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such checkpoint folder")
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
-        raise ConfigError(f"{file}: config.json not found")
+        raise ConfigError(f"{path}: the folder has no config.json, so it is not a DeepSeek-V4 checkpoint")
     try:
         return config_from_dict(json.loads(file.read_text()), dtype=dtype)
     except json.JSONDecodeError as bad:
@@ -351,10 +353,9 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every engine knob, one field per CLI flag."""
+    """Every engine knob, one field per CLI flag (the HTTP server's are jaxserve.server.config's ServerConfig)."""
 
     model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
-    served_model_name: str | None = None
     dtype: str = "bfloat16"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -372,12 +373,6 @@ class EngineConfig:
     max_decode_stall_ms: float | None = None  # a runnable decode never waits longer (shrinking chunks to fit)
     mixed_batches: bool = False  # prefill steps also carry one token of every running request
     decode_log_interval: int = 50
-    log_stats_interval: float = 5.0  # seconds between throughput lines while busy; <= 0: never
-    # The HTTP face (jaxserve serve).
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # Bearer key required on /v1/*; None: open
-    shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
 
     def __post_init__(self):
         positive = ("max_num_seqs", "chunked_prefill_size", "max_prefill_rows", "page_size", "max_queued_requests",
@@ -386,10 +381,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"port={self.port!r}: must be an integer in [0, 65535]")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r}: must be >= 0")
         for name in ("max_model_len", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -21,6 +21,7 @@ from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometr
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.forward import logits_last
 from jaxserve.model.inputs import StepInputs
+from jaxserve.progress import progress
 from jaxserve.request import Batch, Request
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
@@ -153,10 +154,9 @@ class ModelRunner:
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
             described = " + ".join(f"{'decode' if c == 1 else 'prefill'} rows={r} chunk={c}" for r, c in shape)
-            log.info("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(shapes))
+            log.debug("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(shapes))
             if show_progress:
-                print(f"\rcompiling [{i}/{len(shapes)}] {described} {time.perf_counter() - started:6.1f}s\033[K",
-                      end="" if i < len(shapes) else "\n", flush=True)
+                progress("compiling step shapes", i, len(shapes), started, detail=f"(last: {described})")
 
     def cache_lost(self) -> bool:
         """True when a failed call consumed the donated cache."""

@@ -179,8 +179,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS first when the checkpoint asks for it (tokenizer_config `add_bos_token`)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._encoding(text).ids
         return [self.bos_id] + ids if add_special_tokens and self.add_bos else ids
+
+    def count(self, text: str) -> int:
+        """How many tokens `text` encodes to (without BOS), without building the list of ids."""
+        return len(self._encoding(text))
+
+    def _encoding(self, text: str) -> tokenizers.Encoding:
+        # encode_batch releases the GIL while it tokenizes (encode does not): a long text tokenized on a worker
+        # thread then leaves the other threads (the event loop, the engine) running.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -197,7 +206,7 @@ class Tokenizer:
         if absent:
             raise TokenizerError(f"{self.file}: the tokenizer has no {', '.join(absent)} token(s), so this model "
                                  "has no DeepSeek-V4 chat template")
-        return self._tok.encode(render_prompt(messages, options), add_special_tokens=False).ids
+        return self._encoding(render_prompt(messages, options)).ids
 
 
 class TokenIdOnly:
@@ -215,6 +224,9 @@ class TokenIdOnly:
                                 "send the prompt as a list of token ids")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise self._refuse()
+
+    def count(self, text: str) -> int:
         raise self._refuse()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:

@@ -1,7 +1,8 @@
-"""The FastAPI app: OpenAI routes under /v1 (behind the API key), /health, /metrics, OpenAI-shaped errors.
+"""The FastAPI app: OpenAI routes under /v1 (behind the API key), /health, /metrics, OpenAI-shaped errors, behind
+the guards (503 while loading or draining, 413 for oversized bodies) and the access log.
 
 The app uses only the engine's public API and does not own its lifecycle: whoever made the engine starts it
-(`/health` answers 503 "Loading model" until then) and shuts it down.
+(every route but /metrics answers 503 "Loading model" until then) and shuts it down.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import Engine
-from jaxserve.server.errors import APIError, install_error_handlers
+from jaxserve.server.access_log import AccessLog
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.errors import install_error_handlers
+from jaxserve.server.guards import BodyLimit, LoadingGate
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.routes import router
 from jaxserve.server.state import ServerState
@@ -21,13 +25,13 @@ from jaxserve.server.stats_log import log_stats_forever
 from jaxserve.server.tokenize import router as tokenize_router
 
 
-def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str | None = None,
+def create_app(engine: Engine, tokenizer, served_model_name: str, config: ServerConfig = ServerConfig(),
                model_path: str | None = None) -> FastAPI:
-    state = ServerState(engine, tokenizer, served_model_name, model_path=model_path, api_key=api_key)
+    state = ServerState(engine, tokenizer, served_model_name, model_path=model_path, api_key=config.api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        interval = engine.config.log_stats_interval
+        interval = config.log_stats_interval
         task = asyncio.create_task(log_stats_forever(engine, interval)) if interval > 0 else None
         yield
         if task is not None:
@@ -40,11 +44,15 @@ def create_app(engine: Engine, tokenizer, served_model_name: str, api_key: str |
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tokenize_router)
+    # add_middleware puts each one outside the ones before it: the access log sees every answer, the guards' too.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(LoadingGate, state=state)
+    if config.access_log:
+        app.add_middleware(AccessLog)
 
     @app.get("/health")
     async def health() -> Response:
-        reason = state.unavailable_reason()
-        return JSONResponse({"status": "ok"}) if reason is None else APIError(503, reason).response()
+        return JSONResponse({"status": "ok"})  # the gate answers 503 while loading or draining
 
     @app.get("/metrics")
     async def metrics() -> Response:

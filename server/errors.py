@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("jaxserve.server")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 RETRY_AFTER_SECONDS = 1  # for 429 / 503: the openai client retries politely after this
 
 

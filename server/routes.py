@@ -2,6 +2,8 @@
 
 Every refusal (bad field, unknown model, loading or draining, context too long, queue full) is decided before the
 response starts, so it gets its real status code; only engine failures after that arrive as an SSE error event.
+Decoding, validating and tokenizing a body run on worker threads: a large one never stalls the event loop, which
+delivers every other request's tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
 from jaxserve.chat import ChatTemplateError
@@ -31,6 +34,10 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
+# A text prompt longer than this many characters per token of context is first judged by its head alone (see
+# _encode_prompt): real text averages 3-5 characters per token.
+HEAD_CHARS_PER_TOKEN = 16
+HEAD_CUT_MARGIN_TOKENS = 16
 
 
 @router.get("/models")
@@ -45,7 +52,7 @@ async def models(request: Request) -> dict:
 async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
-    prompt_ids = _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
+    prompt_ids = await _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
     fmt = CompletionFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
 
@@ -54,7 +61,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_chat)
-    prompt_ids = chat_prompt_ids(state, parsed)
+    prompt_ids = await run_in_threadpool(chat_prompt_ids, state, parsed)
     fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids, parsed.options)
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
 
@@ -72,28 +79,45 @@ def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
         raise bad_request("messages", f"messages: {error}") from None
 
 
-async def json_body(request: Request) -> Any:
+async def json_body(request: Request, parse: Callable[[Any], T] = lambda body: body) -> T:
+    """`parse` of the decoded JSON body, both on a worker thread (a large body never stalls the event loop)."""
+    return await run_in_threadpool(_decode, await request.body(), parse)
+
+
+def _decode(body: bytes, parse: Callable[[Any], T]) -> T:
     try:
-        return json.loads(await request.body())
+        raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(None, f"Invalid JSON body: {error}") from None
+    return parse(raw)
 
 
 async def _parse(request: Request, parse: Callable[[Any], T]) -> tuple[ServerState, T]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
-    parsed = parse(await json_body(request))
+    parsed = await json_body(request, parse)
     state.check_model(parsed.params.model)
     if parsed.params.stop and not state.tokenizer.has_text:
         raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")
-    state.check_available()
     return state, parsed
 
 
-def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
-    if not state.tokenizer.has_text:
+async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
+    tokenizer = state.tokenizer
+    if not tokenizer.has_text:
         raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
-    ids = state.tokenizer.encode(prompt)
+    limit = state.context_limit
+    head = prompt[:limit * HEAD_CHARS_PER_TOKEN]
+    if len(head) < len(prompt):
+        # A prompt whose head alone is longer than the context is refused without tokenizing the rest (up to
+        # --max-request-bytes of it). Only the last word of the head can tokenize differently in the whole prompt,
+        # hence the margin.
+        in_head = await run_in_threadpool(tokenizer.count, head) - HEAD_CUT_MARGIN_TOKENS
+        if in_head > limit:
+            raise bad_request("prompt", f"This model's maximum context length is {limit} tokens. However, the "
+                                        f"prompt alone has more than {in_head} tokens. Please reduce the length of "
+                                        "the prompt.")
+    ids = await run_in_threadpool(tokenizer.encode, prompt)
     if not ids:
         raise bad_request("prompt", "prompt: encodes to no tokens")
     return ids
@@ -112,6 +136,7 @@ async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[
     except InvalidRequest as error:  # the engine's admission: out of range, outside the vocabulary, too long
         error = params.renamed(error, prompt_field)
         raise bad_request(error.param, str(error)) from None
+    request.state.generation = generation  # for the access log's token counts
     if params.stream:
         return sse_response(_chunks(generation, fmt, params.include_usage))
     try:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
 import queue
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,8 +22,9 @@ import jax
 import pytest
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.cli.main import build_engine, engine_config, parse, serve
+from jaxserve.cli.main import build_engine, engine_config, parse, serve, server_config
 from jaxserve.config import EngineConfig
+from jaxserve.server.config import ServerConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
 # The engine of tests/test_server.py, as flags: its compiled shapes are then in the persistent cache.
@@ -48,19 +52,22 @@ def test_help_explains_decode_interleave_every():
     assert run_cli("--version").stdout.strip() == "jaxserve 0.1.0"
 
 
-def test_every_engine_config_field_is_a_flag_with_the_same_default():
+def test_every_config_field_is_a_flag_with_the_same_default():
     command, args = parse([])
     assert command is serve  # plain `jaxserve` serves
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert fields <= set(vars(args)), f"fields without a flag: {fields - set(vars(args))}"
-    assert engine_config(args) == EngineConfig()
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert not engine_fields & server_fields  # each flag fills one field of one config
+    fields = engine_fields | server_fields
+    assert fields == set(vars(args)), f"fields without a flag: {fields - set(vars(args))}"
+    assert engine_config(args) == EngineConfig() and server_config(args) == ServerConfig()
 
 
 def test_flags_reach_the_engine():
     command, args = parse(["serve", *SMALL, "--decode-interleave-every", "3", "--max-queued-requests", "5",
                            "--num-kv-pages", "40", "--api-key", "k", "--port", "0", "--seed", "9"])
-    cfg = engine_config(args)
-    assert command is serve and (cfg.api_key, cfg.port, cfg.seed) == ("k", 0, 9)
+    cfg, server = engine_config(args), server_config(args)
+    assert command is serve and (server.api_key, server.port, cfg.seed) == ("k", 0, 9)
     engine, loaded = build_engine(cfg)  # not started: nothing is compiled
     assert engine.scheduler.interleave_policy.every == 3
     assert engine.config.max_queued_requests == 5 and engine.max_model_len == 256
@@ -107,15 +114,84 @@ def test_convert(tmp_path):
     assert command(args) == 0 and is_orbax_checkpoint(tmp_path / "orbax")
 
 
+def test_a_missing_model_folder_is_named():
+    result = run_cli("--model", "/does/not/exist", "--port", "0")
+    assert result.returncode == 2 and result.stderr == "jaxserve: error: /does/not/exist: no such checkpoint folder\n"
+
+
+def assert_one_clean_line(result: subprocess.CompletedProcess | str, line_start: str) -> None:
+    """Exit status of its own (not a signal's, not abort()'s 134) and one line saying why, with no traceback."""
+    output = result if isinstance(result, str) else result.stdout + result.stderr
+    assert sum(line.startswith(line_start) for line in output.splitlines()) == 1, output[-3000:]
+    for crash in ("Traceback", "terminate called", "FATAL", "Fatal Python error", "Segmentation fault"):
+        assert crash not in output, output[-3000:]
+
+
+def test_a_taken_port_is_one_line_and_exit_status_1():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for _ in range(5):
+            result = run_cli("serve", "--port", str(port), *SMALL)
+            assert result.returncode == 1, result.stderr[-3000:]
+            assert_one_clean_line(result, f"jaxserve: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+            assert "loading weights" not in result.stdout  # found before anything slow started
+
+
+def test_sigint_during_compilation_exits_cleanly(tmp_path):
+    # A fresh, empty compile cache each time, so the step shapes really are being compiled when SIGINT lands; two
+    # servers at a time (the machine has two cores).
+    def interrupted(i: int) -> str:
+        process = ServeProcess(*SMALL, "--port", "0", compile_cache=tmp_path / f"cache{i}")
+        try:
+            process.wait_for_line("compiling ", 300)
+            time.sleep(0.5 * i)  # land in different places: tracing, inside XLA, between shapes
+            process.process.send_signal(signal.SIGINT)
+            status = process.process.wait(timeout=300)
+        finally:
+            process.kill()
+        process.reader.join(timeout=10)
+        assert status == 1, "".join(process.output)[-3000:]
+        return "".join(process.output)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for output in pool.map(interrupted, range(5)):
+            assert_one_clean_line(output, "jaxserve: SIGINT during start-up: stopping")
+            assert "jaxserve ready" not in output
+
+
+def test_a_second_sigint_quits_at_once(tmp_path):
+    process = ServeProcess(*SMALL, "--port", "0", compile_cache=tmp_path / "cache")
+    try:
+        process.wait_for_line("compiling ", 300)
+        time.sleep(1.0)  # tracing done: inside XLA's compile, where the first SIGINT waits for the shape to finish
+        process.process.send_signal(signal.SIGINT)
+        process.wait_for_line("jaxserve: SIGINT during start-up", 30)
+        process.process.send_signal(signal.SIGINT)
+        status = process.process.wait(timeout=30)
+    finally:
+        process.kill()
+    process.reader.join(timeout=10)
+    output = "".join(process.output)
+    assert status == 1, output[-3000:]
+    # Whichever came first, the end of the shape or the second signal, the exit is clean; if the second won, it
+    # said so in one line.
+    assert_one_clean_line(output, "jaxserve: SIGINT during start-up")
+    assert sum(line.startswith("jaxserve: second SIGINT: quitting now") for line in output.splitlines()) <= 1
+
+
 class ServeProcess:
     """`jaxserve serve` as a child process; its output is collected by a thread so the pipe never fills."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, compile_cache: Path | None = None):
+        env = cli_env() if compile_cache is None else {**cli_env(), "JAXSERVE_COMPILE_CACHE": str(compile_cache)}
         self.process = subprocess.Popen([JAXSERVE, "serve", *flags], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=cli_env())
+                                        stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -140,6 +216,7 @@ class ServeProcess:
 
 
 def test_sigterm_drains_running_requests_and_exits_zero():
+    """Also the start-up story and the log, as an operator capturing the output to a file sees them."""
     serve_process = ServeProcess(*SMALL, "--port", "0", "--shutdown-timeout", "60")
     try:
         ready = serve_process.wait_for_line("jaxserve ready on http://127.0.0.1:", 600)
@@ -169,10 +246,10 @@ def test_sigterm_drains_running_requests_and_exits_zero():
         for _ in clients:  # the drain must find all four running
             assert started.acquire(timeout=120)
         serve_process.process.send_signal(signal.SIGTERM)
-        statuses = set()
+        statuses = []
         while serve_process.process.poll() is None and 503 not in statuses:
             try:
-                statuses.add(httpx.get(url + "/health", timeout=5).status_code)
+                statuses.append(httpx.get(url + "/health", timeout=5).status_code)
             except httpx.TransportError:
                 break  # already gone
         assert 503 in statuses  # draining: not ready, but still answering
@@ -184,3 +261,20 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     assert len(streams) == 4
     for chunks in streams:  # every running request was let finish
         assert len(chunks) == 250 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    serve_process.reader.join(timeout=10)
+    log = "".join(serve_process.output)
+    assert "\r" not in log and "libtpu" not in log and "Unable to initialize backend" not in log
+    assert_one_clean_line(log, "loading weights: 150/150 (100%)")
+    lines = log.splitlines()
+    listening = next(i for i, line in enumerate(lines) if line.startswith("listening on " + url))
+    ready = next(i for i, line in enumerate(lines) if line.startswith("jaxserve ready on " + url))
+    assert listening < ready and not any("Uvicorn running" in line for line in lines)
+    # The access log: one line per request, with its status, token counts and time.
+    access = [line for line in lines if " jaxserve.access: " in line]
+    completions = [line for line in access if '"POST /v1/completions" 200 ' in line]
+    assert len(completions) == 4 and all(re.search(r"prompt_tokens=3 completion_tokens=250 \d+\.\d+ s$", line)
+                                          for line in completions), completions
+    health = [line for line in access if '"GET /health" ' in line]
+    assert [int(line.split('"GET /health" ')[1].split()[0]) for line in health] == [200, *statuses], health
+    assert len(access) == 4 + len(health)

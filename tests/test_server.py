@@ -22,7 +22,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
@@ -33,37 +32,23 @@ from jaxserve.runner import build_runner
 from jaxserve.sharding import make_mesh
 from jaxserve.tokenizer import TokenIdOnly
 from jaxserve.server import create_app
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.serving import BackgroundServer, bind
 
 # Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so its
 # subprocess finds these shapes in the persistent compilation cache.
 CONFIG = EngineConfig(dtype="float32", max_num_seqs=4, chunked_prefill_size=64, max_prefill_rows=1, page_size=16,
-                      max_model_len=256, max_queued_requests=64, decode_log_interval=1000, log_stats_interval=0)
+                      max_model_len=256, max_queued_requests=64, decode_log_interval=1000)
 MODEL = "tiny-v4"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SETTLE_S = 1.0  # how long the engine may take to return an aborted request's pages (a deadline, not a timing)
 
 
-class ServerThread:
-    """uvicorn serving `app` from a thread, on a socket bound before it starts (so no port race)."""
-
-    def __init__(self, app, engine: Engine):
-        self.engine = engine
-        self._socket = socket.socket()
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        wait_for(lambda: self._server.started, 30, "uvicorn to start")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._socket.close()
+@dataclasses.dataclass
+class Served:
+    url: str
+    engine: Engine
 
 
 def wait_for(condition, seconds: float, what: str) -> None:
@@ -87,23 +72,26 @@ def runner(loaded):
 
 
 @contextmanager
-def serving(runner, loaded, tokenizer=None, api_key=None, start=True, **overrides):
+def serving(runner, loaded, tokenizer=None, start=True, server_config=ServerConfig(log_stats_interval=0),
+            **overrides):
     tokenizer = tokenizer or loaded.tokenizer
     engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner, tokenizer.eos_ids)
     if start:
         engine.start()
-    app = create_app(engine, tokenizer, MODEL, api_key=api_key,
+    app = create_app(engine, tokenizer, MODEL, server_config,
                      model_path=str(default_checkpoint_path()))
+    http = BackgroundServer(app, bind("127.0.0.1", 0))  # the CLI's own way to serve, on any free port
     try:
-        with ServerThread(app, engine) as server:
-            yield server
+        http.start()
+        yield Served(f"http://127.0.0.1:{http.address[1]}", engine)
     finally:
+        http.stop()
         engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def server(runner, loaded):
-    with serving(runner, loaded, api_key=API_KEY) as server:
+    with serving(runner, loaded, server_config=ServerConfig(api_key=API_KEY, log_stats_interval=0)) as server:
         yield server
 
 
@@ -442,11 +430,81 @@ def test_health_is_503_while_loading_and_while_draining(server, runner, loaded):
         refused = httpx.post(loading.url + "/v1/completions", json={"prompt": "Hi"})
         assert health.status_code == 503 and health.json()["error"]["message"] == "Loading model"
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        # Every route says the same while loading (a model list would promise what cannot answer yet), but the
+        # metrics stay up for the scrapers.
+        for path in ("/v1/models", "/v1/nothing"):
+            assert httpx.get(loading.url + path).json()["error"] == health.json()["error"], path
+        assert httpx.get(loading.url + "/metrics").status_code == 200
     with serving(runner, loaded) as draining:
         assert httpx.get(draining.url + "/health").status_code == 200
         assert draining.engine.drain(timeout=5) == 0
         assert httpx.get(draining.url + "/health").status_code == 503
         assert httpx.post(draining.url + "/v1/completions", json={"prompt": "Hi"}).status_code == 503
+
+
+# ---- big bodies: bounded, and never decoded or tokenized on the event loop ----------------------------------------
+
+def test_big_bodies_are_refused_without_stalling_a_running_stream(server, slow_decode):
+    limit = ServerConfig().max_request_bytes
+    over = json.dumps({"prompt": "word " * (5_000_000 // 5)}).encode()  # 5 MB
+    # Just under the limit, and far too long for the 256-token context.
+    under = json.dumps({"prompt": "river " * ((limit - 100) // 6), "max_tokens": 1}).encode()
+    assert len(over) > limit > len(under) > limit - 200
+    arrivals: list[float] = []
+    tokens_flowing = threading.Event()
+
+    def victim() -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 30:
+                        tokens_flowing.set()
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert tokens_flowing.wait(60)
+    answers = {}
+    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"},
+                      timeout=60) as http:
+        for name, body in (("over", over), ("under", under), ("over again", over), ("under again", under)):
+            answers[name] = http.post("/v1/completions", content=body)
+    # Declared 5 MB, sent 64 KB: the answer comes without the rest of the body.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 5000000\r\n\r\n" + b" " * 65536)
+        head = raw.recv(65536)
+    done_during_the_stream = len(arrivals)
+    thread.join(timeout=120)
+
+    assert head.startswith(b"HTTP/1.1 413 ")
+    for name, response in answers.items():
+        error = response.json()["error"]
+        if name.startswith("over"):
+            assert response.status_code == 413 and error["type"] == "RequestTooLargeError" and error["code"] == 413
+            assert f"{len(over)} bytes, more than the server's limit of {limit} bytes" in error["message"]
+        else:
+            assert response.status_code == 400 and error["param"] == "prompt"
+            assert error["message"].startswith("This model's maximum context length is 256 tokens.")
+    assert len(arrivals) == 250 and done_during_the_stream < 250  # the refusals came while it streamed
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert max(gaps) < 5 * statistics.median(gaps), (max(gaps), statistics.median(gaps))
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(runner, loaded, server):
+    sent = []
+
+    def chunks():  # 64 MB offered, far more than the kernel's socket buffers hold
+        for _ in range(1000):
+            sent.append(65536)
+            yield b" " * 65536
+
+    with serving(runner, loaded, server_config=ServerConfig(max_request_bytes=10_000, log_stats_interval=0)) as small:
+        response = httpx.post(small.url + "/v1/completions", content=chunks(), timeout=30)
+    assert response.status_code == 413 and "more than the server's limit of 10000 bytes" in response.text
+    assert sum(sent) < 1000 * 65536  # the server stopped reading; the client noticed before sending it all
 
 
 def test_token_id_only_mode(server, runner, loaded):

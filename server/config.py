@@ -1,0 +1,39 @@
+"""The HTTP face's knobs (`jaxserve serve` only), one field per CLI flag; the engine's are jaxserve.config's
+EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.config import ConfigError
+
+# A 16K-token prompt is ~100 KB as text and ~120 KB as a JSON list of ids; 4 MiB leaves room for a million-token
+# text prompt while refusing the runaway bodies that would pin a worker tokenizing them.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the --model folder's name, or jaxserve-default
+    api_key: str | None = None  # Bearer key required on /v1/*; None: open
+    shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
+    log_stats_interval: float = 5.0  # seconds between throughput lines while busy; <= 0: never
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies are refused with 413 unread
+    access_log: bool = True  # one line per request: method, path, status, tokens, seconds
+
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host={self.host!r}: must be a non-empty address")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port!r}: must be an integer in [0, 65535]")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("served_model_name='': must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key='': an empty key would let anyone in; leave --api-key out for an open server")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r}: must be >= 0")
+        if (not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool)
+                or self.max_request_bytes <= 0):
+            raise ConfigError(f"max_request_bytes={self.max_request_bytes!r}: must be a positive integer")
