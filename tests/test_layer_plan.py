@@ -12,7 +12,7 @@ from jaxserve.cache import abstract_cache
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import convert_checkpoint, restore_weights
 from jaxserve.checkpoints.writer import write_checkpoint
-from harness import geometry_for
+from harness import geometry_for, prefill_then_decode, run_schedule
 from jaxserve.config import CSA, HCA, SWA
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
@@ -112,6 +112,13 @@ def test_loading_fills_the_stacks_exactly_with_the_target_shardings(checkpoint):
     mesh = make_mesh(2, 4)
     loaded, _ = load_weights(src, CFG, shardings_for(abstract_weights(CFG), mesh))
     _assert_same(loaded, weights, mesh)
+    # The scanned forward over the sharded stacks (experts split over the mesh) gives the single-device logits.
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (21, 12)]
+    schedule = prefill_then_decode([14, 5], [21, 12])
+    single = run_schedule(weights, CFG, prompts, schedule, (1, 16))
+    for want, got in zip(single, run_schedule(loaded, CFG, prompts, schedule, (1, 16), mesh=mesh)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def test_orbax_restore_fills_the_stacks_exactly_with_the_target_shardings(checkpoint):

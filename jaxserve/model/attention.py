@@ -84,7 +84,8 @@ def attention_block(
         ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
         key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
-        shared = jnp.concatenate([cache.window[layer, inputs.slots], kv], axis=1)
+        recent = cache.window[layer, inputs.slots]  # [b, W, k], the rows' rings
+        shared = jnp.concatenate([recent, kv], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
         shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
 
@@ -130,7 +131,10 @@ def attention_block(
     with jax.named_scope("window_write"):
         # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
         keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
-        slot = jnp.where(keep, write_slots[:, None], num_slots)  # [b, t]; out of range -> dropped
-        ring = cache.window.at[layer, slot, qpos % window].set(kv.astype(cache.window.dtype), mode="drop")
+        ring_index = jnp.where(keep, qpos % window, window)  # [b, t]; out of range -> dropped
+        rows = recent.at[jnp.arange(b)[:, None], ring_index].set(kv.astype(recent.dtype), mode="drop")
+        # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
+        # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
+        ring = cache.window.at[layer, write_slots].set(rows, mode="drop")
         cache = dataclasses.replace(cache, window=ring)
     return out, cache
