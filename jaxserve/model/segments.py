@@ -29,10 +29,6 @@ class Segment:
     pattern: tuple[LayerKind, ...]  # the kinds of consecutive layers, repeated
     repeats: int
 
-    @property
-    def stop(self) -> int:
-        return self.start + len(self.pattern) * self.repeats
-
     def layer(self, repeat: int, position: int) -> int:
         """The model layer at `position` of the pattern in its `repeat`-th repetition."""
         return self.start + repeat * len(self.pattern) + position
