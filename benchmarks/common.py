@@ -113,7 +113,8 @@ def op_time_by_scope(events: list[dict[str, Any]], hlo_text: str, calls: int, de
     for line in hlo_text.splitlines():
         found = re.match(r"\s*(?:ROOT )?%(\S+) = .*?metadata=\{op_name=\"([^\"]*)\"", line)
         if found:
-            path = re.sub(r"^jit\([^)]*\)/|layer_\d+/", "", found.group(2))
+            # Fold the layers: drop the segment and layer-kind scopes (ops inside a scan body carry no jit prefix).
+            path = re.sub(r"^jit\([^)]*\)/|segment_\d+/|(?:swa|csa|hca)(?:_hash)?/|while/body/", "", found.group(2))
             scope_of[found.group(1)] = "/".join(path.split("/")[:depth])
     totals: dict[str, float] = {}
     for event in events:

@@ -23,13 +23,19 @@ def yes_no(ok: bool) -> str:
 
 
 def layer_breakdown(cfg, geo) -> list[dict]:
-    """Per layer: kind, and bytes of each part of its abstract cache (window, pools, compressor states)."""
+    """Per layer: kind, and bytes of each part of its abstract cache (window, pools, compressor states); a stack
+    of `repeats` layers holds each layer's share."""
     from jaxserve.cache import abstract_cache
+    from jaxserve.model.segments import layer_segments
     from jaxserve.model.weights import weights_nbytes  # bytes of every ArrayInfo in an abstract (sub)tree
 
     parts = ("window", "entries", "index_entries", "state", "index_state")
-    return [{"kind": kind, **{p: weights_nbytes(getattr(layer, p)) for p in parts}}
-            for kind, layer in zip(cfg.layer_kinds, abstract_cache(cfg, geo))]
+    by_layer = {}
+    for segment, stacks in zip(layer_segments(cfg), abstract_cache(cfg, geo)):
+        for position, (kind, stack) in enumerate(zip(segment.pattern, stacks)):
+            one = {"kind": kind.attention, **{p: weights_nbytes(getattr(stack, p)) // segment.repeats for p in parts}}
+            by_layer.update({segment.layer(k, position): one for k in range(segment.repeats)})
+    return [by_layer[layer] for layer in range(cfg.num_layers)]
 
 
 def main(argv: list[str] | None = None) -> None:

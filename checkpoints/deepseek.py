@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import jax
 import ml_dtypes
 import numpy as np
 
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
-from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info
+from jaxserve.model.stacking import WeightsBuilder
+from jaxserve.model.weights import ArrayInfo, Weights, release_leaves
 from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
@@ -93,7 +93,7 @@ def scale_name(weight_name: str) -> str:
 
 
 def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
-    """Dotted Weights path -> its Source, for every leaf of abstract_weights(cfg)."""
+    """Release name of a leaf (`release_leaves`: 'layers.3.attn.wq_b', 'embed') -> its Source."""
     src: dict[str, Source] = {
         "embed": Source(("embed.weight",), AS_IS),
         "head": Source(("head.weight",), TRANSPOSED),
@@ -250,30 +250,30 @@ def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo, path: str) 
 
 def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None,
                  show_progress: bool = False) -> tuple[Weights, ModelConfig]:
-    """Read a checkpoint folder into Weights (placed with `shardings` when given, leaf by leaf)."""
+    """Read a checkpoint folder into Weights (placed with `shardings` when given), one tensor at a time: each leaf
+    goes onto the devices (into its layer stack) before the next is read."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     cfg = cfg or load_config(folder)
     reader = TensorReader(SafetensorsFolder(folder))
-    abstract = abstract_weights(cfg)
-    named = flatten_with_names(abstract)
+    leaves = release_leaves(cfg)
     sources = weight_sources(cfg)
 
-    check_complete(reader, [sources[path] for path, _ in named], folder)
+    check_complete(reader, [sources[leaf.name] for leaf in leaves], folder)
     mtp = [k for k in reader.folder.keys() if k.startswith(("mtp.", "model.mtp."))]
     if mtp:
         log.info("skipping %d MTP tensors (speculative decoding is not used)", len(mtp))
 
-    flat_shardings = jax.tree.leaves(shardings) if shardings is not None else [None] * len(named)
+    builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()
-    leaves, nbytes = [], 0
-    for count, ((path, info), sharding) in enumerate(zip(named, flat_shardings), start=1):
-        array = read_leaf(reader, sources[path], info, path)
+    nbytes = 0
+    for count, leaf in enumerate(leaves, start=1):
+        array = read_leaf(reader, sources[leaf.name], leaf.info, leaf.name)
         nbytes += array.nbytes
-        leaves.append(jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array))
+        builder.put(leaf.name, array)
         if show_progress:
-            progress("loading weights", count, len(named), started)
-    weights = jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), leaves)
-    log.info("loaded %d tensors, %.2f GiB, in %.1f s", len(named), nbytes / 2**30, time.perf_counter() - started)
+            progress("loading weights", count, len(leaves), started)
+    weights = builder.finish()
+    log.info("loaded %d tensors, %.2f GiB, in %.1f s", len(leaves), nbytes / 2**30, time.perf_counter() - started)
     return weights, cfg

@@ -1,8 +1,8 @@
 """DeepSeek-V4 safetensors folder -> a sharded orbax checkpoint, converted once, restored straight into any mesh.
 
 Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...) and one
-for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the dotted Weights path
-(`layers.3.attn.wq_b`); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
+for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the leaf's release name
+(`layers.3.attn.wq_b`, see `release_leaves`); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
 written last, so a conversion that stopped half way is never mistaken for a checkpoint.
 
 Orbax API: the stable v0 `ocp.StandardCheckpointer`. Restoring with a target of ShapeDtypeStructs carrying
@@ -17,18 +17,17 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_leaf, weight_sources
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
-from jaxserve.model.weights import Weights, abstract_weights, flatten_with_names
+from jaxserve.model.stacking import WeightsBuilder
+from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
 from jaxserve.progress import progress
-from jaxserve.sharding import shape_dtype_structs
+from jaxserve.sharding import shape_dtype_structs, shardings_for
 
 MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1
@@ -41,16 +40,16 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def _item_name(path: str) -> str:
-    """The orbax item a Weights leaf lives in: 'layers.3.attn.wq_b' -> 'layer_03', 'embed' -> 'misc'."""
-    return f"layer_{int(path.split('.')[1]):02d}" if path.startswith("layers.") else MISC
+def _item_name(name: str) -> str:
+    """The orbax item a leaf lives in: 'layers.3.attn.wq_b' -> 'layer_03', 'embed' -> 'misc'."""
+    return f"layer_{int(name.split('.')[1]):02d}" if name.startswith("layers.") else MISC
 
 
-def _by_item(tree: Any) -> dict[str, dict[str, Any]]:
-    """A Weights-shaped tree's leaves as {item: {dotted path: leaf}}, items and leaves in flatten order."""
-    items: dict[str, dict[str, Any]] = {}
-    for path, leaf in flatten_with_names(tree):
-        items.setdefault(_item_name(path), {})[path] = leaf
+def _by_item(cfg: ModelConfig) -> dict[str, dict[str, LayerLeaf]]:
+    """The un-stacked model's leaves as {item: {release name: leaf}}, items and leaves in release order."""
+    items: dict[str, dict[str, LayerLeaf]] = {}
+    for leaf in release_leaves(cfg):
+        items.setdefault(_item_name(leaf.name), {})[leaf.name] = leaf
     return items
 
 
@@ -66,15 +65,15 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16"
     cfg = load_config(src).with_dtype(dtype)
     reader = TensorReader(SafetensorsFolder(src))
     sources = weight_sources(cfg)
-    items = _by_item(abstract_weights(cfg))
-    check_complete(reader, [sources[path] for infos in items.values() for path in infos], src)
+    items = _by_item(cfg)
+    check_complete(reader, [sources[name] for leaves in items.values() for name in leaves], src)
     _clear_destination(src, dst, overwrite)
 
     started = time.perf_counter()
     with ocp.StandardCheckpointer() as checkpointer:
-        for done, (item, infos) in enumerate(items.items(), start=1):
-            leaves = {path: read_leaf(reader, sources[path], info, path) for path, info in infos.items()}
-            checkpointer.save(dst / item, leaves)
+        for done, (item, leaves) in enumerate(items.items(), start=1):
+            arrays = {name: read_leaf(reader, sources[name], leaf.info, name) for name, leaf in leaves.items()}
+            checkpointer.save(dst / item, arrays)
             checkpointer.wait_until_finished()  # the save is async; waiting keeps one layer in memory, not two
             if show_progress:
                 progress("converting", done, len(items), started)
@@ -101,24 +100,25 @@ def _clear_destination(src: Path, dst: Path, overwrite: bool) -> None:
 # ---- restoring -----------------------------------------------------------------------------------------------------
 
 def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress: bool = False) -> Weights:
-    """Restore a conversion straight into `mesh`: each device reads only the shards its target sharding names."""
+    """Restore a conversion straight into `mesh`: each device reads only the shards its target sharding names, one
+    layer at a time, each layer going into its stacks before the next is read."""
     dst = Path(dst).resolve()
     _check_conversion(dst, cfg)
-    targets = shape_dtype_structs(abstract_weights(cfg), mesh)
-    items = _by_item(targets)
+    items = _by_item(cfg)
     absent = [dst / item for item in items if not (dst / item).is_dir()]
     if absent:
         raise CheckpointError(f"{absent[0]}: layer directory missing ({len(absent)} in all); convert again")
 
+    builder = WeightsBuilder(cfg, shardings_for(abstract_weights(cfg), mesh))
     started = time.perf_counter()
-    restored: dict[str, jax.Array] = {}
     with ocp.StandardCheckpointer() as checkpointer:
-        for done, (item, target) in enumerate(items.items(), start=1):
-            restored.update(checkpointer.restore(dst / item, target))
+        for done, (item, leaves) in enumerate(items.items(), start=1):
+            targets = shape_dtype_structs({name: leaf.info for name, leaf in leaves.items()}, mesh)
+            for name, array in checkpointer.restore(dst / item, targets).items():
+                builder.put(name, array)
             if show_progress:
                 progress("restoring", done, len(items), started)
-    leaves = [restored[path] for path, _ in flatten_with_names(targets)]
-    return jax.tree.unflatten(jax.tree.structure(targets), leaves)
+    return builder.finish()
 
 
 def _check_conversion(dst: Path, cfg: ModelConfig) -> None:

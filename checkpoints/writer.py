@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.checkpoints.deepseek import BF16, F32, FP4, FP4_BLOCK, FP8, FP8_BLOCK, I64, scale_name, weight_sources
 from jaxserve.config import ModelConfig, to_hf_dict
-from jaxserve.model.weights import Weights, flatten_with_names
+from jaxserve.model.weights import Weights, layer_arrays
 
 FP8_MAX = 448.0  # largest finite e4m3fn
 FP4_MAX = 6.0  # largest e2m1
@@ -84,14 +84,14 @@ def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = Fals
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_FLOAT_DTYPES)}")
     sources = weight_sources(cfg)
     out: dict[str, np.ndarray] = {}
-    for path, leaf in flatten_with_names(weights):
-        source = sources[path]
-        for name, tensor in zip(source.names, source.split(np.asarray(leaf))):
+    for leaf_name, leaf in layer_arrays(weights, cfg):
+        source = sources[leaf_name]
+        for name, tensor in zip(source.names, source.split(leaf)):
             if quantize and source.stored in (FP8, FP4):
                 try:
                     codes, scale = (quantize_fp8 if source.stored == FP8 else quantize_fp4)(tensor)
                 except ValueError as bad:
-                    raise ValueError(f"{name} ({path}): {bad}") from None
+                    raise ValueError(f"{name} ({leaf_name}): {bad}") from None
                 out[name], out[scale_name(name)] = codes, scale
             elif source.stored == I64:
                 out[name] = tensor.astype(np.int64)

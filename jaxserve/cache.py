@@ -8,6 +8,9 @@ Layout (per layer):
   previous window's A-half);
 - CSA layers also: `index_entries [pages, page_size // m, c_I]` and the indexer compressor's state.
 
+The layers are stacked like the weights (`jaxserve.model.segments`): the cache is `[segment][position]` of
+`LayerCache`s whose every leaf leads with a `layers` axis, so each array above is `[repeats, ...]`.
+
 A page covers `page_size` tokens in every layer at once: one page table per sequence serves all layers.
 Nothing here needs resetting when a slot is reused: every read is masked by the row's position.
 """
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CSA, HCA, SWA, EngineConfig, ModelConfig
-from jaxserve.model.weights import ArrayInfo, is_info, map_infos
+from jaxserve.model.segments import layer_segments
+from jaxserve.model.weights import ArrayInfo, is_info, map_infos, stack_infos
 
 F32 = jnp.float32
 
@@ -98,29 +102,30 @@ def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> Compr
     return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)
 
 
-def abstract_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[LayerCache]:
-    geo.validate(cfg)
+def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
     dt, hd = cfg.dtype, cfg.head_dim
-    layers = []
-    for i, kind in enumerate(cfg.layer_kinds):
-        window = ArrayInfo((geo.num_slots, cfg.sliding_window, hd), dt, ("slots", None, "head_dim"), "zeros")
-        if kind == SWA:
-            layers.append(LayerCache(window=window))
-            continue
-        rate = cfg.compress_rate(i)
-        per_page = geo.page_size // rate
-        entries = ArrayInfo((geo.num_pages, per_page, hd), dt, ("pages", None, "head_dim"), "zeros")
-        layer = LayerCache(window=window, entries=entries,
-                           state=_compressor_state(geo.num_slots, rate, hd, overlap=kind == CSA))
-        if kind == CSA:
-            layer.index_entries = ArrayInfo((geo.num_pages, per_page, cfg.index_head_dim), dt,
-                                            ("pages", None, None), "zeros")
-            layer.index_state = _compressor_state(geo.num_slots, rate, cfg.index_head_dim, overlap=True)
-        layers.append(layer)
-    return layers
+    window = ArrayInfo((geo.num_slots, cfg.sliding_window, hd), dt, ("slots", None, "head_dim"), "zeros")
+    if kind == SWA:
+        return LayerCache(window=window)
+    rate = cfg.kind_rate(kind)
+    per_page = geo.page_size // rate
+    layer = LayerCache(window=window,
+                       entries=ArrayInfo((geo.num_pages, per_page, hd), dt, ("pages", None, "head_dim"), "zeros"),
+                       state=_compressor_state(geo.num_slots, rate, hd, overlap=kind == CSA))
+    if kind == CSA:
+        layer.index_entries = ArrayInfo((geo.num_pages, per_page, cfg.index_head_dim), dt, ("pages", None, None),
+                                        "zeros")
+        layer.index_state = _compressor_state(geo.num_slots, rate, cfg.index_head_dim, overlap=True)
+    return layer
 
 
-def init_cache(cfg: ModelConfig, geo: CacheGeometry, shardings=None) -> list[LayerCache]:
+def abstract_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]]:
+    geo.validate(cfg)
+    return [[stack_infos(_layer_cache(cfg, geo, kind.attention), segment.repeats) for kind in segment.pattern]
+            for segment in layer_segments(cfg)]
+
+
+def init_cache(cfg: ModelConfig, geo: CacheGeometry, shardings=None) -> list[list[LayerCache]]:
     abstract = abstract_cache(cfg, geo)
     if shardings is None:
         return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), abstract)
@@ -145,7 +150,7 @@ def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
     paged = fixed = 0
     for name_info in jax.tree.leaves(abstract_cache(cfg, geo), is_leaf=is_info):
         size = int(np.prod(name_info.shape)) * jnp.dtype(name_info.dtype).itemsize
-        if name_info.axes[0] == "pages":
+        if "pages" in name_info.axes:
             paged += size
         else:
             fixed += size

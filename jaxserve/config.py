@@ -84,7 +84,10 @@ class ModelConfig:
         return self.num_heads // self.o_groups
 
     def compress_rate(self, layer: int) -> int:
-        kind = self.layer_kinds[layer]
+        return self.kind_rate(self.layer_kinds[layer])
+
+    def kind_rate(self, kind: str) -> int:
+        """Tokens per compressed entry of an attention kind (0: SWA compresses nothing)."""
         return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
 
     @property

@@ -21,6 +21,7 @@ MESH_AXES = (EXPERT, TENSOR)
 
 # logical axis -> mesh axis (or axes); anything not listed is replicated.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "layers": None,  # the stacked layers a scan walks: every device holds its slice of every layer
     "heads": TENSOR,
     "index_heads": TENSOR,
     "experts": (EXPERT, TENSOR),

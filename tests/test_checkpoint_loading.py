@@ -22,7 +22,7 @@ from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint, write_config
 from harness import run_schedule
 from jaxserve.config import ConfigError, load_config
-from jaxserve.model.weights import flatten_with_names, init_weights
+from jaxserve.model.weights import init_weights, layer_arrays
 from jaxserve.presets import preset
 
 TOL = 1e-4
@@ -90,7 +90,8 @@ def read_folder(folder) -> dict[str, np.ndarray]:
 
 
 def leaves(weights) -> dict[str, np.ndarray]:
-    return {path: np.asarray(leaf) for path, leaf in flatten_with_names(weights)}
+    """Per layer, by release name (the names weight_sources uses)."""
+    return dict(layer_arrays(weights, CFG))
 
 
 @pytest.fixture(scope="module")

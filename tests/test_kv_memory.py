@@ -33,10 +33,12 @@ def test_flash_fixed_state_per_slot_matches_the_formula():
     assert window == 5_636_096 and csa_state(d) + csa_state(c_i) == 60 * 1024 and hca_state == 512 * 1024
     assert cache_nbytes(FLASH, GEO)["per_slot_fixed"] == SLOTS * per_slot == SLOTS * 17_412_096
 
-    # The same, leaf by leaf: every per-slot array leads with the slot axis, and the window is the model dtype.
-    layers = abstract_cache(FLASH, GEO)
+    # The same, leaf by leaf: every per-slot array leads with the slot axis (after the stacked layers), and the
+    # window is the model dtype.
+    layers = [layer for segment in abstract_cache(FLASH, GEO) for layer in segment]
+    assert sum(layer.window.shape[0] for layer in layers) == FLASH.num_layers
     for layer in layers:
-        assert layer.window.shape == (SLOTS, 128, 512) and np.dtype(layer.window.dtype).itemsize == BF16_BYTES
+        assert layer.window.shape[1:] == (SLOTS, 128, 512) and np.dtype(layer.window.dtype).itemsize == BF16_BYTES
         for state in (layer.state, layer.index_state):
             for leaf in jax.tree.leaves(state, is_leaf=is_info):
-                assert leaf.axes[0] == "slots" and np.dtype(leaf.dtype) == np.float32
+                assert leaf.axes[:2] == ("layers", "slots") and np.dtype(leaf.dtype) == np.float32

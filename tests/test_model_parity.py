@@ -1,5 +1,5 @@
 """jaxserve's DeepSeek-V4 forward against transformers' (CPU, float32): full prefill, irregular chunkings, and
-prefill followed by token-by-token decode, several rows per batch at different positions, three configs."""
+prefill followed by token-by-token decode, several rows per batch at different positions, four configs."""
 
 from __future__ import annotations
 
@@ -17,19 +17,20 @@ from reference import build_reference, reference_logits
 TOL = 1e-4
 _CSA, _HCA, _SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
+SCHEDULE_A = dict(
+    lengths=[41, 29, 36],
+    buckets=(1, 16, 48),
+    full=[41, 29, 36],
+    chunkings=[
+        [[5, 7, 1, 13, 1, 1, 3, 1, 1, 1, 1, 6], [3, 11, 2, 9, 4], [16, 16, 4]],
+        [[9, 9, 9, 9, 5], [1, 1, 1, 2, 3, 5, 8, 8], [13, 2, 7, 14]],
+    ],
+    prefill=[19, 3, 30],
+)
+
 CASES = {
     # Config A: every feature, window 8 evicts, HCA ratio 8, top-3 of up to 10 CSA entries.
-    "A": dict(
-        raw=preset_dict("tiny"),
-        lengths=[41, 29, 36],
-        buckets=(1, 16, 48),
-        full=[41, 29, 36],
-        chunkings=[
-            [[5, 7, 1, 13, 1, 1, 3, 1, 1, 1, 1, 6], [3, 11, 2, 9, 4], [16, 16, 4]],
-            [[9, 9, 9, 9, 5], [1, 1, 1, 2, 3, 5, 8, 8], [13, 2, 7, 14]],
-        ],
-        prefill=[19, 3, 30],
-    ),
+    "A": dict(raw=preset_dict("tiny"), **SCHEDULE_A),
     # Config B: the real HCA ratio 128 and window 128 over 300 tokens, top-8.
     "B": dict(
         raw=preset_dict("tiny", sliding_window=128, index_topk=8,
@@ -57,6 +58,10 @@ CASES = {
         ],
         prefill=[33, 48, 5],
     ),
+    # Config D: Flash's layer pattern (2 SWA, (CSA, HCA) x 3, CSA; 3 hash layers), so the forward scans repeated
+    # layers: [SWA hash] x 2, [CSA hash], [HCA, CSA] x 3.
+    "D": dict(raw=preset_dict("tiny", num_hidden_layers=9, layer_types=[_SWA, _SWA] + [_CSA, _HCA] * 3 + [_CSA],
+                              num_hash_layers=3), **SCHEDULE_A),
 }
 
 

@@ -39,13 +39,15 @@ def test_sharded_logits_equal_single_device(weights, prompts, tp, ep):
     for a, b in zip(single, sharded):
         # Heads split 4 ways sum the output projection in another order: float32 rounding, no more.
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=0)
-    # Every device holds exactly 1/8 of every routed-expert stack.
-    for layer in sharded_weights.layers:
+    # Every device holds exactly 1/8 of every layer's routed-expert stack (the layers axis is never split).
+    layers = [layer for segment in sharded_weights.segments for layer in segment]
+    assert sum(layer.moe.w_gate.shape[0] for layer in layers) == CFG.num_layers
+    for layer in layers:
         for stack in (layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down):
             shards = stack.addressable_shards
             assert len(shards) == 8 and len({s.device for s in shards}) == 8
-            assert all(s.data.shape[0] == CFG.n_routed_experts // 8 for s in shards)
-            assert sorted(s.index[0].start for s in shards) == list(range(0, CFG.n_routed_experts, 1))
+            assert all(s.data.shape[:2] == (stack.shape[0], CFG.n_routed_experts // 8) for s in shards)
+            assert sorted(s.index[1].start for s in shards) == list(range(0, CFG.n_routed_experts, 1))
 
 
 def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(weights, prompts):

@@ -1,6 +1,7 @@
 """DeepSeek-V4 attention for one layer over a chunk: low-rank query, K=V single head, sliding window in every
 layer, plus dense HCA entries or indexer-selected CSA entries, attention sinks, inverse RoPE on the output,
-grouped low-rank output projection. Reads and writes the layer's KV state.
+grouped low-rank output projection. Reads and writes the layer's KV state in place: the cache arrays hold every
+layer of a stack (leading `layers` axis), and `layer` picks this one, so a scan over the stack never copies it.
 
 Letters: b rows, t chunk time, h heads, k head dim, r q-lora rank, s keys, e compressed entries,
 g output groups, j heads within a group, o o-lora rank.
@@ -25,47 +26,48 @@ from jaxserve.kernels.indexer import indexer_topk
 F32 = jnp.float32
 
 
-def _gather_rows(state: CompressorState, slots: jax.Array) -> CompressorState:
-    return jax.tree.map(lambda a: a[slots], state)
+def _gather_rows(state: CompressorState, layer: jax.Array, slots: jax.Array) -> CompressorState:
+    return jax.tree.map(lambda a: a[layer, slots], state)
 
 
-def _scatter_rows(state: CompressorState, rows: CompressorState, write_slots: jax.Array) -> CompressorState:
-    return jax.tree.map(lambda full, new: full.at[write_slots].set(new, mode="drop"), state, rows)
+def _scatter_rows(state: CompressorState, layer: jax.Array, rows: CompressorState,
+                  write_slots: jax.Array) -> CompressorState:
+    return jax.tree.map(lambda full, new: full.at[layer, write_slots].set(new, mode="drop"), state, rows)
 
 
-def _write_entries(pool: jax.Array, new: NewEntries, page_table: jax.Array) -> jax.Array:
-    """Scatter the completed entries into the paged pool [pages, per_page, c] through the rows' page tables."""
-    pages, per_page, width = pool.shape
+def _write_entries(pool: jax.Array, layer: jax.Array, new: NewEntries, page_table: jax.Array) -> jax.Array:
+    """Scatter the completed entries into the paged pools [layers, pages, per_page, c] through the rows' page
+    tables."""
+    _, pages, per_page, _ = pool.shape
     page_slot = jnp.clip(new.index // per_page, 0, page_table.shape[1] - 1)
-    page = jnp.take_along_axis(page_table, page_slot, axis=1)
-    flat = jnp.where(new.valid, page * per_page + new.index % per_page, pages * per_page)  # invalid -> dropped
-    updated = pool.reshape(pages * per_page, width).at[flat].set(new.values.astype(pool.dtype), mode="drop")
-    return updated.reshape(pool.shape)
+    page = jnp.where(new.valid, jnp.take_along_axis(page_table, page_slot, axis=1), pages)  # invalid -> dropped
+    return pool.at[layer, page, new.index % per_page].set(new.values.astype(pool.dtype), mode="drop")
 
 
-def _read_entries(pool: jax.Array, page_table: jax.Array) -> jax.Array:
+def _read_entries(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
     """A row's compressed entries in order: [b, max_pages * per_page, c]."""
-    rows = pool[page_table]  # [b, pages_per_seq, per_page, c]
+    rows = pool[layer, page_table]  # [b, pages_per_seq, per_page, c]
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])
 
 
-def _update_compressed(x, comp_weights, pool, state, inputs: StepInputs, write_slots, rate, freqs, cfg):
+def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
-    new, rows = compress_chunk(x, comp_weights, _gather_rows(state, inputs.slots), inputs.positions,
+    new, rows = compress_chunk(x, comp_weights, _gather_rows(state, layer, inputs.slots), inputs.positions,
                                inputs.lengths, rate, freqs, cfg.rms_norm_eps)
-    return _write_entries(pool, new, inputs.page_table), _scatter_rows(state, rows, write_slots)
+    return _write_entries(pool, layer, new, inputs.page_table), _scatter_rows(state, layer, rows, write_slots)
 
 
 def attention_block(
-    x: jax.Array, w: Attention, cache: LayerCache, inputs: StepInputs, cfg: ModelConfig, layer: int
+    x: jax.Array, w: Attention, cache: LayerCache, layer: jax.Array, inputs: StepInputs, cfg: ModelConfig, kind: str
 ) -> tuple[jax.Array, LayerCache]:
-    kind = cfg.layer_kinds[layer]
+    """One layer's attention; `cache` is its stack's, `layer` (int32 scalar) this layer's place in the stack."""
     freqs = rope_frequencies(cfg, kind)
     b, t, _ = x.shape
     window = cfg.sliding_window
+    num_slots = cache.window.shape[1]
     qpos = inputs.query_positions  # [b, t]
     valid = inputs.token_mask  # [b, t]
-    write_slots = jnp.where(inputs.lengths > 0, inputs.slots, cache.window.shape[0])  # padding rows write nothing
+    write_slots = jnp.where(inputs.lengths > 0, inputs.slots, num_slots)  # padding rows write nothing
 
     with jax.named_scope("query"):
         qr = rms_norm(jnp.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
@@ -82,18 +84,19 @@ def attention_block(
         ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
         key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
-        shared = jnp.concatenate([cache.window[inputs.slots], kv], axis=1)
+        recent = cache.window[layer, inputs.slots]  # [b, W, k], the rows' rings
+        shared = jnp.concatenate([recent, kv], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
         shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
 
     selected = selected_mask = None
     if kind != SWA:
-        rate = cfg.compress_rate(layer)
+        rate = cfg.kind_rate(kind)
         with jax.named_scope("compressor"):
-            entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, inputs, write_slots,
-                                                rate, freqs, cfg)
+            entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, layer, inputs,
+                                                write_slots, rate, freqs, cfg)
             cache = dataclasses.replace(cache, entries=entries, state=state)
-            row_entries = _read_entries(entries, inputs.page_table)  # [b, e, k]
+            row_entries = _read_entries(entries, layer, inputs.page_table)  # [b, e, k]
             entry_visible = jnp.arange(row_entries.shape[1])[None, None, :] < ((qpos + 1) // rate)[:, :, None]
         if kind == HCA:
             shared = jnp.concatenate([shared, row_entries], axis=1)
@@ -103,10 +106,10 @@ def attention_block(
             with jax.named_scope("indexer"):
                 idx = w.indexer
                 index_entries, index_state = _update_compressed(x, idx.compressor, cache.index_entries,
-                                                                cache.index_state, inputs, write_slots, rate, freqs,
-                                                                cfg)
+                                                                cache.index_state, layer, inputs, write_slots, rate,
+                                                                freqs, cfg)
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
-                index_keys = _read_entries(index_entries, inputs.page_table)
+                index_keys = _read_entries(index_entries, layer, inputs.page_table)
                 qi = apply_rope(jnp.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads ** -0.5
@@ -128,8 +131,10 @@ def attention_block(
     with jax.named_scope("window_write"):
         # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
         keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
-        flat = jnp.where(keep, write_slots[:, None] * window + qpos % window, cache.window.shape[0] * window)
-        ring = cache.window.reshape(-1, cache.window.shape[-1])
-        ring = ring.at[flat].set(kv.astype(ring.dtype), mode="drop").reshape(cache.window.shape)
+        ring_index = jnp.where(keep, qpos % window, window)  # [b, t]; out of range -> dropped
+        rows = recent.at[jnp.arange(b)[:, None], ring_index].set(kv.astype(recent.dtype), mode="drop")
+        # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
+        # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
+        ring = cache.window.at[layer, write_slots].set(rows, mode="drop")
         cache = dataclasses.replace(cache, window=ring)
     return out, cache

@@ -17,21 +17,22 @@ from jaxserve.model.attention import attention_block
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
+from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import Layer, Weights
 
 F32 = jnp.float32
 
 
-def block(hs: list[jax.Array], w: Layer, cache: LayerCache, groups: Sequence[StepInputs], cfg: ModelConfig,
-          layer: int):
+def block(hs: list[jax.Array], w: Layer, cache: LayerCache, layer: jax.Array, groups: Sequence[StepInputs],
+          cfg: ModelConfig, kind: str):
     """One decoder block over every group of rows. Groups differ in chunk length (e.g. prefill rows beside
     one-token decode rows); attention runs per group, the MoE over all their tokens at once."""
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
             x, post, comb = hc_pre(h, w.attn_hc, cfg)
-            out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, inputs, cfg,
-                                         layer)
+            out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs,
+                                         cfg, kind)
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
@@ -46,29 +47,50 @@ def block(hs: list[jax.Array], w: Layer, cache: LayerCache, groups: Sequence[Ste
     return hs, cache
 
 
-def hidden_states(weights: Weights, cache: list[LayerCache], groups: Sequence[StepInputs], cfg: ModelConfig):
+def run_segment(hs: list[jax.Array], weights: list[Layer], cache: list[LayerCache], segment: Segment,
+                groups: Sequence[StepInputs], cfg: ModelConfig):
+    """A segment's layers: one traced body per position of its pattern, scanned over the repeats. The stacked
+    weights are sliced per repeat; the stacked cache rides in the carry and each layer updates its own slice in
+    place (slicing it out and back would copy the whole KV cache every step)."""
+    def one_repeat(carry, xs):
+        hs, cache = carry
+        layers, index = xs
+        cache = list(cache)
+        for p, (kind, w) in enumerate(zip(segment.pattern, layers)):
+            with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
+                hs, cache[p] = block(hs, w, cache[p], index, groups, cfg, kind.attention)
+        return (hs, cache), None
+
+    indices = jnp.arange(segment.repeats, dtype=jnp.int32)
+    # A single repeat is inlined rather than looped.
+    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (weights, indices),
+                                  unroll=segment.repeats == 1)
+    return hs, cache
+
+
+def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig):
     """Final-normed hidden states ([b, t, d] per group) and the updated cache."""
     hs = []
     for inputs in groups:
         x = weights.embed[inputs.tokens]
         hs.append(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], cfg.hc_mult, x.shape[-1])))
     new_cache = []
-    for i, (w, c) in enumerate(zip(weights.layers, cache)):
-        with jax.named_scope(f"layer_{i}"):
-            hs, c = block(hs, w, c, groups, cfg, i)
+    for i, (segment, w, c) in enumerate(zip(layer_segments(cfg), weights.segments, cache)):
+        with jax.named_scope(f"segment_{i}"):
+            hs, c = run_segment(hs, w, c, segment, groups, cfg)
         new_cache.append(c)
     ys = [rms_norm(hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg), weights.norm,
                    cfg.rms_norm_eps) for h in hs]
     return ys, new_cache
 
 
-def logits_all(weights: Weights, cache: list[LayerCache], inputs: StepInputs, cfg: ModelConfig):
+def logits_all(weights: Weights, cache: list[list[LayerCache]], inputs: StepInputs, cfg: ModelConfig):
     """Logits at every position [b, t, V] (float32)."""
     (y,), cache = hidden_states(weights, cache, [inputs], cfg)
     return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache
 
 
-def logits_last(weights: Weights, cache: list[LayerCache], groups: Sequence[StepInputs], cfg: ModelConfig):
+def logits_last(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig):
     """Logits at each row's last valid token ([b, V] float32 per group): what sampling needs."""
     ys, cache = hidden_states(weights, cache, groups, cfg)
     logits = []

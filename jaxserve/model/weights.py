@@ -4,6 +4,10 @@
 axes, how to initialise). Initialisation, shardings and checkpoint restore targets are all derived from
 it, so the three can never disagree. Projections are stored input-major (`x @ W`), the transpose of the
 checkpoint's `[out, in]` layout.
+
+The layers are stacked as the layer plan says (`jaxserve.model.segments`): `Weights.segments[s][p]` is one
+`Layer` whose every leaf leads with a `layers` axis. Checkpoints name leaves per layer (`layers.3.attn.wq_b`);
+`release_leaves` maps those names to their place in the stacks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CSA, SWA, ModelConfig
+from jaxserve.model.segments import LayerKind, layer_segments
 
 F32 = jnp.float32
 
@@ -100,7 +105,7 @@ class Layer:
 @_dataclass
 class Weights:
     embed: Any  # [V, d]
-    layers: list[Layer]
+    segments: list[list[Layer]]  # [segment][position in its pattern], every leaf stacked: [repeats, ...]
     hc_head_fn: Any  # [hc*d, hc]
     hc_head_base: Any  # [hc]
     hc_head_scale: Any  # [1]
@@ -174,22 +179,30 @@ def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
     )
 
 
+def _layer(cfg: ModelConfig, kind: LayerKind) -> Layer:
+    d = cfg.hidden_size
+    return Layer(
+        attn_hc=_hyper_connection(cfg),
+        attn_norm=ArrayInfo((d,), F32, (None,), "ones"),
+        attn=_attention(cfg, kind.attention),
+        ffn_hc=_hyper_connection(cfg),
+        ffn_norm=ArrayInfo((d,), F32, (None,), "ones"),
+        moe=_moe(cfg, kind.hashed),
+    )
+
+
+def stack_infos(tree: Any, repeats: int) -> Any:
+    """An abstract (sub)tree with a leading `layers` axis of size `repeats` on every leaf."""
+    return map_infos(lambda info: ArrayInfo((repeats, *info.shape), info.dtype, ("layers", *info.axes), info.init),
+                     tree)
+
+
 def abstract_weights(cfg: ModelConfig) -> Weights:
     d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
-    layers = [
-        Layer(
-            attn_hc=_hyper_connection(cfg),
-            attn_norm=ArrayInfo((d,), F32, (None,), "ones"),
-            attn=_attention(cfg, cfg.layer_kinds[i]),
-            ffn_hc=_hyper_connection(cfg),
-            ffn_norm=ArrayInfo((d,), F32, (None,), "ones"),
-            moe=_moe(cfg, cfg.hash_layers[i]),
-        )
-        for i in range(cfg.num_layers)
-    ]
     return Weights(
         embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
-        layers=layers,
+        segments=[[stack_infos(_layer(cfg, kind), segment.repeats) for kind in segment.pattern]
+                  for segment in layer_segments(cfg)],
         hc_head_fn=ArrayInfo((n * d, n), F32, ("hc_embed", None)),
         hc_head_base=ArrayInfo((n,), F32, (None,), "small"),
         hc_head_scale=ArrayInfo((1,), F32, (None,), "ones"),
@@ -207,7 +220,7 @@ def map_infos(fn: Callable[[ArrayInfo], Any], tree: Any) -> Any:
 
 
 def flatten_with_names(tree: Any) -> list[tuple[str, Any]]:
-    """(dotted path, leaf) pairs, e.g. ('layers.3.attn.wq_b', ...); the names used in errors and orbax trees."""
+    """(dotted path, leaf) pairs, e.g. ('segments.2.1.attn.wq_b', ...), in flatten order."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
     return [(_path_name(path), leaf) for path, leaf in leaves]
 
@@ -224,15 +237,60 @@ def _path_name(path) -> str:
     return ".".join(parts)
 
 
+# ---- the per-layer view -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerLeaf:
+    """One leaf as the un-stacked model has it (the checkpoint's view), and where it lives in the stacked Weights."""
+
+    name: str  # as the release names it: 'layers.3.attn.wq_b', 'embed'
+    path: str  # the Weights leaf that holds it: 'segments.2.1.attn.wq_b', 'embed'
+    index: int | None  # its place along that leaf's leading `layers` axis; None outside the layers
+    info: ArrayInfo  # its own shape (no layers axis), dtype, logical axes
+
+
+def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
+    """Every leaf of the un-stacked model in its flatten order: embed, layer 0's leaves, ..., the last layer's,
+    then the HC head, the final norm and the head."""
+    segments = layer_segments(cfg)
+    before: list[LayerLeaf] = []
+    after: list[LayerLeaf] = []
+    by_layer: dict[int, list[LayerLeaf]] = {}
+    for path, info in flatten_with_names(abstract_weights(cfg)):
+        if not path.startswith("segments."):
+            (after if by_layer else before).append(LayerLeaf(path, path, None, info))
+            continue
+        _, s, p, rest = path.split(".", 3)
+        segment = segments[int(s)]
+        own = ArrayInfo(info.shape[1:], info.dtype, info.axes[1:], info.init)
+        for k in range(segment.repeats):
+            layer = segment.layer(k, int(p))
+            by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own))
+    return before + [leaf for layer in sorted(by_layer) for leaf in by_layer[layer]] + after
+
+
+def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """The weights un-stacked on the host: (release name, array) in `release_leaves` order."""
+    host = {path: np.asarray(leaf) for path, leaf in flatten_with_names(weights)}
+    return [(leaf.name, host[leaf.path] if leaf.index is None else host[leaf.path][leaf.index])
+            for leaf in release_leaves(cfg)]
+
+
 # ---- random initialisation --------------------------------------------------------------------------------------
 
 def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights:
-    """Random weights of the right shapes (tests, benchmarks, the embedded default's generator)."""
+    """Random weights of the right shapes (tests, benchmarks, the embedded default's generator). Each layer's
+    leaves are drawn as the un-stacked model's were, so a seed gives the same values whatever the layer plan."""
+    leaves = release_leaves(cfg)
+    keys = jax.random.split(key, len(leaves))
+    parts: dict[str, list[np.ndarray]] = {}
+    for k, leaf in zip(keys, leaves):
+        parts.setdefault(leaf.path, []).append(np.asarray(_init_leaf(k, leaf.info, std, cfg)))
+    stacked = {leaf.path for leaf in leaves if leaf.index is not None}
     abstract = abstract_weights(cfg)
-    names_and_infos = flatten_with_names(abstract)
-    keys = jax.random.split(key, len(names_and_infos))
-    leaves = [_init_leaf(k, info, std, cfg) for k, (_, info) in zip(keys, names_and_infos)]
-    return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), leaves)
+    arrays = [jnp.asarray(np.stack(parts[path]) if path in stacked else parts[path][0])
+              for path, _ in flatten_with_names(abstract)]
+    return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), arrays)
 
 
 def _init_leaf(key: jax.Array, info: ArrayInfo, std: float, cfg: ModelConfig) -> jax.Array:

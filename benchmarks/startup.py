@@ -1,0 +1,94 @@
+"""Start-up time: how long compiling takes, and how it grows with the model's depth.
+
+`compile_s_4_layers`, `compile_s_43_layers`: seconds to trace, lower and compile one DeepSeek-V4-Flash decode step
+(the `flash` preset, bf16, the runner's own step: forward, sampling, donated cache) on 8 fake CPU devices (mesh
+tensor 2 x expert 4), for the first 4 layers of Flash's layer pattern and for all 43. The weights are abstract
+(ShapeDtypeStructs carrying their shardings): nothing of the 43-layer model is allocated, only a small KV cache.
+The persistent compilation cache is off, so every compile is cold. Goal: 43 layers cost at most 2.5x 4 layers
+(the forward compiles one body per layer kind, not one per layer).
+
+Results are merged into benchmarks/results/startup.json (keys this script does not measure are kept).
+
+    .venv/bin/python benchmarks/startup.py    # about a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from common import RESULTS, configure_jax, machine_info, load_average, markdown_table, median, timed, write_results
+
+GOAL_DEPTH_RATIO = 2.5  # compile_s_43_layers / compile_s_4_layers
+DEPTHS = (4, 43)
+DECODE_ROWS = 4
+
+
+def compile_decode_step(layers: int) -> float:
+    """Seconds to trace, lower and compile the runner's decode step for Flash cut to its first `layers` layers."""
+    import jax
+
+    from jaxserve.model.weights import abstract_weights
+    from jaxserve.presets import preset
+    from jaxserve.runner import Buckets, ModelRunner
+    from jaxserve.sharding import make_mesh, shape_dtype_structs
+
+    from common import geometry
+
+    cfg = preset("flash", dtype="bfloat16", num_hidden_layers=layers)
+    mesh = make_mesh(tensor_parallel_size=2, expert_parallel_size=4)
+    weights = shape_dtype_structs(abstract_weights(cfg), mesh)
+    geo = geometry(cfg, slots=DECODE_ROWS, max_tokens=1024)
+    runner = ModelRunner(cfg, weights, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=(16,),
+                                                          decode_rows=(DECODE_ROWS,)))
+    shape = ((DECODE_ROWS, 1),)
+    jax.clear_caches()
+
+    def compile_once():
+        with jax.set_mesh(mesh):
+            runner._step.lower(*runner._abstract_args(shape)).compile()
+
+    return timed(compile_once)
+
+
+def merge_results(name: str, measured: dict) -> dict:
+    """The results file's current contents with `measured` written over them (other scripts' keys kept)."""
+    path = RESULTS / f"{name}.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(measured)
+    rows = [[key, value] for key, value in merged.items() if not isinstance(value, dict)]
+    write_results(name, merged, "# Start-up\n\n" + markdown_table(["measure", "value"], rows) + "\n")
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=1, help="compiles per depth (the median is reported)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    args = parser.parse_args(argv)
+    configure_jax(devices=8, compile_cache=False)
+
+    info = machine_info()
+    seconds: dict[int, list[float]] = {n: [] for n in DEPTHS}
+    for _ in range(args.repeats):
+        for layers in DEPTHS:  # alternating, so load on the shared machine hits both alike
+            seconds[layers].append(compile_decode_step(layers))
+            print(f"flash decode step, {layers} layers: compiled in {seconds[layers][-1]:.1f} s", flush=True)
+    compile_s = {n: round(median(s), 2) for n, s in seconds.items()}
+    ratio = round(compile_s[43] / compile_s[4], 2)
+    measured = {
+        "compile_s_4_layers": compile_s[4],
+        "compile_s_43_layers": compile_s[43],
+        "compile_ratio_43_to_4_layers": ratio,
+        "compile_goal_met": ratio <= GOAL_DEPTH_RATIO,
+        "compile_setup": {"preset": "flash", "dtype": "bfloat16", "devices": 8, "mesh": "tensor 2 x expert 4",
+                          "step": f"decode, {DECODE_ROWS} rows", "weights": "abstract (ShapeDtypeStruct)",
+                          "repeats": args.repeats, **info, "load_average_1min_at_end": load_average()},
+    }
+    print(f"43 / 4 layers: {ratio:.2f}x (goal <= {GOAL_DEPTH_RATIO}x: {'met' if ratio <= GOAL_DEPTH_RATIO else 'NOT met'})")
+    if not args.no_write:
+        merge_results("startup", measured)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Stacked Weights assembled on the mesh from per-layer leaves, as a checkpoint is read one tensor at a time.
+
+Checkpoints name leaves per layer (`release_leaves`); Weights hold the layers of a segment stacked along a leading
+`layers` axis. Host memory holds one leaf at a time, device memory the model plus one layer:
+- a stack of one layer is that layer's leaf with a unit axis put straight into its sharding (no compile);
+- a longer stack is allocated once, then each layer's leaves, gathered until the layer is complete, are written
+  into it in place by one jitted update per stacked `Layer` (one compile per position of a segment's pattern,
+  whatever the number of repeats).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info, release_leaves
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacks: list[jax.Array], layer: list[jax.Array], index: jax.Array) -> list[jax.Array]:
+    return [jax.lax.dynamic_update_index_in_dim(stack, leaf, index, 0) for stack, leaf in zip(stacks, layer)]
+
+
+def _zeros(infos: list[ArrayInfo], shardings: list[NamedSharding] | None) -> list[jax.Array]:
+    shapes = [(info.shape, info.dtype) for info in infos]
+    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype in shapes], out_shardings=shardings)()
+
+
+def _one_layer(sharding: NamedSharding | None) -> NamedSharding | None:
+    """The sharding of one layer of a stack sharded as `sharding` (the layers axis is never split)."""
+    return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+def _stack_of(path: str) -> str:
+    """'segments.2.1.attn.wq_b' -> 'segments.2.1': the stacked Layer a leaf belongs to."""
+    return ".".join(path.split(".")[:3])
+
+
+class WeightsBuilder:
+    """Takes every leaf of the un-stacked model once (`put`, by release name, in any order), returns Weights
+    placed with `shardings` (a Weights tree of NamedShardings; None: the default device)."""
+
+    def __init__(self, cfg: ModelConfig, shardings: Weights | None = None):
+        abstract = abstract_weights(cfg)
+        named = flatten_with_names(abstract)
+        self._structure = jax.tree.structure(abstract, is_leaf=is_info)
+        self._paths = [path for path, _ in named]
+        self._infos = dict(named)
+        self._shardings = dict(zip(self._paths, jax.tree.leaves(shardings))) if shardings is not None else None
+        self._layout = {leaf.name: leaf for leaf in release_leaves(cfg)}
+        self._stack_paths: dict[str, list[str]] = {}
+        for path in self._paths:
+            if path.startswith("segments."):
+                self._stack_paths.setdefault(_stack_of(path), []).append(path)
+        self._arrays: dict[str, jax.Array] = {}
+        self._pending: dict[tuple[str, int], dict[str, jax.Array]] = {}  # (stack, layer index) -> its leaves so far
+        self._received: set[str] = set()
+
+    def _sharding(self, path: str) -> NamedSharding | None:
+        return None if self._shardings is None else self._shardings[path]
+
+    def put(self, name: str, array: Any) -> None:
+        """One leaf (host or device array) of the un-stacked model, shaped and typed as `release_leaves` says."""
+        if name not in self._layout:
+            raise ValueError(f"{name}: not a leaf of this model")
+        if name in self._received:
+            raise ValueError(f"{name}: given twice")
+        leaf = self._layout[name]
+        if tuple(array.shape) != leaf.info.shape or jnp.dtype(array.dtype) != jnp.dtype(leaf.info.dtype):
+            raise ValueError(f"{name}: got {array.dtype}{list(array.shape)}, the model needs "
+                             f"{jnp.dtype(leaf.info.dtype)}{list(leaf.info.shape)}")
+        self._received.add(name)
+        sharding = self._sharding(leaf.path)
+        if leaf.index is None:
+            self._arrays[leaf.path] = jax.device_put(array, sharding)
+        elif self._infos[leaf.path].shape[0] == 1:
+            self._arrays[leaf.path] = jax.device_put(np.asarray(array)[None], sharding)
+        else:
+            stack = _stack_of(leaf.path)
+            layer = self._pending.setdefault((stack, leaf.index), {})
+            layer[leaf.path] = jax.device_put(array, _one_layer(sharding))
+            if len(layer) == len(self._stack_paths[stack]):
+                self._write(stack, leaf.index, self._pending.pop((stack, leaf.index)))
+
+    def _write(self, stack: str, index: int, layer: dict[str, jax.Array]) -> None:
+        paths = self._stack_paths[stack]
+        if paths[0] not in self._arrays:
+            shardings = None if self._shardings is None else [self._shardings[p] for p in paths]
+            self._arrays.update(zip(paths, _zeros([self._infos[p] for p in paths], shardings)))
+        written = _write_layer([self._arrays[p] for p in paths], [layer[p] for p in paths], np.int32(index))
+        self._arrays.update(zip(paths, written))
+
+    def finish(self) -> Weights:
+        missing = [name for name in self._layout if name not in self._received]
+        if missing:
+            raise ValueError(f"{len(missing)} leaves never given, e.g. {missing[:5]}")
+        return jax.tree.unflatten(self._structure, [self._arrays[path] for path in self._paths])
