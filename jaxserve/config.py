@@ -285,7 +285,7 @@ def load_config(path: str | Path, dtype: str = "bfloat16") -> ModelConfig:
         raise ConfigError(f"{path}: no such checkpoint folder")
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
-        raise ConfigError(f"{path}: the folder has no config.json, so it is not a DeepSeek-V4 checkpoint")
+        raise ConfigError(f"{file}: not found (the folder has no config.json, so it is not a DeepSeek-V4 checkpoint)")
     try:
         return config_from_dict(json.loads(file.read_text()), dtype=dtype)
     except json.JSONDecodeError as bad:

@@ -21,7 +21,7 @@ from jaxserve.runner import Buckets
 from jaxserve.server import create_app
 from jaxserve.tokenizer import load_tokenizer
 from test_chat_encoding import CALLS, CALLS_DSML, TOOLS
-from test_server import ServerThread
+from test_server import serve_app
 
 MODEL = "tiny-v4"
 QUESTION = [{"role": "user", "content": "Weather in São Paulo and news?"}]
@@ -40,7 +40,7 @@ def served(tokenizer):
     runner = FakeRunner(kv_geometry(cfg, model_cfg), buckets, model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0]))
     engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids).start()
     try:
-        with ServerThread(create_app(engine, tokenizer, MODEL), engine) as server:
+        with serve_app(create_app(engine, tokenizer, MODEL), engine) as server:
             yield server
     finally:
         engine.shutdown()

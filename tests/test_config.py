@@ -60,7 +60,7 @@ def test_missing_field_and_file(tmp_path):
     del raw["q_lora_rank"]
     with pytest.raises(ConfigError, match="q_lora_rank"):
         config_from_dict(raw)
-    with pytest.raises(ConfigError, match=f"^{tmp_path}: the folder has no config.json"):
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'config.json'}: not found \\(the folder has no config.json"):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match=f"^{tmp_path / 'nope'}: no such checkpoint folder$"):
         load_config(tmp_path / "nope")

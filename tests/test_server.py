@@ -80,13 +80,22 @@ def serving(runner, loaded, tokenizer=None, start=True, server_config=ServerConf
         engine.start()
     app = create_app(engine, tokenizer, MODEL, server_config,
                      model_path=str(default_checkpoint_path()))
-    http = BackgroundServer(app, bind("127.0.0.1", 0))  # the CLI's own way to serve, on any free port
+    try:
+        with serve_app(app, engine) as served:
+            yield served
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def serve_app(app, engine: Engine):
+    """`app` served on a free port of 127.0.0.1 from a thread, the CLI's own way."""
+    http = BackgroundServer(app, bind("127.0.0.1", 0))
     try:
         http.start()
         yield Served(f"http://127.0.0.1:{http.address[1]}", engine)
     finally:
         http.stop()
-        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
