@@ -157,7 +157,7 @@ def slot_request(geo, slot: int, prompt, output=()) -> "Request":
     from jaxserve.request import Request, SamplingParams
 
     return Request(f"slot{slot}", list(map(int, prompt)), SamplingParams(temperature=0.0), output_ids=list(output),
-                   slot=slot, pages=slot_pages(geo, slot))
+                   num_sampled=len(output), slot=slot, pages=slot_pages(geo, slot))
 
 
 def prefill_step(runner, request, start: int, length: int) -> int:

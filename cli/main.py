@@ -94,6 +94,9 @@ FLAGS = (
     Flag(EngineConfig, "mixed_batches", bool, "put one token of every running request into each prefill step, so "
                                               "running requests advance every step (each then waits one prefill "
                                               "step, not N)"),
+    Flag(EngineConfig, "async_scheduling", bool, "keep one step in flight: the host schedules and dispatches the "
+                                                 "next step while the device runs this one, and reads this one's "
+                                                 "tokens meanwhile (as vLLM's --async-scheduling)"),
     Flag(EngineConfig, "decode_log_interval", int, "log one decode step in this many"),
     Flag(ServerConfig, "log_stats_interval", float, "seconds between throughput lines while busy; <= 0: never"),
     Flag(ServerConfig, "host", str, "address to listen on", metavar="HOST"),

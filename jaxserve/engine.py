@@ -9,6 +9,7 @@ step boundary; all scheduler state is touched by the loop thread only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -119,12 +120,23 @@ class StepRecord:
 
 
 @dataclass
+class _InFlight:
+    batch: Batch
+    step: "PendingStep"
+    device_start: float  # when the device could start it: its dispatch, or the end of the step before it
+
+
+@dataclass
 class Counters:
     """The engine's totals; /metrics and the logs both read these (through stats())."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+
+class PendingStep(Protocol):
+    def result(self) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class StepRunner(Protocol):
@@ -135,7 +147,8 @@ class StepRunner(Protocol):
 
     def warmup(self, show_progress: bool = False) -> None: ...
 
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]: ...
+    def dispatch(self, batch: Batch) -> PendingStep:
+        """Start `batch`; `result()` waits for (the prefill chunks' tokens, the decode rows' tokens)."""
 
     def cache_lost(self) -> bool: ...
 
@@ -186,6 +199,9 @@ class Engine:
         self._admission = threading.Condition()
         self._live: dict[str, tuple[Request, RequestHandle]] = {}
         self._draining = False
+        # Loop thread only: dispatched, unfinished steps per request, and when the device is done with the last one.
+        self._inflight: collections.Counter[str] = collections.Counter()
+        self._device_free_at = 0.0
         self._publish_stats()
 
     @property
@@ -304,16 +320,25 @@ class Engine:
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        inflight: _InFlight | None = None
         while not self._stop.is_set():
             self._drain_inbox()
+            self.scheduler.note_inflight(*((inflight.batch, inflight.device_start) if inflight else (None,)))
             batch = self.scheduler.schedule()
-            self._publish_stats()
-            if batch is None:
+            dispatched = self._dispatch(batch) if batch is not None else None
+            # Overlap: the step just dispatched runs on the device while the host finishes the one before it.
+            if inflight is not None:
+                self._complete(inflight)
+            inflight = dispatched
+            if inflight is not None and not self.config.async_scheduling:
+                self._complete(inflight)
+                inflight = None
+            if batch is None and inflight is None:
+                self._publish_stats()  # a step publishes when it completes; aborts and arrivals when idle
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-                continue
-            self._run(batch)
-            self._publish_stats()
+        if inflight is not None:
+            self._complete(inflight)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -329,25 +354,54 @@ class Engine:
             if live is not None:
                 self._finish(live[0], reason, stop_reason)
 
-    def _run(self, batch: Batch) -> None:
-        started = time.perf_counter()
+    def _dispatch(self, batch: Batch) -> _InFlight | None:
+        dispatched = time.perf_counter()
         try:
-            prefill_tokens, decode_tokens = self.runner.run(batch)
-            self.counters.prompt_tokens += batch.num_prefill_tokens
-            for chunk, token in zip(batch.prefill, prefill_tokens):
-                if chunk.is_last:  # the token after the prompt is the first output token
-                    self._deliver(chunk.request, int(token))
-            for request, token in zip(batch.decode, decode_tokens):
-                self._deliver(request, int(token))
+            step = self.runner.dispatch(batch)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._fail_step(batch, error)
+            return None
+        for request in batch.requests:
+            self._inflight[request.request_id] += 1
+        # The device starts it once the step before it is done.
+        return _InFlight(batch, step, max(dispatched, self._device_free_at))
+
+    def _complete(self, inflight: _InFlight) -> None:
+        """Wait for a dispatched step's tokens, deliver them, and hand completed prompts to decoding."""
+        batch = inflight.batch
+        try:
+            prefill_tokens, decode_tokens = inflight.step.result()
+        except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
+            self._landed(batch)
+            self._fail_step(batch, error)
             return
-        ended = time.perf_counter()
-        self.scheduler.observe_step(batch, ended - started)
+        ended = self._device_free_at = time.perf_counter()
+        self._landed(batch)
+        self.counters.prompt_tokens += batch.num_prefill_tokens
+        # A request finished while this step was in flight (a stop, an abort) may have had a token computed here:
+        # it is never delivered.
+        for chunk, token in zip(batch.prefill, prefill_tokens):
+            if chunk.is_last and not chunk.request.finished:  # the token after the prompt: the first output token
+                self._deliver(chunk.request, int(token))
+        for request, token in zip(batch.decode, decode_tokens):
+            if not request.finished:
+                self._deliver(request, int(token))
+        seconds = ended - inflight.device_start
+        self.scheduler.observe_step(batch, seconds)
         self.scheduler.on_batch_done(batch)
         self.step_record.append(StepRecord(batch.phase, batch.forced_by, tuple(r.request_id for r in batch.requests),
-                                           batch.num_tokens, started, ended))
-        self._log_step(batch, ended - started)
+                                           batch.num_tokens, inflight.device_start, ended))
+        self._log_step(batch, seconds)
+        self._publish_stats()
+
+    def _landed(self, batch: Batch) -> None:
+        """`batch` no longer runs: requests it was the last step in flight of get their pages and slot back."""
+        for request in batch.requests:
+            self._inflight[request.request_id] -= 1
+            if not self._inflight[request.request_id]:
+                del self._inflight[request.request_id]
+                if request.finished:
+                    self.scheduler.release(request)
 
     def _deliver(self, request: Request, token: int) -> None:
         request.output_ids.append(token)
@@ -371,7 +425,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
                 final_tokens: tuple[int, ...] = (), error: str | None = None) -> None:
-        self.scheduler.finish(request, reason, stop_reason)
+        # Pages and slot wait for the last dispatched step that still writes them (see _landed).
+        self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         with self._admission:
             _, handle = self._live.pop(request.request_id)

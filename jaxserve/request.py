@@ -59,6 +59,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens already scheduled into the KV cache
+    num_sampled: int = 0  # output tokens sampled by dispatched steps (output_ids lags by the step in flight)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -156,3 +157,8 @@ class Batch:
     def completed(self) -> list[Request]:
         """Requests whose prompt this step completes, in row order."""
         return [c.request for c in self.prefill if c.is_last]
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """The requests this step samples an output token for: completed prompts and decode rows."""
+        return self.completed + list(self.decode)

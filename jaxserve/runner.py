@@ -1,12 +1,17 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
-Both are the same pure function `(weights, cache, inputs, sampling) -> (token ids, cache)` with the cache
-donated, compiled ahead of time for a small set of shape buckets (rows x chunk length for prefill, rows for
-decode). A call whose shape is not a bucket is an error, never a silent recompile.
+Both are the same pure function `(weights, cache, slot tokens, inputs, sampling, routes) -> (token ids, cache,
+slot tokens)` with the cache and the slot tokens donated, compiled ahead of time for a small set of shape buckets
+(rows x chunk length for prefill, rows for decode). A call whose shape is not a bucket is an error, never a silent
+recompile.
+
+Each sampled token is also kept on the device, in its sequence's slot, and a decode row reads its input token from
+there: a step can be dispatched before the host has seen the previous step's tokens (overlap scheduling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,7 +43,8 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
 
 
 GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
-GroupRow = tuple[Sequence[int], int, Request]  # a row's tokens, the position of the first, and its request
+# A row: its tokens, the position of the first, its request, and whether its sampled token is kept in its slot.
+GroupRow = tuple[Sequence[int], int, Request, bool]
 StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
 
 
@@ -90,6 +96,30 @@ class CompileCounter:
             self.count += 1
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenRoutes:
+    """Where each row's tokens come from and where its sampled token goes, on the device."""
+
+    feed_from_slot: jax.Array  # [b] bool: the row's input is the token its slot sampled last (decode rows)
+    store_slot: jax.Array  # [b] int32: the slot that keeps the sampled token; num_slots: not kept (dropped)
+
+
+class PendingStep:
+    """A dispatched step; `result()` waits for its tokens: (prefill chunks' tokens, decode rows' tokens)."""
+
+    def __init__(self, tokens: tuple[jax.Array, ...], sizes: list[int], has_prefill: bool, has_decode: bool):
+        for t in tokens:
+            t.copy_to_host_async()  # the copy runs while the host prepares the next step
+        self._tokens, self._sizes = tokens, sizes
+        self._has_prefill, self._has_decode = has_prefill, has_decode
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        outputs = [np.asarray(t)[:n] for t, n in zip(self._tokens, self._sizes)]
+        empty = np.zeros(0, np.int32)
+        return (outputs[0] if self._has_prefill else empty), (outputs[-1] if self._has_decode else empty)
+
+
 @dataclass
 class StepTimes:
     compile_s: dict[StepShape, float] = field(default_factory=dict)
@@ -109,18 +139,25 @@ class ModelRunner:
         self.reset_cache()
         self._step = jax.jit(
             self._step_fn,
-            donate_argnames=("cache",),
-            out_shardings=(self._replicated, self._cache_shardings),
+            donate_argnames=("cache", "slot_tokens"),
+            out_shardings=(self._replicated, self._cache_shardings, self._replicated),
         )
         self._compiled: dict[StepShape, jax.stages.Compiled] = {}
         self.times = StepTimes()
 
-    def _step_fn(self, weights, cache, groups: tuple[StepInputs, ...], samplings: tuple[SamplingArrays, ...]):
+    def _step_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[StepInputs, ...],
+                 samplings: tuple[SamplingArrays, ...], routes: tuple[TokenRoutes, ...]):
+        groups = tuple(dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None],
+                                                                g.tokens))
+                       for g, r in zip(groups, routes))
         logits, cache = logits_last(weights, cache, groups, self.cfg)
-        return tuple(sample(l, p) for l, p in zip(logits, samplings)), cache
+        tokens = tuple(sample(l, p) for l, p in zip(logits, samplings))
+        for t, r in zip(tokens, routes):
+            slot_tokens = slot_tokens.at[r.store_slot].set(t, mode="drop")
+        return tokens, cache, slot_tokens
 
     # ---- compilation -------------------------------------------------------------------------------------------
-    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays]:
+    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays, TokenRoutes]:
         def arr(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
@@ -130,13 +167,15 @@ class ModelRunner:
         sampling = SamplingArrays(temperature=arr((rows,), jnp.float32), top_k=arr((rows,), jnp.int32),
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
-        return inputs, sampling
+        routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
+        return inputs, sampling, routes
 
     def _abstract_args(self, shape: StepShape):
         groups = [self._abstract_group(rows, chunk) for rows, chunk in shape]
-        weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.weights)
-        cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.cache)
-        return weights, cache, tuple(g for g, _ in groups), tuple(s for _, s in groups)
+        weights, cache, slot_tokens = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            (self.weights, self.cache, self.slot_tokens))
+        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(3)))
 
     def warmup(self, show_progress: bool = False) -> None:
         """Compile every bucket now, so serving never compiles."""
@@ -150,7 +189,7 @@ class ModelRunner:
                 self._compiled[shape] = self._step.lower(*self._abstract_args(shape)).compile()
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
-            self._run([([], group) for group in shape])
+            self._dispatch([([], group, False) for group in shape]).result()
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
             described = " + ".join(f"{'decode' if c == 1 else 'prefill'} rows={r} chunk={c}" for r, c in shape)
@@ -160,58 +199,92 @@ class ModelRunner:
 
     def cache_lost(self) -> bool:
         """True when a failed call consumed the donated cache."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.cache, self.slot_tokens)))
 
     def reset_cache(self) -> None:
         with jax.set_mesh(self.mesh):
             self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
+            self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
     def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """One step: (the token sampled after each prefill chunk, the next token of each decode row).
+        """One step, waited for: (the token sampled after each prefill chunk, the next token of each decode row)."""
+        return self.dispatch(batch).result()
 
-        A chunk that is not its prompt's last still samples (its token is simply not used)."""
+    def dispatch(self, batch: Batch) -> PendingStep:
+        """Start one step without waiting for it. A chunk that is not its prompt's last still samples (its token is
+        neither kept nor used). Records on each request whose token this step samples that it does
+        (`num_sampled`): a decode row's position is that of the last token sampled for it before this step."""
+        step = self._dispatch(self._groups(batch))
+        for request in batch.sampling_requests:
+            request.num_sampled += 1
+        return step
+
+    def device_seconds(self, batch: Batch, repeats: int) -> list[float]:
+        """The compiled step of `batch` called `repeats` times on inputs built once, each waited for: the step's
+        time without the host's share (building inputs, scheduling, delivery). For benchmarks: it rewrites the
+        batch's KV positions with the same values."""
+        groups = self._groups(batch)
+        compiled, arrays = self._prepare(groups)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *arrays)
+            jax.block_until_ready(tokens)
+            times.append(time.perf_counter() - started)
+        return times
+
+    def _groups(self, batch: Batch) -> list[tuple[list[GroupRow], GroupShape, bool]]:
+        """(rows, their bucket shape, whether they are decode rows) for each group of the step."""
         groups = []
         if batch.prefill:
-            rows = [(c.token_ids, c.start, c.request) for c in batch.prefill]
+            rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
             chunk = _fit(self.buckets.prefill_chunks, max(c.length for c in batch.prefill), "prefill chunk length")
-            groups.append((rows, (_fit(self.buckets.prefill_rows, len(rows), "prefill rows"), chunk)))
+            groups.append((rows, (_fit(self.buckets.prefill_rows, len(rows), "prefill rows"), chunk), False))
         if batch.decode:
-            rows = [([r.output_ids[-1]], r.total_len - 1, r) for r in batch.decode]
-            groups.append((rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1)))
+            # The input token is on the device already (feed_from_slot); the host only says where it sits.
+            rows = [([0], r.prompt_len + r.num_sampled - 1, r, True) for r in batch.decode]
+            groups.append((rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1), True))
         if batch.prefill and batch.decode and not self.buckets.mixed:
             raise RuntimeError("mixed steps were not compiled (Buckets.mixed is off)")
-        outputs = self._run(groups)
-        empty = np.zeros(0, np.int32)
-        return (outputs[0] if batch.prefill else empty), (outputs[-1] if batch.decode else empty)
+        return groups
 
-    def _run(self, groups: list[tuple[list[GroupRow], GroupShape]]) -> list[np.ndarray]:
-        shape = tuple(group_shape for _, group_shape in groups)
+    def _prepare(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
+        """The compiled step for these groups' shape and its host inputs (step inputs, sampling, routes)."""
+        shape = tuple(group_shape for _, group_shape, _ in groups)
         compiled = self._compiled.get(shape)
         if compiled is None:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
-        arrays = [self._host_arrays(rows, *group_shape) for rows, group_shape in groups]
-        tokens, self.cache = compiled(self.weights, self.cache, tuple(i for i, _ in arrays),
-                                      tuple(s for _, s in arrays))
-        return [np.asarray(t)[: len(rows)] for t, (rows, _) in zip(tokens, groups)]
+        arrays = [self._host_arrays(rows, *group_shape, decode) for rows, group_shape, decode in groups]
+        return compiled, tuple(tuple(a[i] for a in arrays) for i in range(3))
 
-    def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int):
+    def _dispatch(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]) -> PendingStep:
+        compiled, arrays = self._prepare(groups)
+        tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *arrays)
+        return PendingStep(tokens, [len(rows) for rows, _, _ in groups], has_prefill=not groups[0][2],
+                           has_decode=groups[-1][2])
+
+    def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int, from_slot: bool):
         max_pages = self.geometry.max_pages_per_seq
         tokens = np.zeros((bucket_rows, chunk), np.int32)
         page_table = np.zeros((bucket_rows, max_pages), np.int32)
         positions = np.zeros(bucket_rows, np.int32)
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
-        for i, (row_tokens, position, request) in enumerate(rows):
+        store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
+        for i, (row_tokens, position, request, keeps) in enumerate(rows):
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
             tokens[i, : len(row_tokens)] = row_tokens
             page_table[i, : len(request.pages)] = request.pages
             positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
+            if keeps:
+                store[i] = request.slot
         # Each row samples the token after its last one, at that token's own position.
-        sampling = SamplingArrays.for_rows([r.sampling for _, _, r in rows], positions + np.maximum(lengths, 1))
+        sampling = SamplingArrays.for_rows([r.sampling for _, _, r, _ in rows], positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
-        return inputs, sampling
+        routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, from_slot), store_slot=store)
+        return inputs, sampling, routes
 
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:

@@ -82,29 +82,50 @@ class FakeRunner:
 
     def reset_cache(self) -> None:
         self._written: dict[int, list[int]] = {}  # slot -> the tokens its sequence has written, in order
+        self._kept: dict[int, int] = {}  # slot -> the token sampled for it last (the device's slot tokens)
         self._lost = False
 
     def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        return self.dispatch(batch).result()
+
+    def dispatch(self, batch: Batch) -> "FakeStep":
+        """Computes at once; a failure injected by `fail` surfaces when the result is waited for, as a device error
+        would. Like the real runner, a decode row's input is the token its slot kept, at the position after the
+        tokens sampled for it so far."""
         error = self.fail(batch) if self.fail is not None else None
         if error is not None:
             self._lost = self.lose_cache_on_failure
-            raise error
-        rows = [(c.token_ids, c.start, c.request) for c in batch.prefill]
-        rows += [([r.output_ids[-1]], r.total_len - 1, r) for r in batch.decode]
-        slots = [r.slot for _, _, r in rows]
-        pages = [p for _, _, r in rows for p in r.pages]
+            return FakeStep(error=error)
+        rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
+        rows += [([self._kept[r.slot]], r.prompt_len + r.num_sampled - 1, r, True) for r in batch.decode]
+        slots = [r.slot for _, _, r, _ in rows]
+        pages = [p for _, _, r, _ in rows for p in r.pages]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
         assert len(set(pages)) == len(pages), "two rows share a KV page"
         assert len(batch.prefill) <= max(self.buckets.prefill_rows), "more prefill rows than any bucket"
         assert len(batch.decode) <= max(self.buckets.decode_rows), "more decode rows than any bucket"
         out = []
-        for tokens, position, request in rows:
+        for tokens, position, request, keeps in rows:
             written = [] if position == 0 else self._written[request.slot]
             assert position == len(written), f"{request.request_id}: writes at {position}, slot holds {len(written)}"
             written = written + list(tokens)
             assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
             self._written[request.slot] = written
             out.append(self.model(request, written))
+            if keeps:
+                self._kept[request.slot] = out[-1]
+        for request in batch.sampling_requests:
+            request.num_sampled += 1
         self.steps.append(batch)
         tokens = np.asarray(out, np.int32)
-        return tokens[:len(batch.prefill)], tokens[len(batch.prefill):]
+        return FakeStep((tokens[:len(batch.prefill)], tokens[len(batch.prefill):]))
+
+
+class FakeStep:
+    def __init__(self, tokens: tuple[np.ndarray, np.ndarray] | None = None, error: Exception | None = None):
+        self._tokens, self._error = tokens, error
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._error is not None:
+            raise self._error
+        return self._tokens

@@ -5,6 +5,7 @@ aborts, and mixed batches."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import time
@@ -111,14 +112,36 @@ def test_victim_decodes_during_a_long_prefill_only_with_the_flag(every):
     assert_nothing_leaked(engine)
 
 
-def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_nothing():
-    """Many requests of different lengths, aborts before and during the run, every policy: each output is what the
-    fake model gives that prompt alone, and every page and slot comes back."""
+def expected_output(ids: list[int], sampling: SamplingParams, eos: tuple[int, ...]) -> tuple[list[int], str]:
+    """What the fake model's continuation gives under these stop rules (the tokens up to and with the stop)."""
+    out = continuation(ids, sampling.max_tokens, CFG.vocab_size)
+    for i, token in enumerate(out):
+        if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+            return out[:i + 1], "stop"
+    return out, "length"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_nothing(async_scheduling):
+    """Many requests of different lengths, stop tokens, EOS, max_tokens 1, aborts before and during the run, every
+    policy, with and without a step in flight: each output is what the fake model gives that prompt alone (so both
+    loops give identical outputs), no token is delivered after a request's last, and every page and slot comes
+    back."""
     rng = random.Random(1)
     for flags in ({}, {"decode_interleave_every": 2}, {"mixed_batches": True}, {"max_decode_stall_ms": 1e-6}):
-        engine = fake_engine(**flags)
-        specs = [(prompt(rng.randint(1, 90), i), rng.randint(1, 20)) for i in range(24)]
-        handles = [engine.submit(ids, greedy(n), request_id=f"r{i}") for i, (ids, n) in enumerate(specs)]
+        engine = fake_engine(async_scheduling=async_scheduling, **flags)
+        specs = []
+        for i in range(24):
+            ids, n = prompt(rng.randint(1, 90), i), rng.choice([1, 1, rng.randint(2, 20)])
+            future = continuation(ids, n, CFG.vocab_size)
+            kind = rng.choice(["plain", "stop token", "eos"])
+            stop = [future[rng.randrange(n)]] if kind == "stop token" else []
+            specs.append((ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=kind != "eos",
+                                              stop_token_ids=stop)))
+        # The EOS ids: tokens of some continuations, so some requests stop early on them.
+        eos = tuple({continuation(ids, s.max_tokens, CFG.vocab_size)[-1] for ids, s in specs[::5]})
+        engine.eos_token_ids = frozenset(eos)
+        handles = [engine.submit(ids, sampling, request_id=f"r{i}") for i, (ids, sampling) in enumerate(specs)]
         doomed = [engine.submit(prompt(60, 900 + i), greedy(30), request_id=f"doomed{i}") for i in range(3)]
         engine.abort("doomed0")  # before it ever runs
         # While the workload runs (from inside a step, so it lands at the next step boundary, however fast).
@@ -127,28 +150,38 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         try:
             results = [h.wait(timeout=60) for h in handles]
             engine.abort("doomed2")
-            doomed_reasons = [h.wait(timeout=60)[1] for h in doomed]
+            doomed_results = [h.wait(timeout=60) for h in doomed]
         finally:
             engine.shutdown()
-        assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs], flags
-        assert {r[1] for r in results} == {"length"}
+        doomed_reasons = [reason for _, reason, _ in doomed_results]
+        expected = [expected_output(ids, sampling, eos) for ids, sampling in specs]
+        assert [r[:2] for r in results] == expected, flags
         assert doomed_reasons[:2] == ["abort", "abort"] and doomed_reasons[2] in ("abort", "length")
-        assert engine.stats()["finished"]["length"] + engine.stats()["finished"]["abort"] == 27
+        delivered = sum(len(tokens) for tokens, _ in expected)
+        # Nothing is counted past a request's end (a token computed for it by a step in flight is dropped).
+        assert engine.stats()["generation_tokens"] == delivered + sum(len(t) for t, _, _ in doomed_results)
+        sampled = collections.Counter(r.request_id for b in engine.runner.steps for r in b.sampling_requests)
+        computed_past_the_end = sum(sampled[f"r{i}"] - len(tokens) for i, (tokens, _) in enumerate(expected))
+        # Only a step in flight computes past a stop (max_tokens is never overrun: it is known when scheduling).
+        assert computed_past_the_end > 0 if async_scheduling else computed_past_the_end == 0, computed_past_the_end
+        assert sum(engine.stats()["finished"].values()) == 27
         assert_nothing_leaked(engine)
 
 
 def test_random_workload_matches_running_each_request_alone_and_returns_every_page(runner):
+    """On the tiny model itself: each request alone through the synchronous loop, then all together with aborts
+    through the overlapped loop (one step in flight), give the same greedy tokens."""
     rng = random.Random(0)
     specs = [(prompt(rng.randint(1, 70), 100 + i), rng.randint(1, 12)) for i in range(10)]
     alone = []
-    engine = make_engine(runner).start()
+    engine = make_engine(runner, async_scheduling=False).start()
     try:
         for ids, max_tokens in specs:
             alone.append(engine.submit(ids, greedy(max_tokens)).wait(timeout=60)[0])
     finally:
         engine.shutdown()
 
-    engine = make_engine(runner, decode_interleave_every=2)
+    engine = make_engine(runner, decode_interleave_every=2, async_scheduling=True)
     handles = [engine.submit(ids, greedy(n), request_id=f"r{i}") for i, (ids, n) in enumerate(specs)]
     doomed = [engine.submit(prompt(60, 900 + i), greedy(30), request_id=f"doomed{i}") for i in range(3)]
     for h in doomed[:2]:
@@ -166,8 +199,9 @@ def test_random_workload_matches_running_each_request_alone_and_returns_every_pa
     assert_nothing_leaked(engine)
 
 
-def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving():
-    engine = fake_engine()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving(async_scheduling):
+    engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.fail = lambda batch: RuntimeError("injected failure") if any(
         c.token_ids[:3] == [7, 7, 7] for c in batch.prefill) else None
     bad, good = engine.submit([7, 7, 7, 7], greedy(4)), engine.submit(prompt(9, 3), greedy(4))
@@ -183,8 +217,9 @@ def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving():
     assert_nothing_leaked(engine)
 
 
-def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_resets_it():
-    engine = fake_engine()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_resets_it(async_scheduling):
+    engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.lose_cache_on_failure = True
     engine.runner.fail = lambda batch: RuntimeError("device lost") if any(
         c.request.request_id == "late" for c in batch.prefill) else None
@@ -284,13 +319,19 @@ def test_the_log_shows_forced_decodes(caplog):
     assert any(line.startswith("Decode batch (interleaved after 2 prefill steps)") for line in lines)
 
 
-def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefill():
-    engine = fake_engine(max_decode_stall_ms=1e-6)  # 1 ns: every prefill step breaks it
+@pytest.mark.parametrize("async_scheduling, pattern", [
+    (False, "PD" * 8 + "P"),
+    # With a step in flight the victim's first token arrives one decision late: one more chunk goes first.
+    (True, "PP" + "DP" * 7),
+])
+def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefill(async_scheduling, pattern):
+    # 1 ns: every prefill step breaks it
+    engine = fake_engine(max_decode_stall_ms=1e-6, async_scheduling=async_scheduling)
     victim = engine.submit(prompt(5, 1), greedy(40), request_id="victim")
     attacker = engine.submit(prompt(11 + 8 * CHUNK, 2), greedy(2), request_id="attacker")
     _, (attacker_tokens, _, _) = run(engine, victim, attacker)
     steps = burst(engine, "attacker")
-    assert steps == "PD" * 8 + "P"  # a decode after every chunk, and the prompt still completes
+    assert steps == pattern  # a decode after every chunk, and the prompt still completes
     assert len(attacker_tokens) == 2
     assert engine.stats()["stall_decode_steps"] == sum(r.forced_by == "stall" for r in engine.step_record) >= 8
 

@@ -116,6 +116,7 @@ def test_admission_stops_fifo_when_pages_run_out():
     assert pm.schedule_next_chunks() == ()
     assert (b.status, c.status, pm.num_waiting, pool.num_free) == (RequestStatus.WAITING, RequestStatus.WAITING, 2, 6)
     pm.remove(a)  # a finished
+    pm.release(a)
     assert pool.num_free == 10 and a.pages == [] and a.slot is None
     assert chunks(pm.schedule_next_chunks()) == [("b", 0, 16), ("c", 0, 2)]
     assert pool.num_free == 1
@@ -129,6 +130,7 @@ def test_admission_stops_fifo_when_slots_run_out():
     assert chunks(pm.schedule_next_chunks()) == [("a", 0, 3)]
     assert pm.schedule_next_chunks() == () and b.status is RequestStatus.WAITING and b.pages == []
     pm.remove(a)
+    pm.release(a)
     assert chunks(pm.schedule_next_chunks()) == [("b", 0, 3)] and b.slot == 0
 
 

@@ -84,7 +84,8 @@ def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
 def test_a_budget_tighter_than_any_step_slows_prefill_but_never_stops_it():
     scheduler, stall, prefill, _, clock = make(1)  # 1 ms: less than one decode step
     warm(stall)
-    stall.note_decoded()
+    stall.note_scheduled(decodes=True)  # the last step decoded...
+    stall.note_decoded()  # ... and has run
     pattern = ""
     for _ in range(8):
         batch = scheduler._schedule_next_batch()
@@ -96,6 +97,28 @@ def test_a_budget_tighter_than_any_step_slows_prefill_but_never_stops_it():
             stall.observe_prefill(prefill.budgets[-1], 0.064)
     assert pattern == "PDPDPDPD"  # the floor chunk after every decode: no decode ever follows a decode
     assert set(prefill.budgets) == {64}
+
+
+def test_with_a_step_in_flight_the_floor_still_follows_every_decode():
+    """Overlap scheduling: each decision is made while the step before it still runs, so the policy hears of a
+    step's end one decision late. The decision itself records what it scheduled: prefill is never stopped."""
+    scheduler, stall, prefill, _, clock = make(1)
+    warm(stall)
+    stall.note_decoded()
+    pattern, inflight = "", None
+    for _ in range(8):
+        if inflight is not None:
+            stall.note_inflight(clock.now + 0.05)
+        batch = scheduler._schedule_next_batch()
+        pattern += letter(batch)
+        clock.now += 0.05
+        if inflight is not None:  # the step before this one ends only now
+            if inflight.phase == "decode":
+                stall.note_decoded()
+            else:
+                stall.observe_prefill(64, 0.064)
+        inflight = batch
+    assert "DD" not in pattern and pattern.count("P") >= 4 and set(prefill.budgets) == {64}
 
 
 def test_fresh_arrivals_are_exempt():

@@ -33,5 +33,6 @@ class DecodeManager:
             del self._running[request.request_id]
 
     def schedule_next_rows(self) -> tuple[Request, ...]:
-        """The requests the next decode step advances (oldest first); empty when none is decoding."""
-        return tuple(self.running[:self.max_num_seqs])
+        """The requests the next decode step advances (oldest first); empty when none is decoding. A request whose
+        last token (max_tokens) is already being sampled by a step in flight gets no further row."""
+        return tuple([r for r in self._running.values() if r.num_sampled < r.sampling.max_tokens][:self.max_num_seqs])

@@ -65,9 +65,12 @@ class PrefillManager:
         return tuple(chunks)
 
     def remove(self, request: Request) -> None:
-        """Forget `request` wherever it is in its life and give back its pages and slot (each exactly once)."""
+        """Forget `request` wherever it is in its life (release() gives back its pages and slot)."""
         if request in self._queue:
             self._queue.remove(request)
+
+    def release(self, request: Request) -> None:
+        """Give back `request`'s pages and slot, each exactly once."""
         if request.pages:
             self.page_pool.free(request.pages)
             request.pages = []

@@ -55,6 +55,12 @@ class Scheduler:
         return batch
 
     def _schedule_next_batch(self) -> Batch | None:
+        batch = self._decide()
+        if batch is not None and self.stall_policy is not None:
+            self.stall_policy.note_scheduled(decodes=bool(batch.decode))
+        return batch
+
+    def _decide(self) -> Batch | None:
         policy, stall = self.interleave_policy, self.stall_policy
         # Whichever policy is due first wins. Disabled (or absent) policies never want a decode, so the decode
         # manager is not probed here unless one is enabled.
@@ -87,15 +93,29 @@ class Scheduler:
         if self.interleave_policy is not None:
             self.interleave_policy.note_decode()
 
-    def observe_step(self, batch: Batch, seconds: float, inflight_until: float | None = None) -> None:
-        """Step timing for the stall budget's cost model (and the predicted end of a step still in flight)."""
+    def release(self, request: Request) -> None:
+        """Free a finished request's pages and slot (each exactly once)."""
+        self.prefill_manager.release(request)
+
+    def observe_step(self, batch: Batch, seconds: float) -> None:
+        """Step timing for the stall budget's cost model."""
         if self.stall_policy is None:
             return
         if batch.prefill:
             self.stall_policy.observe_prefill(batch.num_tokens, seconds)
         else:
             self.stall_policy.observe_decode(seconds)
-        self.stall_policy.note_inflight(inflight_until)
+
+    def note_inflight(self, batch: Batch | None, device_start: float | None = None) -> None:
+        """The step dispatched and not yet finished when the next one is scheduled (None: nothing in flight), and
+        when it started on the device: the stall budget counts its predicted end."""
+        if self.stall_policy is None:
+            return
+        if batch is None:
+            self.stall_policy.note_inflight(None)
+        else:
+            self.stall_policy.note_inflight(device_start + self.stall_policy.predicted_seconds(batch.num_tokens,
+                                                                                                bool(batch.prefill)))
 
     def on_batch_done(self, batch: Batch) -> None:
         """Call after `batch` ran and its tokens were delivered: completed prompts start decoding."""
@@ -112,10 +132,14 @@ class Scheduler:
             elif started:
                 self.stall_policy.note_runnable()
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """End `request` in any state (also an abort, reason "abort"); frees its pages and slot exactly once."""
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
+               release: bool = True) -> None:
+        """End `request` in any state (also an abort, reason "abort"): it is never scheduled again. Its pages and
+        slot are freed now, or with release() once no dispatched step still writes them (`release=False`)."""
         self.decode_manager.remove(request)
         self.prefill_manager.remove(request)
         request.mark_finished(reason, stop_reason)
+        if release:
+            self.release(request)
         if self.stall_policy is not None and not self.decode_manager.has_work:
             self.stall_policy.note_idle()

@@ -40,7 +40,6 @@ class DecodeStallPolicy:
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
             self.prefill_s_per_token = self._smooth(self.prefill_s_per_token, seconds / num_tokens)
-        self.prefill_owed = False
 
     def observe_decode(self, seconds: float) -> None:
         self.decode_step_s = self._smooth(self.decode_step_s or None, seconds)
@@ -48,7 +47,11 @@ class DecodeStallPolicy:
     def note_decoded(self) -> None:
         """Every runnable request just got a token."""
         self.waiting_since = self.clock()
-        self.prefill_owed = True
+
+    def note_scheduled(self, decodes: bool) -> None:
+        """A step was scheduled (it may still be in flight when the next one is): after one that decodes, the next
+        may always prefill at least the floor."""
+        self.prefill_owed = decodes
 
     def note_runnable(self) -> None:
         """A request just produced its first token; older waiters keep their (earlier) start."""
@@ -58,6 +61,12 @@ class DecodeStallPolicy:
     def note_idle(self) -> None:
         """Nothing is running: nobody is waiting for a token."""
         self.waiting_since = None
+
+    def predicted_seconds(self, num_tokens: int, prefill: bool) -> float:
+        """What a step is expected to take, from what was measured so far (0 before anything was)."""
+        if prefill:
+            return num_tokens * (self.prefill_s_per_token or 0.0)
+        return self.decode_step_s
 
     def note_inflight(self, predicted_end: float | None) -> None:
         """A step is dispatched and will end around `predicted_end` (None: nothing in flight)."""
