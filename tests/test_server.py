@@ -453,7 +453,11 @@ def test_health_is_503_while_loading_and_while_draining(server, runner, loaded):
 
 # ---- big bodies: bounded, and never decoded or tokenized on the event loop ----------------------------------------
 
-def test_big_bodies_are_refused_without_stalling_a_running_stream(server, slow_decode):
+def test_big_bodies_are_refused_without_stalling_a_running_stream(server, runner, monkeypatch):
+    # Decode steps of 25 ms or more: the gap criterion then allows the few ms a body's JSON parse or a tokenizer
+    # call holds the interpreter lock, even on a busy machine, while tokenizing a 4 MiB prompt on the event loop
+    # (seconds) still fails it.
+    before_each_decode(runner, monkeypatch, lambda: time.sleep(0.025))
     limit = ServerConfig().max_request_bytes
     over = json.dumps({"prompt": "word " * (5_000_000 // 5)}).encode()  # 5 MB
     # Just under the limit, and far too long for the 256-token context.
