@@ -6,6 +6,7 @@ aborts, and mixed batches."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import random
 import time
@@ -350,7 +351,7 @@ MIXED = engine_config(max_num_seqs=2, max_prefill_rows=1, mixed_batches=True)
 
 def test_mixed_batches_advance_running_requests_every_step_with_unchanged_outputs(mixed_runner):
     specs = {"victim": (prompt(5, 1), 30), "attacker": (prompt(100, 2), 3)}
-    engine = Engine(MIXED, CFG, mixed_runner, EOS).start()
+    engine = Engine(dataclasses.replace(MIXED, async_scheduling=False), CFG, mixed_runner, EOS).start()
     try:
         alone = {name: engine.submit(ids, greedy(n)).wait(timeout=60)[0] for name, (ids, n) in specs.items()}
     finally:
@@ -364,11 +365,12 @@ def test_mixed_batches_advance_running_requests_every_step_with_unchanged_output
         together = {name: handle.wait(timeout=60)[0] for name, handle in handles.items()}
     finally:
         engine.shutdown()
-    assert together == alone
+    assert together == alone  # the synchronous loop alone, the overlapped one together
     attacker_steps = [r for r in engine.step_record if "attacker" in r.request_ids and r.kind != "decode"]
-    # The victim prefilled alone (one prompt per step); then every attacker chunk carried the victim's token,
-    # in a 16-token budget that the decode row shares: 15 prompt tokens per step.
-    assert [r.kind for r in attacker_steps] == ["mixed"] * 7
-    assert all("victim" in r.request_ids and r.num_tokens == 16 for r in attacker_steps[:-1])
-    assert engine.stats()["mixed_steps"] == 7
+    # The victim prefilled alone (one prompt per step). Its first token is delivered after the attacker's first
+    # chunk was dispatched (one step in flight), so that chunk goes alone; then every attacker chunk carries the
+    # victim's token, in a 16-token budget that the decode row shares: 15 prompt tokens per step (16 + 5 x 15 + 9).
+    assert [r.kind for r in attacker_steps] == ["prefill"] + ["mixed"] * 6
+    assert all("victim" in r.request_ids and r.num_tokens == 16 for r in attacker_steps[1:-1])
+    assert engine.stats()["mixed_steps"] == 6
     assert_nothing_leaked(engine)

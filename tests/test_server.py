@@ -116,15 +116,15 @@ def http(server):
 
 
 def before_each_decode(runner, monkeypatch, action) -> None:
-    """Patch the runner so that `action()` runs before every step that carries decode rows."""
-    real = runner.run
+    """Patch the runner so that `action()` runs before every step that carries decode rows is dispatched."""
+    real = runner.dispatch
 
-    def run(batch):
+    def dispatch(batch):
         if batch.decode:
             action()
         return real(batch)
 
-    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "dispatch", dispatch)
 
 
 @pytest.fixture
@@ -415,15 +415,15 @@ def test_unknown_route_and_method_keep_the_error_shape(http):
 # ---- admission: 429, 503, token-id-only mode --------------------------------------------------------------------
 
 def test_a_full_queue_answers_429_with_retry_after(server, runner, loaded, monkeypatch):
-    gate = threading.Event()
-    before_each_decode(runner, monkeypatch, lambda: gate.wait(30))
+    gate, at_gate = threading.Event(), threading.Event()
+    before_each_decode(runner, monkeypatch, lambda: (at_gate.set(), gate.wait(30)))
     with serving(runner, loaded, max_queued_requests=1) as queued, httpx.Client(base_url=queued.url,
                                                                                 timeout=60) as http:
         body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as running:
-            # `running` is prefilled, then its first decode step waits at the gate; the next request can only
-            # wait for admission, and the one after finds the queue full.
-            wait_for(lambda: queued.engine.stats()["running"] == 1, 30, "the first request to run")
+            # `running` is prefilled, then the engine waits at the gate before its first decode step; the next
+            # request can only wait for admission, and the one after finds the queue full.
+            assert at_gate.wait(30), "the first request never reached its first decode step"
             with http.stream("POST", "/v1/completions", json=body) as waiting:
                 refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=10)
                 gate.set()
