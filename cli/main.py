@@ -94,6 +94,9 @@ FLAGS = (
     Flag(EngineConfig, "mixed_batches", bool, "put one token of every running request into each prefill step, so "
                                               "running requests advance every step (each then waits one prefill "
                                               "step, not N)"),
+    Flag(EngineConfig, "compilation_cache_dir", str, f"XLA's persistent compilation cache (default: "
+                                                     f"${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an "
+                                                     "empty string turns it off)", metavar="DIR"),
     Flag(EngineConfig, "async_scheduling", bool, "keep one step in flight: the host schedules and dispatches the "
                                                  "next step while the device runs this one, and reads this one's "
                                                  "tokens meanwhile (as vLLM's --async-scheduling)"),
@@ -159,7 +162,9 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     # JAX reports at INFO every backend it probes and does not find (`Unable to initialize backend 'tpu'` on every
     # machine without libtpu); its warnings and errors still show.
     logging.getLogger("jax").setLevel(logging.WARNING)
-    cache = os.environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
+    cache = cfg.compilation_cache_dir
+    if cache is None:
+        cache = os.environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
     if cache:
         # Every step shape is compiled at start; the persistent cache makes the next start with the same flags fast.
         jax.config.update("jax_compilation_cache_dir", cache)
@@ -183,12 +188,33 @@ def capacity_line(engine: Engine) -> str:
             f"({engine.max_model_len} tokens): {concurrency} requests")
 
 
-def _compile(engine: Engine) -> None:
-    shapes = len(engine.runner.buckets.shapes())
-    print(f"compiling {shapes} step shapes (rows x chunk buckets)", flush=True)
+def _start(engine: Engine, shapes) -> None:
+    """Compile `shapes` (what serving needs first) on this thread and start the engine loop."""
+    print(f"compiling {len(shapes)} step shapes (rows x chunk buckets) to start", flush=True)
     started = time.perf_counter()
-    engine.start(show_progress=True)
-    print(f"compiled {shapes} step shapes in {time.perf_counter() - started:.1f} s", flush=True)
+    engine.runner.warmup(shapes, show_progress=True)
+    engine.start()
+    print(f"compiled {len(shapes)} step shapes in {time.perf_counter() - started:.1f} s", flush=True)
+    _freeze_heap()
+
+
+def _compile_the_rest(engine: Engine, stop) -> None:
+    """Compile every other step shape while serving (steps use a shape once it is compiled), until `stop()`."""
+    buckets = engine.runner.buckets
+    rest = len(buckets.shapes()) - len(buckets.first_shapes())
+    if not rest:
+        return
+    print(f"compiling the other {rest} step shapes while serving (bigger batches and chunks once they are done)",
+          flush=True)
+    started = time.perf_counter()
+    engine.runner.warmup(show_progress=True, stop=stop)
+    if not stop():
+        print(f"compiled all {len(buckets.shapes())} step shapes ({rest} while serving, "
+              f"{time.perf_counter() - started:.1f} s)", flush=True)
+        _freeze_heap()
+
+
+def _freeze_heap() -> None:
     # Everything alive now (JAX, the executables, the weights' host objects) lives as long as the process. Freezing
     # it keeps the collector from walking it: a full collection of that heap took ~200 ms on 2 cores, a stall the
     # step loop would take in the middle of a stream.
@@ -237,14 +263,15 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
         http.start()
         url = f"http://{server_cfg.host}:{http.address[1]}"
         print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
-        try:
-            _compile(engine)  # on this thread: see cli/interrupts.py
+        try:  # compiles run on this thread: see cli/interrupts.py
+            _start(engine, engine.runner.buckets.first_shapes())
+            interrupts.serving = True
+            print(f"jaxserve ready on {url} (model={name})", flush=True)
+            _compile_the_rest(engine, stop=interrupts.requested.is_set)
         except Exception as error:  # noqa: BLE001 - one line, not XLA's traceback
             print(f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}",
                   file=sys.stderr)
             return EXIT_FAILED
-        interrupts.serving = True
-        print(f"jaxserve ready on {url} (model={name})", flush=True)
         while not interrupts.requested.wait(0.2):
             if http.stopped.is_set():
                 print("jaxserve: error: the HTTP server stopped on its own", file=sys.stderr)
@@ -287,7 +314,7 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
         return EXIT_USAGE
-    _compile(engine)
+    _start(engine, engine.runner.buckets.prompt_shapes(len(prompt_ids)))  # only what this one prompt needs
 
     async def stream() -> tuple[int, str | None]:
         generation = Generation(engine, tokenizer, prompt_ids, sampling, tuple(args.stop), "generate")

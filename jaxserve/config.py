@@ -376,6 +376,7 @@ class EngineConfig:
     max_decode_stall_ms: float | None = None  # a runnable decode never waits longer (shrinking chunks to fit)
     mixed_batches: bool = False  # prefill steps also carry one token of every running request
     async_scheduling: bool = True  # dispatch step N+1 while step N runs (one step in flight)
+    compilation_cache_dir: str | None = None  # None: $JAXSERVE_COMPILE_CACHE or ~/.cache/jaxserve/xla; "": off
     decode_log_interval: int = 50
 
     def __post_init__(self):

@@ -28,7 +28,7 @@ import numpy as np
 from jaxserve.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams
-from jaxserve.runner import Buckets
+from jaxserve.runner import Buckets, StepLimits
 from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy, IdAllocator, PrefillManager,
                                 Scheduler)
 
@@ -145,7 +145,10 @@ class StepRunner(Protocol):
     geometry: CacheGeometry
     buckets: Buckets
 
-    def warmup(self, show_progress: bool = False) -> None: ...
+    def warmup(self, shapes=None, show_progress: bool = False, stop=None) -> None: ...
+
+    def limits(self) -> StepLimits | None:
+        """What the compiled shapes allow a step to carry; None until a prefill and a decode shape are compiled."""
 
     def dispatch(self, batch: Batch) -> PendingStep:
         """Start `batch`; `result()` waits for (the prefill chunks' tokens, the decode rows' tokens)."""
@@ -211,7 +214,10 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self, show_progress: bool = False) -> "Engine":
-        self.runner.warmup(show_progress=show_progress)
+        """Start the loop, first compiling what serving one request at a time needs if nothing is compiled yet; the
+        runner's other shapes may compile later (runner.warmup()): steps use only what is compiled."""
+        if self.runner.limits() is None:
+            self.runner.warmup(self.runner.buckets.first_shapes(), show_progress=show_progress)
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
         return self
@@ -321,7 +327,12 @@ class Engine:
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
     def _loop(self) -> None:
         inflight: _InFlight | None = None
+        limits = None
         while not self._stop.is_set():
+            if self.runner.limits() is not limits:  # more shapes compiled: bigger steps allowed
+                limits = self.runner.limits()
+                self.scheduler.set_step_limits(limits.prefill_tokens, limits.prefill_rows, limits.decode_rows,
+                                               limits.mixed)
             self._drain_inbox()
             self.scheduler.note_inflight(*((inflight.batch, inflight.device_start) if inflight else (None,)))
             batch = self.scheduler.schedule()

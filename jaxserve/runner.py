@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,19 +68,52 @@ class Buckets:
                        prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
                        decode_rows=powers_of_two_up_to(max_num_seqs), mixed=mixed)
 
+    @property
+    def mixed_decode_group(self) -> GroupShape:
+        """A mixed step's decode group always has every decode row (padding the rest): one mixed shape per prefill
+        shape, not one per prefill x decode pair."""
+        return (max(self.decode_rows), 1)
+
     def shapes(self) -> list[StepShape]:
-        """Every step shape that is compiled; decode groups have chunk length 1."""
+        """Every step shape, in the order they are compiled: first what one request at a time needs (the smallest
+        prefill chunk, a decode of one row), then what widens the usable steps soonest."""
         prefill = [(r, c) for r in self.prefill_rows for c in self.prefill_chunks]
-        decode = [(r, 1) for r in self.decode_rows]
-        mixed = [(p, d) for p in prefill for d in decode] if self.mixed else []
-        return [(p,) for p in prefill] + [(d,) for d in decode] + mixed
+        first = [((1, self.prefill_chunks[0]),), ((1, 1),)]
+        rest = [((r, 1),) for r in self.decode_rows] + [(p,) for p in prefill]
+        if self.mixed:
+            rest += [(p, self.mixed_decode_group) for p in prefill]
+        return first + [s for s in rest if s not in first]
+
+    def first_shapes(self) -> list[StepShape]:
+        return self.shapes()[:2]
+
+    def prompt_shapes(self, prompt_len: int) -> list[StepShape]:
+        """What one prompt of `prompt_len` tokens needs, alone: its chunk (or the largest) and a decode of one."""
+        chunk = next((c for c in self.prefill_chunks if c >= prompt_len), self.prefill_chunks[-1])
+        return [((1, chunk),), ((1, 1),)]
 
 
-def _fit(sizes: Sequence[int], need: int, what: str) -> int:
-    for size in sizes:
-        if size >= need:
-            return size
-    raise ValueError(f"{what} {need} exceeds the largest compiled bucket {max(sizes)}")
+@dataclass(frozen=True)
+class StepLimits:
+    """What the compiled shapes allow a step to carry (the scheduler keeps within it)."""
+
+    prefill_tokens: int  # the longest chunk one row may have
+    prefill_rows: int
+    decode_rows: int
+    mixed: bool
+
+
+def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None:
+    """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled."""
+    prefill = {s[0] for s in compiled if len(s) == 1 and s[0][1] > 1}
+    decode = [s[0][0] for s in compiled if len(s) == 1 and s[0][1] == 1]
+    single_row = [c for r, c in prefill if r == 1]
+    if not single_row or not decode:
+        return None
+    tokens = max(single_row)
+    rows = max(r for r, c in prefill if c >= tokens)
+    mixed = buckets.mixed and all((p, buckets.mixed_decode_group) in compiled for p in prefill)
+    return StepLimits(prefill_tokens=tokens, prefill_rows=rows, decode_rows=max(decode), mixed=mixed)
 
 
 class CompileCounter:
@@ -143,6 +177,8 @@ class ModelRunner:
             out_shardings=(self._replicated, self._cache_shardings, self._replicated),
         )
         self._compiled: dict[StepShape, jax.stages.Compiled] = {}
+        self._limits, self._limits_for = None, 0  # limits() of the first _limits_for compiled shapes
+        self._launching = threading.Lock()
         self.times = StepTimes()
 
     def _step_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[StepInputs, ...],
@@ -177,25 +213,38 @@ class ModelRunner:
             (self.weights, self.cache, self.slot_tokens))
         return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(3)))
 
-    def warmup(self, show_progress: bool = False) -> None:
-        """Compile every bucket now, so serving never compiles."""
-        shapes = self.buckets.shapes()
+    def warmup(self, shapes: Sequence[StepShape] | None = None, show_progress: bool = False,
+               stop: Callable[[], bool] | None = None) -> None:
+        """Compile `shapes` (default: every bucket), skipping those already compiled, in order; `stop()` is asked
+        between shapes. Steps use only compiled shapes (limits()), so serving can start before all are done."""
+        todo = [s for s in (self.buckets.shapes() if shapes is None else shapes) if s not in self._compiled]
         started = time.perf_counter()
-        for i, shape in enumerate(shapes, start=1):
-            if shape in self._compiled:
-                continue
+        for i, shape in enumerate(todo, start=1):
+            if stop is not None and stop():
+                return
             t0 = time.perf_counter()
             with jax.set_mesh(self.mesh):
-                self._compiled[shape] = self._step.lower(*self._abstract_args(shape)).compile()
+                compiled = self._step.lower(*self._abstract_args(shape)).compile()
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
-            self._dispatch([([], group, False) for group in shape]).result()
+            padding = [([], group, False) for group in shape]
+            self._launch(compiled, self._host_inputs(padding), padding).result()
+            self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
             described = " + ".join(f"{'decode' if c == 1 else 'prefill'} rows={r} chunk={c}" for r, c in shape)
-            log.debug("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(shapes))
+            log.debug("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(todo))
             if show_progress:
-                progress("compiling step shapes", i, len(shapes), started, detail=f"(last: {described})")
+                so_far = time.perf_counter() - started
+                progress("compiling step shapes", i, len(todo), started,
+                         detail=f"(about {so_far / i * (len(todo) - i):.0f} s to go; last: {described})")
+
+    def limits(self) -> StepLimits | None:
+        """What steps the compiled shapes allow (None: not even one prefill and one decode shape yet)."""
+        compiled = set(self._compiled)
+        if len(compiled) != self._limits_for:
+            self._limits, self._limits_for = step_limits(compiled, self.buckets), len(compiled)
+        return self._limits
 
     def cache_lost(self) -> bool:
         """True when a failed call consumed the donated cache."""
@@ -225,44 +274,70 @@ class ModelRunner:
         time without the host's share (building inputs, scheduling, delivery). For benchmarks: it rewrites the
         batch's KV positions with the same values."""
         groups = self._groups(batch)
-        compiled, arrays = self._prepare(groups)
+        compiled, inputs = self._compiled_step(groups), self._host_inputs(groups)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *arrays)
+            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
             jax.block_until_ready(tokens)
             times.append(time.perf_counter() - started)
         return times
 
     def _groups(self, batch: Batch) -> list[tuple[list[GroupRow], GroupShape, bool]]:
-        """(rows, their bucket shape, whether they are decode rows) for each group of the step."""
+        """(rows, their compiled bucket shape, whether they are decode rows) for each group of the step."""
         groups = []
+        mixed = bool(batch.prefill and batch.decode)
         if batch.prefill:
             rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
-            chunk = _fit(self.buckets.prefill_chunks, max(c.length for c in batch.prefill), "prefill chunk length")
-            groups.append((rows, (_fit(self.buckets.prefill_rows, len(rows), "prefill rows"), chunk), False))
+            groups.append((rows, self._prefill_shape(len(rows), max(c.length for c in batch.prefill), mixed), False))
         if batch.decode:
             # The input token is on the device already (feed_from_slot); the host only says where it sits.
             rows = [([0], r.prompt_len + r.num_sampled - 1, r, True) for r in batch.decode]
-            groups.append((rows, (_fit(self.buckets.decode_rows, len(rows), "decode batch"), 1), True))
-        if batch.prefill and batch.decode and not self.buckets.mixed:
-            raise RuntimeError("mixed steps were not compiled (Buckets.mixed is off)")
+            shape = self.buckets.mixed_decode_group if mixed else self._decode_shape(len(rows))
+            if len(rows) > shape[0]:
+                raise ValueError(f"decode batch {len(rows)} exceeds the largest compiled bucket {shape[0]}")
+            groups.append((rows, shape, True))
         return groups
 
-    def _prepare(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
-        """The compiled step for these groups' shape and its host inputs (step inputs, sampling, routes)."""
+    def _prefill_shape(self, rows: int, tokens: int, mixed: bool) -> GroupShape:
+        """The cheapest compiled prefill shape that holds `rows` chunks of up to `tokens` tokens."""
+        if mixed:
+            shapes = [s[0] for s in list(self._compiled) if len(s) == 2]
+        else:
+            shapes = [s[0] for s in list(self._compiled) if len(s) == 1 and s[0][1] > 1]
+        fits = [(r * c, (r, c)) for r, c in shapes if r >= rows and c >= tokens]
+        if not fits:
+            kind = "mixed step's prefill" if mixed else "prefill"
+            raise ValueError(f"{rows} prefill rows of up to {tokens} tokens: no compiled {kind} shape holds them "
+                             f"(the largest compiled bucket is {max(shapes, default=None)})")
+        return min(fits)[1]
+
+    def _decode_shape(self, rows: int) -> GroupShape:
+        sizes = [s[0][0] for s in list(self._compiled) if len(s) == 1 and s[0][1] == 1]
+        return (min((d for d in sizes if d >= rows), default=max(sizes, default=0)), 1)
+
+    def _compiled_step(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
         shape = tuple(group_shape for _, group_shape, _ in groups)
         compiled = self._compiled.get(shape)
         if compiled is None:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
-        arrays = [self._host_arrays(rows, *group_shape, decode) for rows, group_shape, decode in groups]
-        return compiled, tuple(tuple(a[i] for a in arrays) for i in range(3))
+        return compiled
 
     def _dispatch(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]) -> PendingStep:
-        compiled, arrays = self._prepare(groups)
-        tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *arrays)
+        return self._launch(self._compiled_step(groups), self._host_inputs(groups), groups)
+
+    def _launch(self, compiled, inputs, groups: list[tuple[list[GroupRow], GroupShape, bool]]) -> PendingStep:
+        # The cache is donated and replaced: the warm-up's padding runs (on the compiling thread) and the engine's
+        # steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
+        with self._launching:
+            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
         return PendingStep(tokens, [len(rows) for rows, _, _ in groups], has_prefill=not groups[0][2],
                            has_decode=groups[-1][2])
+
+    def _host_inputs(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
+        """(step inputs, sampling arrays, token routes), one of each per group."""
+        arrays = [self._host_arrays(rows, *group_shape, decode) for rows, group_shape, decode in groups]
+        return tuple(tuple(a[i] for a in arrays) for i in range(3))
 
     def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int, from_slot: bool):
         max_pages = self.geometry.max_pages_per_seq

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve.cache import CacheGeometry
 from jaxserve.request import Batch
-from jaxserve.runner import Buckets
+from jaxserve.runner import Buckets, StepLimits
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = 2**31 - 1
@@ -72,10 +72,17 @@ class FakeRunner:
         self.steps: list[Batch] = []
         self.fail = None  # a callable(batch) -> Exception | None, to inject failures
         self.lose_cache_on_failure = False
+        self._limits = StepLimits(prefill_tokens=max(buckets.prefill_chunks), prefill_rows=max(buckets.prefill_rows),
+                                  decode_rows=max(buckets.decode_rows), mixed=buckets.mixed)
         self.reset_cache()
 
-    def warmup(self, show_progress: bool = False) -> None:
+    def warmup(self, shapes=None, show_progress: bool = False, stop=None) -> None:
         self.warmups += 1
+
+    def limits(self) -> StepLimits:
+        """Every bucket is "compiled"."""
+        return self._limits
+
 
     def cache_lost(self) -> bool:
         return self._lost
@@ -102,8 +109,11 @@ class FakeRunner:
         pages = [p for _, _, r, _ in rows for p in r.pages]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
         assert len(set(pages)) == len(pages), "two rows share a KV page"
-        assert len(batch.prefill) <= max(self.buckets.prefill_rows), "more prefill rows than any bucket"
-        assert len(batch.decode) <= max(self.buckets.decode_rows), "more decode rows than any bucket"
+        limits = self._limits  # what is "compiled" now
+        assert len(batch.prefill) <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
+        assert all(c.length <= limits.prefill_tokens for c in batch.prefill), "a chunk longer than compiled"
+        assert len(batch.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
+        assert limits.mixed or not (batch.prefill and batch.decode), "a mixed step before mixed shapes compiled"
         out = []
         for tokens, position, request, keeps in rows:
             written = [] if position == 0 else self._written[request.slot]

@@ -22,7 +22,7 @@ from jaxserve.engine import Engine, EngineDraining, QueueFull
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import InvalidRequest, SamplingParams
-from jaxserve.runner import Buckets, build_runner
+from jaxserve.runner import Buckets, StepLimits, build_runner
 from jaxserve.sharding import make_mesh, place
 
 CFG = preset("tiny", dtype="float32")
@@ -167,6 +167,29 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         assert computed_past_the_end > 0 if async_scheduling else computed_past_the_end == 0, computed_past_the_end
         assert sum(engine.stats()["finished"].values()) == 27
         assert_nothing_leaked(engine)
+
+
+def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
+    """Serving starts with the smallest prefill chunk and one decode row compiled; as more shapes compile, steps
+    grow. The fake runner asserts that no step exceeds what is compiled when it is dispatched."""
+    engine = fake_engine(max_num_seqs=4, mixed_batches=True, async_scheduling=True)
+    full = engine.runner.limits()
+    engine.runner._limits = StepLimits(prefill_tokens=min(engine.runner.buckets.prefill_chunks), prefill_rows=1,
+                                       decode_rows=1, mixed=False)
+    grown = {20: dataclasses.replace(full, prefill_rows=1, decode_rows=2, mixed=False), 60: full}
+
+    def compile_more(batch):
+        engine.runner._limits = grown.get(len(engine.runner.steps), engine.runner._limits)
+
+    engine.runner.fail = compile_more
+    specs = [(prompt(40 + 7 * i, i), 30) for i in range(8)]
+    results = run(engine, *[engine.submit(ids, greedy(n)) for ids, n in specs])
+    assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
+    steps = engine.runner.steps
+    assert max(len(b.decode) for b in steps[:20]) == 1 and max(c.length for b in steps[:20] for c in b.prefill) == 16
+    assert max(len(b.decode) for b in steps[20:60]) == 2
+    assert max(len(b.decode) for b in steps[61:]) > 2 and any(b.phase == "mixed" for b in steps[61:])
+    assert_nothing_leaked(engine)
 
 
 def test_random_workload_matches_running_each_request_alone_and_returns_every_page(runner):

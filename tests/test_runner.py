@@ -12,7 +12,7 @@ from jaxserve.cache import CacheGeometry
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import Batch, PrefillChunk, Request, SamplingParams
-from jaxserve.runner import Buckets, CompileCounter, ModelRunner
+from jaxserve.runner import Buckets, CompileCounter, ModelRunner, StepLimits, step_limits
 from jaxserve.sharding import make_mesh, place
 
 CFG = preset("tiny", dtype="float32")
@@ -83,5 +83,33 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     assert counter.count == before, "a call after warm-up compiled"
     assert first.shape == (1,) and 0 <= int(first[0]) < CFG.vocab_size
     too_long = Request("long", [1] * 33, greedy, slot=3, pages=[18])
-    with pytest.raises(ValueError, match="exceeds the largest compiled bucket"):
+    with pytest.raises(ValueError, match="no compiled prefill shape holds them"):
         runner.run(Batch(prefill=(PrefillChunk(too_long, 0, 33),)))
+
+
+def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_prefill_shape():
+    buckets = Buckets.for_limits(max_prefill_rows=2, chunked_prefill_size=256, max_num_seqs=8, mixed=True)
+    shapes = buckets.shapes()
+    assert shapes[:2] == buckets.first_shapes() == [((1, 16),), ((1, 1),)]
+    assert len(shapes) == len(set(shapes)) == 6 + 4 + 6  # prefill, decode, mixed (every decode row in each)
+    assert {s for s in shapes if len(s) == 2} == {(p, (8, 1)) for p in [(r, c) for r in (1, 2) for c in (16, 64, 256)]}
+    assert buckets.prompt_shapes(40) == [((1, 64),), ((1, 1),)] and buckets.prompt_shapes(999)[0] == ((1, 256),)
+
+
+def test_step_limits_grow_with_the_compiled_shapes():
+    buckets = Buckets.for_limits(max_prefill_rows=2, chunked_prefill_size=256, max_num_seqs=8, mixed=True)
+    compiled = set()
+    assert step_limits(compiled, buckets) is None
+    compiled |= {((1, 16),)}
+    assert step_limits(compiled, buckets) is None  # no decode shape yet
+    compiled |= {((1, 1),)}
+    assert step_limits(compiled, buckets) == StepLimits(16, 1, 1, False)
+    compiled |= {((2, 1),), ((4, 1),), ((1, 64),), ((2, 16),)}
+    # Two rows only where a two-row shape holds the longest chunk one row may have.
+    assert step_limits(compiled, buckets) == StepLimits(64, 1, 4, False)
+    compiled |= {((2, 64),)}
+    assert step_limits(compiled, buckets) == StepLimits(64, 2, 4, False)
+    compiled |= {(p, (8, 1)) for p in [(1, 16), (1, 64), (2, 16)]}
+    assert not step_limits(compiled, buckets).mixed  # (2, 64) has no mixed form yet
+    compiled |= {((2, 64), (8, 1))}
+    assert step_limits(compiled, buckets).mixed

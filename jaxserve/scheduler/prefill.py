@@ -27,6 +27,7 @@ class PrefillManager:
         self.max_prefill_tokens = max_prefill_tokens  # token budget of one step (--chunked-prefill-size)
         self.max_prefill_rows = max_prefill_rows  # chunks (requests) in one step
         self.slots = slots
+        self.max_active = slots.size  # admitted, unfinished requests (lowered while big decode steps are missing)
         # Arrival order. Only the last chunk of a batch can be partial, so a request whose prompt is part-way
         # done is always at the head: continuing it first and FIFO admission are the same walk.
         self._queue: deque[Request] = deque()
@@ -79,7 +80,7 @@ class PrefillManager:
             request.slot = None
 
     def _admit(self, request: Request) -> bool:
-        if self.slots.num_free == 0:
+        if self.slots.num_free == 0 or self.slots.num_used >= self.max_active:
             return False
         try:
             request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))

@@ -27,11 +27,24 @@ class Scheduler:
         self.interleave_policy = interleave_policy
         self.stall_policy = stall_policy if stall_policy is not None and stall_policy.enabled else None
         self.mixed_batches = mixed_batches  # prefill steps carry one token of every running request
+        self._configured: tuple | None = None  # what the knobs allow, kept by the first set_step_limits()
         self.prefill_steps = 0  # mixed steps included
         self.mixed_steps = 0
         self.decode_steps = 0
         self.forced_decode_steps = 0  # decode steps a policy put ahead of prefill (Batch.forced_by)
         self.stall_decode_steps = 0  # ... of which the stall budget asked for
+
+    def set_step_limits(self, prefill_tokens: int, prefill_rows: int, decode_rows: int, mixed: bool) -> None:
+        """Steps no bigger than this (the shapes compiled so far), within the configured knobs. Admission follows
+        the decode limit, so every running request fits one decode step: a bigger batch waits for its bucket."""
+        if self._configured is None:
+            self._configured = (self.prefill_manager.max_prefill_tokens, self.prefill_manager.max_prefill_rows,
+                                self.decode_manager.max_num_seqs, self.mixed_batches)
+        tokens, rows, seqs, mixed_batches = self._configured
+        self.prefill_manager.max_prefill_tokens = min(tokens, prefill_tokens)
+        self.prefill_manager.max_prefill_rows = min(rows, prefill_rows)
+        self.prefill_manager.max_active = self.decode_manager.max_num_seqs = min(seqs, decode_rows)
+        self.mixed_batches = mixed_batches and mixed
 
     @property
     def has_work(self) -> bool:
