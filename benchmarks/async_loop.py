@@ -129,7 +129,8 @@ def main() -> int:
                             "tok/s (range)"], rows)
     markdown = table + "\n\n" + "\n".join(f"- {c}" for c in checks)
     print(markdown)
-    write_results("async_loop", data, markdown)
+    backend = jax.default_backend()
+    write_results("async_loop" if backend == "cpu" else f"async_loop_{backend}", data, markdown)
     return 0
 
 

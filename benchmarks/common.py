@@ -22,11 +22,12 @@ COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla-bench"
 
 
 def configure_jax(devices: int = 1, compile_cache: bool = True) -> None:
-    """CPU backend with `devices` fake host devices and a persistent compile cache. Must run before jax is
-    imported (XLA reads the device count once)."""
+    """CPU backend with `devices` fake host devices and a persistent compile cache (JAXSERVE_BENCH_PLATFORM=gpu: the
+    accelerator instead, for the scripts that say they run there). Must run before jax is imported (XLA reads the
+    device count once)."""
     if "jax" in sys.modules:
         raise RuntimeError("configure_jax must run before jax is imported")
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = os.environ.get("JAXSERVE_BENCH_PLATFORM", "cpu")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     if str(REPO) not in sys.path:

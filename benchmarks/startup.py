@@ -1,4 +1,10 @@
-"""Start-up time: how long compiling takes, and how it grows with the model's depth.
+"""Start-up time: how soon `jaxserve serve` answers, how long compiling takes, and how it grows with the model's depth.
+
+`cold_ready_s`, `warm_ready_s`, `cold_ready_mixed_s`: seconds from starting `jaxserve serve` (the embedded default,
+the README's command) to its `jaxserve ready` line, with an empty compilation cache folder, with the folder the cold
+run filled, and cold with `--mixed-batches`; `shapes`, `shapes_mixed`: step shapes compiled in all (the rest after
+ready, while serving: `cold_all_compiled_s` is when the last one was done). Goals: cold <= 30 s, mixed <= 45 s,
+warm <= 8 s.
 
 `compile_s_4_layers`, `compile_s_43_layers`: seconds to trace, lower and compile one DeepSeek-V4-Flash decode step
 (the `flash` preset, bf16, the runner's own step: forward, sampling, donated cache) on 8 fake CPU devices (mesh
@@ -9,17 +15,25 @@ The persistent compilation cache is off, so every compile is cold. Goal: 43 laye
 
 Results are merged into benchmarks/results/startup.json (keys this script does not measure are kept).
 
-    .venv/bin/python benchmarks/startup.py    # about a minute on 2 cores
+    .venv/bin/python benchmarks/startup.py [--only serve|compile]   # about 6 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 from common import RESULTS, configure_jax, machine_info, load_average, markdown_table, median, timed, write_results
 
 GOAL_DEPTH_RATIO = 2.5  # compile_s_43_layers / compile_s_4_layers
+GOAL_READY_S = {"cold_ready_s": 30, "cold_ready_mixed_s": 45, "warm_ready_s": 8}
 DEPTHS = (4, 43)
 DECODE_ROWS = 4
 
@@ -51,6 +65,56 @@ def compile_decode_step(layers: int) -> float:
     return timed(compile_once)
 
 
+def serve_until_ready(flags: list[str], cache: Path) -> dict[str, float]:
+    """Start `jaxserve serve` (one CPU device, as on a newcomer's machine), read its output until every shape is
+    compiled, then stop it; seconds from the start to `jaxserve ready` and to the last compile."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--compilation-cache-dir", str(cache), *flags]
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    times = {}
+    try:
+        for line in process.stdout:
+            if line.startswith("jaxserve ready"):
+                times["ready_s"] = round(time.perf_counter() - started, 1)
+            if line.startswith("compiled all "):
+                times["all_compiled_s"] = round(time.perf_counter() - started, 1)
+                break
+            if "error" in line.lower() and "jaxserve" in line:
+                raise RuntimeError(line.strip())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    if "ready_s" not in times:
+        raise RuntimeError(f"{' '.join(cmd)} never said it was ready")
+    return times
+
+
+def measure_serving() -> dict:
+    from jaxserve.config import EngineConfig
+    from jaxserve.runner import Buckets
+
+    def shapes(mixed: bool) -> int:
+        cfg = EngineConfig()
+        return len(Buckets.for_limits(cfg.max_prefill_rows, cfg.chunked_prefill_size, cfg.max_num_seqs,
+                                      mixed=mixed).shapes())
+
+    with tempfile.TemporaryDirectory() as plain, tempfile.TemporaryDirectory() as mixed:
+        cold = serve_until_ready([], Path(plain))
+        print(f"cold start: ready after {cold['ready_s']} s, all compiled after {cold['all_compiled_s']} s", flush=True)
+        warm = serve_until_ready([], Path(plain))
+        print(f"warm start: ready after {warm['ready_s']} s", flush=True)
+        cold_mixed = serve_until_ready(["--mixed-batches"], Path(mixed))
+        print(f"cold start, --mixed-batches: ready after {cold_mixed['ready_s']} s, all compiled after "
+              f"{cold_mixed['all_compiled_s']} s", flush=True)
+    measured = {"cold_ready_s": cold["ready_s"], "warm_ready_s": warm["ready_s"],
+                "cold_ready_mixed_s": cold_mixed["ready_s"], "cold_all_compiled_s": cold["all_compiled_s"],
+                "cold_all_compiled_mixed_s": cold_mixed["all_compiled_s"], "shapes": shapes(False),
+                "shapes_mixed": shapes(True)}
+    measured["ready_goals_met"] = all(measured[k] <= goal for k, goal in GOAL_READY_S.items())
+    return measured
+
+
 def merge_results(name: str, measured: dict) -> dict:
     """The results file's current contents with `measured` written over them (other scripts' keys kept)."""
     path = RESULTS / f"{name}.json"
@@ -65,8 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="compiles per depth (the median is reported)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    parser.add_argument("--only", choices=("serve", "compile"), help="measure only the serve start-up or only the "
+                        "Flash compile")
     args = parser.parse_args(argv)
     configure_jax(devices=8, compile_cache=False)
+    if args.only != "compile":
+        serving = measure_serving()
+        if not args.no_write:
+            merge_results("startup", serving)
+        if args.only == "serve":
+            return
 
     info = machine_info()
     seconds: dict[int, list[float]] = {n: [] for n in DEPTHS}

@@ -4,10 +4,11 @@ Python runs signal handlers on the main thread between two bytecodes, so while t
 compile (seconds to minutes per step shape) a handler waits for it, and a second Ctrl-C would too. The C-level
 handler, though, writes each signal's number to the wakeup fd at once; a watcher thread reads it and answers:
 
-- The first signal during start-up: one line; start-up then stops at the main thread's next Python instruction,
-  after the shape being compiled (the Python-level handler raises Interrupted there). Compiles run on the main
-  thread only, so once it unwinds nothing is left inside XLA (and the CLI skips the interpreter's teardown, which
-  can crash in jaxlib after an abandoned compile).
+- The first signal during start-up: one line; start-up then stops once the step shape being compiled is done: the
+  main thread checks `requested` after loading and between compiles and raises Interrupted itself (a handler that
+  raised would do so wherever the main thread happens to be, a garbage-collector callback of XLA's included, which
+  swallows it). Compiles run on the main thread only, so nothing is left inside XLA when it unwinds (and the CLI
+  skips the interpreter's teardown, which can crash in jaxlib after an abandoned compile).
 - The first signal once serving: `requested` is set; the caller drains and stops.
 - A second signal: one line, and the process ends at once (os._exit, so no interpreter teardown waits for a
   compile or a drain, or can crash under one).
@@ -35,7 +36,6 @@ class Interrupts:
         self.requested = threading.Event()  # a first signal came
         self.serving = False  # set by the caller once ready: from then on a first signal asks for a drain
         self._count = 0
-        self._raised = False
 
     def __enter__(self) -> "Interrupts":
         read_end, self._write_end = os.pipe()
@@ -54,9 +54,13 @@ class Interrupts:
         self._watcher.join()
 
     def _on_main_thread(self, signum: int, frame) -> None:
-        if not self.serving and not self._raised:
-            self._raised = True
-            raise Interrupted(signal.Signals(signum).name)
+        """Python's own handler does nothing: the watcher answers (Python's default would raise KeyboardInterrupt
+        wherever the main thread is)."""
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal came during start-up (call it at points where stopping is clean)."""
+        if self.requested.is_set() and not self.serving:
+            raise Interrupted("start-up interrupted")
 
     def _watch(self, read_end: int) -> None:
         with os.fdopen(read_end, "rb", buffering=0) as signals:

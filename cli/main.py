@@ -188,11 +188,14 @@ def capacity_line(engine: Engine) -> str:
             f"({engine.max_model_len} tokens): {concurrency} requests")
 
 
-def _start(engine: Engine, shapes) -> None:
-    """Compile `shapes` (what serving needs first) on this thread and start the engine loop."""
+def _start(engine: Engine, shapes, interrupts: Interrupts | None = None) -> None:
+    """Compile `shapes` (what serving needs first) on this thread and start the engine loop; a signal stops it
+    between two compiles (Interrupted)."""
     print(f"compiling {len(shapes)} step shapes (rows x chunk buckets) to start", flush=True)
     started = time.perf_counter()
-    engine.runner.warmup(shapes, show_progress=True)
+    engine.runner.warmup(shapes, show_progress=True, stop=interrupts and interrupts.requested.is_set)
+    if interrupts is not None:
+        interrupts.check()
     engine.start()
     print(f"compiled {len(shapes)} step shapes in {time.perf_counter() - started:.1f} s", flush=True)
     _freeze_heap()
@@ -257,6 +260,7 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
     engine: Engine | None = None
     try:
         engine, loaded = _setup(cfg)
+        interrupts.check()
         name = server_cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
         http = BackgroundServer(create_app(engine, loaded.tokenizer, name, server_cfg,
                                            model_path=str(loaded.path)), sock)
@@ -264,7 +268,7 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
         url = f"http://{server_cfg.host}:{http.address[1]}"
         print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
         try:  # compiles run on this thread: see cli/interrupts.py
-            _start(engine, engine.runner.buckets.first_shapes())
+            _start(engine, engine.runner.buckets.first_shapes(), interrupts)
             interrupts.serving = True
             print(f"jaxserve ready on {url} (model={name})", flush=True)
             _compile_the_rest(engine, stop=interrupts.requested.is_set)

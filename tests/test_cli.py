@@ -87,7 +87,8 @@ def test_generate_streams_one_prompt_to_the_terminal():
                      timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
-    assert "compiled 5 step shapes in" in result.stdout
+    # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 5 shapes in all).
+    assert "compiled 2 step shapes in" in result.stdout
 
 
 def test_a_split_the_mesh_cannot_make_is_refused_naming_axis_size_and_parallel_size(tmp_path):
