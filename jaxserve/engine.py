@@ -22,12 +22,10 @@ from typing import AsyncIterator
 
 from typing import Iterable, Protocol
 
-import numpy as np
-
 from jaxserve.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams
-from jaxserve.runner import Buckets
+from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.runner import Buckets, StepResult
 from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy, IdAllocator, PrefillManager,
                                 Scheduler)
 
@@ -44,12 +42,17 @@ class EngineDraining(RuntimeError):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """What one step produced for one request: new token ids, and whether (and why) it finished."""
+    """What one step produced for one request: new token ids, and whether (and why) it finished.
+
+    With `sampling.logprobs`, `logprobs` has one entry per token id; with `sampling.prompt_logprobs`, the request's
+    first event carries `prompt_logprobs`, one entry for each prompt token after the first."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,7 +138,7 @@ class StepRunner(Protocol):
 
     def warmup(self, show_progress: bool = False) -> None: ...
 
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]: ...
+    def run(self, batch: Batch) -> StepResult: ...
 
     def cache_lost(self) -> bool: ...
 
@@ -332,13 +335,18 @@ class Engine:
     def _run(self, batch: Batch) -> None:
         started = time.perf_counter()
         try:
-            prefill_tokens, decode_tokens = self.runner.run(batch)
+            result = self.runner.run(batch)
             self.counters.prompt_tokens += batch.num_prefill_tokens
-            for chunk, token in zip(batch.prefill, prefill_tokens):
-                if chunk.is_last:  # the token after the prompt is the first output token
-                    self._deliver(chunk.request, int(token))
-            for request, token in zip(batch.decode, decode_tokens):
-                self._deliver(request, int(token))
+            for i, chunk in enumerate(batch.prefill):
+                request = chunk.request
+                if result.prompt_logprobs[i] is not None:
+                    request.prompt_logprobs.extend(result.prompt_logprobs[i])
+                if chunk.is_last and request.sampling.max_tokens == 0:  # prefill only: the sampled token is unused
+                    self._finish(request, "length", prompt_logprobs=self._prompt_logprobs(request))
+                elif chunk.is_last:  # the token after the prompt is the first output token
+                    self._deliver(request, int(result.prefill_tokens[i]), result.prefill_logprobs[i])
+            for request, token, logprob in zip(batch.decode, result.decode_tokens, result.decode_logprobs):
+                self._deliver(request, int(token), logprob)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._fail_step(batch, error)
             return
@@ -349,14 +357,18 @@ class Engine:
                                            batch.num_tokens, started, ended))
         self._log_step(batch, ended - started)
 
-    def _deliver(self, request: Request, token: int) -> None:
+    def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
         reason, stop_reason = self._stop_reason(request, token)
+        logprobs = None if logprob is None else (logprob,)
+        prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
-            self._live[request.request_id][1]._push(TokenEvent((token,)))
+            self._live[request.request_id][1]._push(TokenEvent((token,), logprobs=logprobs,
+                                                               prompt_logprobs=prompt_logprobs))
         else:
-            self._finish(request, reason, stop_reason, final_tokens=(token,))
+            self._finish(request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs)
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
         """(finish reason, stop token) after `token`; EOS is reported without a stop token, as vLLM does."""
@@ -369,14 +381,22 @@ class Engine:
             return "length", None
         return None, None
 
+    @staticmethod
+    def _prompt_logprobs(request: Request) -> tuple[TokenLogprob, ...] | None:
+        """What the request's first event carries, once its whole prompt has run: its prompt logprobs, if asked."""
+        return None if request.sampling.prompt_logprobs is None else tuple(request.prompt_logprobs)
+
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
-                final_tokens: tuple[int, ...] = (), error: str | None = None) -> None:
+                final_tokens: tuple[int, ...] = (), error: str | None = None,
+                logprobs: tuple[TokenLogprob, ...] | None = None,
+                prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         self.scheduler.finish(request, reason, stop_reason)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         with self._admission:
             _, handle = self._live.pop(request.request_id)
             self._admission.notify_all()
-        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error))
+        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error,
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     def _fail_step(self, batch: Batch, error: Exception) -> None:
         log.exception("step failed (%s batch of %d requests)", batch.phase, len(batch.requests))

@@ -1,7 +1,7 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
-Both are the same pure function `(weights, cache, inputs, sampling) -> (token ids, cache)` with the cache
-donated, compiled ahead of time for a small set of shape buckets (rows x chunk length for prefill, rows for
+Both are the same pure function `(weights, cache, inputs, sampling, logprob inputs) -> (outputs, cache)` with
+the cache donated (outputs: the sampled token ids, and the logprobs rows asked for, see jaxserve.logprobs), compiled ahead of time for a small set of shape buckets (rows x chunk length for prefill, rows for
 decode). A call whose shape is not a bucket is an error, never a silent recompile.
 """
 
@@ -19,9 +19,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model.forward import logits_last
+from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.request import Batch, Request
+from jaxserve.request import Batch, Request, TokenLogprob
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
 
@@ -39,6 +40,27 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
 GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
 GroupRow = tuple[Sequence[int], int, Request]  # a row's tokens, the position of the first, and its request
 StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class GroupOutput:
+    """One group's outputs of a step: the sampled tokens [b], their Logprobs [b], the prompt Logprobs [b, t]."""
+
+    tokens: jax.Array
+    sampled: Logprobs
+    prompt: Logprobs
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step hands back, row by row in batch order (None where a row's request did not ask)."""
+
+    prefill_tokens: np.ndarray  # the token sampled after each prefill chunk
+    decode_tokens: np.ndarray  # the next token of each decode row
+    prefill_logprobs: list[TokenLogprob | None]  # the sampled token's (sampling.logprobs)
+    decode_logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob] | None]  # each chunk's next prompt tokens' (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -114,12 +136,19 @@ class ModelRunner:
         self._compiled: dict[StepShape, jax.stages.Compiled] = {}
         self.times = StepTimes()
 
-    def _step_fn(self, weights, cache, groups: tuple[StepInputs, ...], samplings: tuple[SamplingArrays, ...]):
-        logits, cache = logits_last(weights, cache, groups, self.cfg)
-        return tuple(sample(l, p) for l, p in zip(logits, samplings)), cache
+    def _step_fn(self, weights, cache, groups: tuple[StepInputs, ...], samplings: tuple[SamplingArrays, ...],
+                 logprob_inputs: tuple[LogprobInputs, ...]):
+        ys, cache = hidden_states(weights, cache, groups, self.cfg)
+        outputs = []
+        for y, inputs, sampling, asked in zip(ys, groups, samplings, logprob_inputs):
+            logits = last_logits(y, inputs, weights.head)
+            tokens = sample(logits, sampling)
+            outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens, asked.sampled),
+                                       prompt_logprobs(y, weights.head, asked.targets, asked.prompt)))
+        return tuple(outputs), cache
 
     # ---- compilation -------------------------------------------------------------------------------------------
-    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays]:
+    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays, LogprobInputs]:
         def arr(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
@@ -129,13 +158,15 @@ class ModelRunner:
         sampling = SamplingArrays(temperature=arr((rows,), jnp.float32), top_k=arr((rows,), jnp.int32),
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
-        return inputs, sampling
+        asked = LogprobInputs(sampled=arr((rows,), jnp.bool_), prompt=arr((rows,), jnp.bool_),
+                              targets=arr((rows, chunk), jnp.int32))
+        return inputs, sampling, asked
 
     def _abstract_args(self, shape: StepShape):
         groups = [self._abstract_group(rows, chunk) for rows, chunk in shape]
         weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.weights)
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.cache)
-        return weights, cache, tuple(g for g, _ in groups), tuple(s for _, s in groups)
+        return weights, cache, *(tuple(g[i] for g in groups) for i in range(3))
 
     def warmup(self, show_progress: bool = False) -> None:
         """Compile every bucket now, so serving never compiles."""
@@ -167,8 +198,9 @@ class ModelRunner:
             self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """One step: (the token sampled after each prefill chunk, the next token of each decode row).
+    def run(self, batch: Batch) -> StepResult:
+        """One step: the token sampled after each prefill chunk, the next token of each decode row, and the
+        logprobs their requests asked for.
 
         A chunk that is not its prompt's last still samples (its token is simply not used)."""
         groups = []
@@ -182,18 +214,18 @@ class ModelRunner:
         if batch.prefill and batch.decode and not self.buckets.mixed:
             raise RuntimeError("mixed steps were not compiled (Buckets.mixed is off)")
         outputs = self._run(groups)
-        empty = np.zeros(0, np.int32)
-        return (outputs[0] if batch.prefill else empty), (outputs[-1] if batch.decode else empty)
+        prefill = outputs[0] if batch.prefill else _NO_ROWS
+        decode = outputs[-1] if batch.decode else _NO_ROWS
+        return StepResult(prefill.tokens, decode.tokens, prefill.sampled, decode.sampled, prefill.prompt)
 
-    def _run(self, groups: list[tuple[list[GroupRow], GroupShape]]) -> list[np.ndarray]:
+    def _run(self, groups: list[tuple[list[GroupRow], GroupShape]]) -> list["_HostGroup"]:
         shape = tuple(group_shape for _, group_shape in groups)
         compiled = self._compiled.get(shape)
         if compiled is None:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         arrays = [self._host_arrays(rows, *group_shape) for rows, group_shape in groups]
-        tokens, self.cache = compiled(self.weights, self.cache, tuple(i for i, _ in arrays),
-                                      tuple(s for _, s in arrays))
-        return [np.asarray(t)[: len(rows)] for t, (rows, _) in zip(tokens, groups)]
+        outputs, self.cache = compiled(self.weights, self.cache, *(tuple(a[i] for a in arrays) for i in range(3)))
+        return [_HostGroup.fetch(out, rows, asked) for out, (rows, _), (_, _, asked) in zip(outputs, groups, arrays)]
 
     def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int):
         max_pages = self.geometry.max_pages_per_seq
@@ -202,16 +234,63 @@ class ModelRunner:
         positions = np.zeros(bucket_rows, np.int32)
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
+        asked = LogprobInputs(sampled=np.zeros(bucket_rows, bool), prompt=np.zeros(bucket_rows, bool),
+                              targets=np.zeros((bucket_rows, chunk), np.int32))
         for i, (row_tokens, position, request) in enumerate(rows):
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
             tokens[i, : len(row_tokens)] = row_tokens
             page_table[i, : len(request.pages)] = request.pages
             positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
+            asked.sampled[i] = request.sampling.logprobs is not None
+            targets = _prompt_targets(request, position, len(row_tokens))
+            asked.prompt[i] = len(targets) > 0
+            asked.targets[i, : len(targets)] = targets
         # Each row samples the token after its last one, at that token's own position.
         sampling = SamplingArrays.for_rows([r.sampling for _, _, r in rows], positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
-        return inputs, sampling
+        return inputs, sampling, asked
+
+
+def _prompt_targets(request: Request, position: int, length: int) -> list[int]:
+    """The prompt tokens whose logprobs a row computes: the one after each of its positions, for a prefill row of
+    a request that asked (the token after the prompt's last is sampled, not a prompt token)."""
+    if request.sampling.prompt_logprobs is None:
+        return []
+    return request.prompt_ids[position + 1: position + length + 1]
+
+
+@dataclass(frozen=True)
+class _HostGroup:
+    """One group's outputs on the host; logprobs are copied from the device only for rows that asked."""
+
+    tokens: np.ndarray
+    sampled: list[TokenLogprob | None]
+    prompt: list[list[TokenLogprob] | None]
+
+    @staticmethod
+    def fetch(out: GroupOutput, rows: list[GroupRow], asked: LogprobInputs) -> "_HostGroup":
+        tokens = np.asarray(out.tokens)[: len(rows)]
+        sampled: list[TokenLogprob | None] = [None] * len(rows)
+        prompt: list[list[TokenLogprob] | None] = [None] * len(rows)
+        if asked.sampled.any():
+            values = jax.device_get(out.sampled)
+            for i, (_, _, request) in enumerate(rows):
+                if asked.sampled[i]:
+                    sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
+                                         values.top[i:i + 1], request.sampling.logprobs)[0]
+        if asked.prompt.any():
+            values = jax.device_get(out.prompt)
+            for i, (row_tokens, position, request) in enumerate(rows):
+                targets = _prompt_targets(request, position, len(row_tokens))
+                if targets:
+                    n = len(targets)
+                    prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n],
+                                        request.sampling.prompt_logprobs)
+        return _HostGroup(tokens, sampled, prompt)
+
+
+_NO_ROWS = _HostGroup(np.zeros(0, np.int32), [], [])
 
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:
