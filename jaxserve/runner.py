@@ -1,8 +1,9 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
 Both are the same pure function `(weights, cache, inputs, sampling, logprob inputs) -> (outputs, cache)` with
-the cache donated (outputs: the sampled token ids, and the logprobs rows asked for, see jaxserve.logprobs), compiled ahead of time for a small set of shape buckets (rows x chunk length for prefill, rows for
-decode). A call whose shape is not a bucket is an error, never a silent recompile.
+the cache donated (outputs: the sampled token ids and the logprobs rows asked for, see jaxserve.logprobs),
+compiled ahead of time for a small set of shape buckets (rows x chunk length for prefill, rows for decode). A
+call whose shape is not a bucket is an error, never a silent recompile.
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ class ModelRunner:
             tokens[i, : len(row_tokens)] = row_tokens
             page_table[i, : len(request.pages)] = request.pages
             positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
-            asked.sampled[i] = request.sampling.logprobs is not None
+            # Only a token that is output has its logprobs taken (not the unused one after a mid-prompt chunk).
+            outputs_a_token = position + len(row_tokens) >= request.prompt_len
+            asked.sampled[i] = request.sampling.logprobs is not None and outputs_a_token
             targets = _prompt_targets(request, position, len(row_tokens))
             asked.prompt[i] = len(targets) > 0
             asked.targets[i, : len(targets)] = targets

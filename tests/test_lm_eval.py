@@ -44,7 +44,8 @@ def run_lm_eval(url: str, out: Path) -> tuple[dict, dict[str, list[dict]]]:
     done = subprocess.run(command, cwd=TASKS, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     (results,) = (out / "results").rglob("results_*.json")
-    samples = {task: read_jsonl(next((out / "results").rglob(f"samples_{task}_*.jsonl"))) for task in (CHOICE, GENERATE)}
+    samples = {task: read_jsonl(next((out / "results").rglob(f"samples_{task}_*.jsonl")))
+               for task in (CHOICE, GENERATE)}
     return json.loads(results.read_text())["results"], samples
 
 
