@@ -222,6 +222,7 @@ def test_a_refused_choice_aborts_the_ones_already_submitted(server, runner, load
     with serving(runner, loaded, max_queued_requests=2) as busy:
         response = httpx.post(busy.url + "/v1/completions", json={"prompt": [5, 6], "n": 10}, timeout=30)
         assert response.status_code == 429, response.text
-        wait_for(lambda: settled(busy.engine), 5, "the choices already submitted to be aborted")
-        finished = busy.engine.stats()["finished"]
+        assert busy.engine.drain(timeout=10) == 0  # the server aborted every choice it had submitted
+        wait_for(lambda: settled(busy.engine), 5, "every page back")
+        finished = busy.engine.counters.finished  # complete once drain() returned: counted before the finish
         assert list(finished) == ["abort"] and 2 <= finished["abort"] <= 6
