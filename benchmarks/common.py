@@ -165,14 +165,14 @@ def prefill_step(runner, request, start: int, length: int) -> int:
     """Run one chunk of `request`'s prompt; the token sampled after it."""
     from jaxserve.request import Batch, PrefillChunk
 
-    return int(runner.run(Batch(prefill=(PrefillChunk(request, start, length),)))[0][0])
+    return int(runner.run(Batch(prefill=(PrefillChunk(request, start, length),))).prefill_tokens[0])
 
 
 def decode_step(runner, requests) -> None:
     """One decode step over `requests`; each gets its next token appended."""
     from jaxserve.request import Batch
 
-    for request, token in zip(requests, runner.run(Batch(decode=tuple(requests)))[1]):
+    for request, token in zip(requests, runner.run(Batch(decode=tuple(requests))).decode_tokens):
         request.output_ids.append(int(token))
 
 

@@ -23,12 +23,10 @@ from typing import AsyncIterator
 
 from typing import Iterable, Protocol
 
-import numpy as np
-
 from jaxserve.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams
-from jaxserve.runner import Buckets, StepLimits
+from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.runner import Buckets, StepLimits, StepResult
 from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy, IdAllocator, PrefillManager,
                                 Scheduler)
 
@@ -45,12 +43,17 @@ class EngineDraining(RuntimeError):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """What one step produced for one request: new token ids, and whether (and why) it finished."""
+    """What one step produced for one request: new token ids, and whether (and why) it finished.
+
+    With `sampling.logprobs`, `logprobs` has one entry per token id; with `sampling.prompt_logprobs`, the request's
+    first event carries `prompt_logprobs`, one entry for each prompt token after the first."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,7 +154,7 @@ class StepRunner(Protocol):
         """What the compiled shapes allow a step to carry; None until a prefill and a decode shape are compiled."""
 
     def dispatch(self, batch: Batch) -> PendingStep:
-        """Start `batch`; `result()` waits for (the prefill chunks' tokens, the decode rows' tokens)."""
+        """Start `batch`; `result()` waits for its StepResult (tokens and the logprobs rows asked for)."""
 
     def cache_lost(self) -> bool: ...
 
@@ -381,7 +384,7 @@ class Engine:
         """Wait for a dispatched step's tokens, deliver them, and hand completed prompts to decoding."""
         batch = inflight.batch
         try:
-            prefill_tokens, decode_tokens = inflight.step.result()
+            result = inflight.step.result()
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._landed(batch)
             self._fail_step(batch, error)
@@ -391,12 +394,19 @@ class Engine:
         self.counters.prompt_tokens += batch.num_prefill_tokens
         # A request finished while this step was in flight (a stop, an abort) may have had a token computed here:
         # it is never delivered.
-        for chunk, token in zip(batch.prefill, prefill_tokens):
-            if chunk.is_last and not chunk.request.finished:  # the token after the prompt: the first output token
-                self._deliver(chunk.request, int(token))
-        for request, token in zip(batch.decode, decode_tokens):
+        for i, chunk in enumerate(batch.prefill):
+            request = chunk.request
+            if request.finished:
+                continue
+            if result.prompt_logprobs[i] is not None:
+                request.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if chunk.is_last and request.sampling.max_tokens == 0:  # prefill only: the sampled token is unused
+                self._finish(request, "length", prompt_logprobs=self._prompt_logprobs(request))
+            elif chunk.is_last:  # the token after the prompt is the first output token
+                self._deliver(request, int(result.prefill_tokens[i]), result.prefill_logprobs[i])
+        for request, token, logprob in zip(batch.decode, result.decode_tokens, result.decode_logprobs):
             if not request.finished:
-                self._deliver(request, int(token))
+                self._deliver(request, int(token), logprob)
         seconds = ended - inflight.device_start
         self.scheduler.observe_step(batch, seconds)
         self.scheduler.on_batch_done(batch)
@@ -414,14 +424,18 @@ class Engine:
                 if request.finished:
                     self.scheduler.release(request)
 
-    def _deliver(self, request: Request, token: int) -> None:
+    def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
         reason, stop_reason = self._stop_reason(request, token)
+        logprobs = None if logprob is None else (logprob,)
+        prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
-            self._live[request.request_id][1]._push(TokenEvent((token,)))
+            self._live[request.request_id][1]._push(TokenEvent((token,), logprobs=logprobs,
+                                                               prompt_logprobs=prompt_logprobs))
         else:
-            self._finish(request, reason, stop_reason, final_tokens=(token,))
+            self._finish(request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs)
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
         """(finish reason, stop token) after `token`; EOS is reported without a stop token, as vLLM does."""
@@ -434,15 +448,23 @@ class Engine:
             return "length", None
         return None, None
 
+    @staticmethod
+    def _prompt_logprobs(request: Request) -> tuple[TokenLogprob, ...] | None:
+        """What the request's first event carries, once its whole prompt has run: its prompt logprobs, if asked."""
+        return None if request.sampling.prompt_logprobs is None else tuple(request.prompt_logprobs)
+
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
-                final_tokens: tuple[int, ...] = (), error: str | None = None) -> None:
+                final_tokens: tuple[int, ...] = (), error: str | None = None,
+                logprobs: tuple[TokenLogprob, ...] | None = None,
+                prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         with self._admission:
             _, handle = self._live.pop(request.request_id)
             self._admission.notify_all()
-        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error))
+        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error,
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     def _fail_step(self, batch: Batch, error: Exception) -> None:
         log.exception("step failed (%s batch of %d requests)", batch.phase, len(batch.requests))

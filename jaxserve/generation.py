@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from jaxserve.engine import Engine, TokenEvent
-from jaxserve.request import SamplingParams
+from jaxserve.request import SamplingParams, TokenLogprob
 from jaxserve.stop_strings import StopStrings
 
 
@@ -25,6 +25,8 @@ class Delta:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the output (vLLM's field)
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first delta, when the request asked
 
 
 class Observer(Protocol):
@@ -44,10 +46,15 @@ class Output:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or ())
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
 
@@ -106,4 +113,5 @@ class Generation:
             if event.finished:
                 text += self._stops.flush()
         self._finish_reason = finish_reason
-        return Delta(text, event.token_ids, finish_reason, stop_reason, event.error)
+        return Delta(text, event.token_ids, finish_reason, stop_reason, event.error, event.logprobs,
+                     event.prompt_logprobs)

@@ -7,6 +7,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+# The most alternatives a request may ask for at each position (`logprobs` / `prompt_logprobs`): every step
+# computes this many on the device when any row asks, whatever each row wants (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
 
 class InvalidRequest(ValueError):
     """A request refused at the door; `param` names the request field at fault (the HTTP layer answers 400 with
@@ -18,8 +22,24 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities under the model's raw distribution (the log-softmax of the float32 logits,
+    before temperature, top-k or top-p): the token there, its own logprob, and the `k` most likely tokens at that
+    position with theirs, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling and stopping; the one place their ranges are checked."""
+    """Per-request sampling and stopping; the one place their ranges are checked.
+
+    `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
+    is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
+    `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
+    prompt token after the first (None: not computed)."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -28,16 +48,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Accept any iterable (e.g. a JSON list) but store a tuple, so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = {
-            "max_tokens": (self.max_tokens >= 1, "must be >= 1"),
+            "max_tokens": (self.max_tokens >= 0, "must be >= 0"),
             "temperature": (self.temperature >= 0, "must be >= 0"),
             "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
             "top_k": (self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             "seed": (self.seed is None or 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
+            "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                         f"must be in [0, {MAX_LOGPROBS}]"),
+            "prompt_logprobs": (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                                f"must be in [0, {MAX_LOGPROBS}]"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
@@ -65,6 +91,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
+    # With sampling.prompt_logprobs: the logprobs of prompt tokens 1.. as their chunks run, delivered with the
+    # request's first event.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt_ids:

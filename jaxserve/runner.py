@@ -1,8 +1,9 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
-Both are the same pure function `(weights, cache, slot tokens, inputs, sampling, routes) -> (token ids, cache,
-slot tokens)` with the cache and the slot tokens donated, compiled ahead of time for a small set of shape buckets
-(rows x chunk length for prefill, rows for decode). A call whose shape is not a bucket is an error, never a silent
+Both are the same pure function `(weights, cache, slot tokens, inputs, sampling, routes, logprob inputs) ->
+(outputs, cache, slot tokens)` with the cache and the slot tokens donated (outputs: the sampled token ids and the
+logprobs rows asked for, see jaxserve.logprobs), compiled ahead of time for a small set of shape buckets (rows x
+chunk length for prefill, rows for decode). A call whose shape is not a bucket is an error, never a silent
 recompile.
 
 Each sampled token is also kept on the device, in its sequence's slot, and a decode row reads its input token from
@@ -25,10 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model.forward import logits_last
+from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.progress import progress
-from jaxserve.request import Batch, Request
+from jaxserve.request import Batch, Request, TokenLogprob
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
 
@@ -47,6 +49,27 @@ GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
 # A row: its tokens, the position of the first, its request, and whether its sampled token is kept in its slot.
 GroupRow = tuple[Sequence[int], int, Request, bool]
 StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class GroupOutput:
+    """One group's outputs of a step: the sampled tokens [b], their Logprobs [b], the prompt Logprobs [b, t]."""
+
+    tokens: jax.Array
+    sampled: Logprobs
+    prompt: Logprobs
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step hands back, row by row in batch order (None where a row's request did not ask)."""
+
+    prefill_tokens: np.ndarray  # the token sampled after each prefill chunk
+    decode_tokens: np.ndarray  # the next token of each decode row
+    prefill_logprobs: list[TokenLogprob | None]  # the sampled token's (sampling.logprobs)
+    decode_logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob] | None]  # each chunk's next prompt tokens' (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -140,18 +163,19 @@ class TokenRoutes:
 
 
 class PendingStep:
-    """A dispatched step; `result()` waits for its tokens: (prefill chunks' tokens, decode rows' tokens)."""
+    """A dispatched step; `result()` waits for its StepResult."""
 
-    def __init__(self, tokens: tuple[jax.Array, ...], sizes: list[int], has_prefill: bool, has_decode: bool):
-        for t in tokens:
-            t.copy_to_host_async()  # the copy runs while the host prepares the next step
-        self._tokens, self._sizes = tokens, sizes
-        self._has_prefill, self._has_decode = has_prefill, has_decode
+    def __init__(self, outputs: tuple[GroupOutput, ...], groups: list, asked: tuple[LogprobInputs, ...]):
+        for out in outputs:
+            out.tokens.copy_to_host_async()  # the copy runs while the host prepares the next step
+        self._outputs, self._groups, self._asked = outputs, groups, asked
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        outputs = [np.asarray(t)[:n] for t, n in zip(self._tokens, self._sizes)]
-        empty = np.zeros(0, np.int32)
-        return (outputs[0] if self._has_prefill else empty), (outputs[-1] if self._has_decode else empty)
+    def result(self) -> StepResult:
+        fetched = [_HostGroup.fetch(out, rows, asked)
+                   for out, (rows, _, _), asked in zip(self._outputs, self._groups, self._asked)]
+        prefill = fetched[0] if not self._groups[0][2] else _NO_ROWS
+        decode = fetched[-1] if self._groups[-1][2] else _NO_ROWS
+        return StepResult(prefill.tokens, decode.tokens, prefill.sampled, decode.sampled, prefill.prompt)
 
 
 @dataclass
@@ -182,18 +206,23 @@ class ModelRunner:
         self.times = StepTimes()
 
     def _step_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[StepInputs, ...],
-                 samplings: tuple[SamplingArrays, ...], routes: tuple[TokenRoutes, ...]):
+                 samplings: tuple[SamplingArrays, ...], routes: tuple[TokenRoutes, ...],
+                 logprob_inputs: tuple[LogprobInputs, ...]):
         groups = tuple(dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None],
                                                                 g.tokens))
                        for g, r in zip(groups, routes))
-        logits, cache = logits_last(weights, cache, groups, self.cfg)
-        tokens = tuple(sample(l, p) for l, p in zip(logits, samplings))
-        for t, r in zip(tokens, routes):
-            slot_tokens = slot_tokens.at[r.store_slot].set(t, mode="drop")
-        return tokens, cache, slot_tokens
+        ys, cache = hidden_states(weights, cache, groups, self.cfg)
+        outputs = []
+        for y, inputs, sampling, route, asked in zip(ys, groups, samplings, routes, logprob_inputs):
+            logits = last_logits(y, inputs, weights.head)
+            tokens = sample(logits, sampling)
+            slot_tokens = slot_tokens.at[route.store_slot].set(tokens, mode="drop")
+            outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens, asked.sampled),
+                                       prompt_logprobs(y, weights.head, asked.targets, asked.prompt)))
+        return tuple(outputs), cache, slot_tokens
 
     # ---- compilation -------------------------------------------------------------------------------------------
-    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays, TokenRoutes]:
+    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays, TokenRoutes, LogprobInputs]:
         def arr(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
@@ -204,14 +233,16 @@ class ModelRunner:
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
-        return inputs, sampling, routes
+        asked = LogprobInputs(sampled=arr((rows,), jnp.bool_), prompt=arr((rows,), jnp.bool_),
+                              targets=arr((rows, chunk), jnp.int32))
+        return inputs, sampling, routes, asked
 
     def _abstract_args(self, shape: StepShape):
         groups = [self._abstract_group(rows, chunk) for rows, chunk in shape]
         weights, cache, slot_tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens))
-        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(3)))
+        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
 
     def warmup(self, shapes: Sequence[StepShape] | None = None, show_progress: bool = False,
                stop: Callable[[], bool] | None = None) -> None:
@@ -256,8 +287,9 @@ class ModelRunner:
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """One step, waited for: (the token sampled after each prefill chunk, the next token of each decode row)."""
+    def run(self, batch: Batch) -> StepResult:
+        """One step, waited for: the token sampled after each prefill chunk, the next token of each decode row, and
+        the logprobs their requests asked for."""
         return self.dispatch(batch).result()
 
     def dispatch(self, batch: Batch) -> PendingStep:
@@ -278,8 +310,8 @@ class ModelRunner:
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
-            jax.block_until_ready(tokens)
+            outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
+            jax.block_until_ready(outputs)
             times.append(time.perf_counter() - started)
         return times
 
@@ -330,14 +362,13 @@ class ModelRunner:
         # The cache is donated and replaced: the warm-up's padding runs (on the compiling thread) and the engine's
         # steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
         with self._launching:
-            tokens, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
-        return PendingStep(tokens, [len(rows) for rows, _, _ in groups], has_prefill=not groups[0][2],
-                           has_decode=groups[-1][2])
+            outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
+        return PendingStep(outputs, groups, inputs[3])
 
     def _host_inputs(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
-        """(step inputs, sampling arrays, token routes), one of each per group."""
+        """(step inputs, sampling arrays, token routes, logprob inputs), one of each per group."""
         arrays = [self._host_arrays(rows, *group_shape, decode) for rows, group_shape, decode in groups]
-        return tuple(tuple(a[i] for a in arrays) for i in range(3))
+        return tuple(tuple(a[i] for a in arrays) for i in range(4))
 
     def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int, from_slot: bool):
         max_pages = self.geometry.max_pages_per_seq
@@ -347,6 +378,8 @@ class ModelRunner:
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
         store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
+        asked = LogprobInputs(sampled=np.zeros(bucket_rows, bool), prompt=np.zeros(bucket_rows, bool),
+                              targets=np.zeros((bucket_rows, chunk), np.int32))
         for i, (row_tokens, position, request, keeps) in enumerate(rows):
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
@@ -355,11 +388,57 @@ class ModelRunner:
             positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
             if keeps:
                 store[i] = request.slot
+            # Only a token that is output has its logprobs taken (not the unused one after a mid-prompt chunk).
+            asked.sampled[i] = request.sampling.logprobs is not None and keeps
+            targets = _prompt_targets(request, position, len(row_tokens))
+            asked.prompt[i] = len(targets) > 0
+            asked.targets[i, : len(targets)] = targets
         # Each row samples the token after its last one, at that token's own position.
         sampling = SamplingArrays.for_rows([r.sampling for _, _, r, _ in rows], positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
         routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, from_slot), store_slot=store)
-        return inputs, sampling, routes
+        return inputs, sampling, routes, asked
+
+
+def _prompt_targets(request: Request, position: int, length: int) -> list[int]:
+    """The prompt tokens whose logprobs a row computes: the one after each of its positions, for a prefill row of
+    a request that asked (the token after the prompt's last is sampled, not a prompt token)."""
+    if request.sampling.prompt_logprobs is None:
+        return []
+    return request.prompt_ids[position + 1: position + length + 1]
+
+
+@dataclass(frozen=True)
+class _HostGroup:
+    """One group's outputs on the host; logprobs are copied from the device only for rows that asked."""
+
+    tokens: np.ndarray
+    sampled: list[TokenLogprob | None]
+    prompt: list[list[TokenLogprob] | None]
+
+    @staticmethod
+    def fetch(out: GroupOutput, rows: list[GroupRow], asked: LogprobInputs) -> "_HostGroup":
+        tokens = np.asarray(out.tokens)[: len(rows)]
+        sampled: list[TokenLogprob | None] = [None] * len(rows)
+        prompt: list[list[TokenLogprob] | None] = [None] * len(rows)
+        if asked.sampled.any():
+            values = jax.device_get(out.sampled)
+            for i, (_, _, request, _) in enumerate(rows):
+                if asked.sampled[i]:
+                    sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
+                                         values.top[i:i + 1], request.sampling.logprobs)[0]
+        if asked.prompt.any():
+            values = jax.device_get(out.prompt)
+            for i, (row_tokens, position, request, _) in enumerate(rows):
+                targets = _prompt_targets(request, position, len(row_tokens))
+                if targets:
+                    n = len(targets)
+                    prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n],
+                                        request.sampling.prompt_logprobs)
+        return _HostGroup(tokens, sampled, prompt)
+
+
+_NO_ROWS = _HostGroup(np.zeros(0, np.int32), [], [])
 
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:

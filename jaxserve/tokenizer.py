@@ -130,6 +130,11 @@ class _NoTextDetokenizer:
         return ""
 
 
+def token_id_text(token_id: int) -> str:
+    """A token named by its id, as vLLM's `return_tokens_as_token_ids` names it in logprobs."""
+    return f"token_id:{int(token_id)}"
+
+
 # ---- the two tokenizer kinds ---------------------------------------------------------------------------------------
 
 class Tokenizer:
@@ -194,6 +199,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as logprobs name it: its text, special tokens included (a piece of a character is U+FFFD)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
     def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> IncrementalDetokenizer:
         """`keep_markup`: special tokens are skipped except `<think>`, `</think>` and DSML ones (chat output)."""
         silent = self._special_ids - self._markup_ids if keep_markup else self._special_ids
@@ -234,6 +243,9 @@ class TokenIdOnly:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return ""  # no text output in token-id-only mode; clients read the token ids
+
+    def token_text(self, token_id: int) -> str:
+        return token_id_text(token_id)  # no vocabulary to name it by
 
     def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> _NoTextDetokenizer:
         return _NoTextDetokenizer()

@@ -1,7 +1,7 @@
 """The access log: one line per request when its response has been sent (or the client left), with the client,
 method, path, status, the request's prompt and completion tokens when it generated, and the seconds it took.
 
-Routes that generate put their Generation on `request.state.generation`; the line reads its counts at the end,
+Routes that generate put their Generations (one per choice) on `request.state.generations`; the line reads its counts at the end,
 so a stream's line has its final token count."""
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class AccessLog:
             client = scope.get("client")
             who = f"{client[0]}:{client[1]}" if client else "-"
             query = f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""
-            generation = request_state.get("generation")
-            tokens = ("" if generation is None else
-                      f" prompt_tokens={len(generation.handle.prompt_ids)} "
-                      f"completion_tokens={generation.num_generated}")
+            generations = request_state.get("generations")
+            tokens = ("" if not generations else
+                      f" prompt_tokens={len(generations[0].handle.prompt_ids)} "
+                      f"completion_tokens={sum(g.num_generated for g in generations)}")
             log.info('%s "%s %s%s" %s%s %.3f s', who, scope["method"], scope["path"], query, status, tokens,
                      time.monotonic() - started)

@@ -5,6 +5,13 @@ With vLLM's `return_token_ids`, completions carry `prompt_token_ids` (first chun
 
 Chat output goes through DeepSeek-V4's output parser: `reasoning_content`, `content` and `tool_calls` (each call
 whole, in the chunk where its block closed), and `finish_reason: tool_calls` when the model called tools.
+
+Logprobs come in the shapes OpenAI's API uses. Completions: `{tokens, token_logprobs, top_logprobs,
+text_offset}`, where each `top_logprobs` entry maps token text to logprob for the top k and the chosen token (a
+text shared by several tokens keeps the best of theirs); with `echo` the prompt's tokens come first, the first of
+them with null logprobs. Chat: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+With vLLM's `return_tokens_as_token_ids`, logprobs name each token `token_id:<id>` rather than by its text (texts
+can repeat; ids cannot). `n` choices each carry their `index`; the usage counts the prompt once.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import uuid
 
 from jaxserve.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
 from jaxserve.generation import Delta, Output
+from jaxserve.request import TokenLogprob
+from jaxserve.tokenizer import token_id_text
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -27,19 +36,36 @@ class _Format:
     response_object: str
     keeps_markup = False  # whether the output text keeps the chat markup (for a parser) or drops special tokens
 
-    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool):
+    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
+                 logprobs: bool = False, tokens_as_ids: bool = False):
+        """`tokenizer` names the tokens in logprobs (`tokens_as_ids`: by id instead); `logprobs`: whether the
+        request asked for them."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.prompt_ids = prompt_ids
         self.return_token_ids = return_token_ids
+        self.tokenizer = tokenizer
+        self.n = n
+        self.logprobs = logprobs
+        self.tokens_as_ids = tokens_as_ids
+
+    def request_id(self, choice: int) -> str:
+        """The engine request id of choice `choice`."""
+        return self.id if self.n == 1 else f"{self.id}-{choice}"
+
+    def token_text(self, token_id: int) -> str:
+        """How logprobs name a token."""
+        return token_id_text(token_id) if self.tokens_as_ids else self.tokenizer.token_text(token_id)
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def _choice(self, body: dict, finish_reason: str | None, stop_reason, token_ids) -> dict:
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def _choice(self, index: int, body: dict, finish_reason: str | None, stop_reason, token_ids,
+                logprobs: dict | None) -> dict:
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
@@ -51,64 +77,134 @@ class _Format:
     def usage_chunk(self, completion_tokens: int) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage(len(self.prompt_ids), completion_tokens))
 
+    def _usage(self, outputs: list[Output]) -> dict:
+        return usage(len(self.prompt_ids), sum(len(o.token_ids) for o in outputs))
+
 
 class CompletionFormat(_Format):
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
-    def chunk(self, delta: Delta, first: bool) -> dict:
-        choice = self._choice({"text": delta.text}, delta.finish_reason, delta.stop_reason, delta.token_ids)
+    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
+                 logprobs: bool = False, tokens_as_ids: bool = False, echo_text: str | None = None):
+        """`echo_text`: the prompt as text, when the request asked for `echo`."""
+        super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
+        self.echo_text = echo_text
+        self._offsets = [0] * n  # text_offset of each choice's next token
+        self._started: set[int] = set()  # choices that have had a chunk
+
+    def _first(self, index: int) -> bool:
+        """Whether this is choice `index`'s first chunk (and mark it sent)."""
+        first = index not in self._started
+        self._started.add(index)
+        return first
+
+    def chunk(self, index: int, delta: Delta) -> dict:
+        first = self._first(index)
+        text, logprobs = self._text_and_logprobs(index, delta.text, delta.logprobs, delta.prompt_logprobs, first)
+        choice = self._choice(index, {"text": text}, delta.finish_reason, delta.stop_reason, delta.token_ids,
+                              logprobs)
         if self.return_token_ids and first:
             choice["prompt_token_ids"] = self.prompt_ids
         return self._envelope(self.chunk_object, [choice])
 
-    def response(self, output: Output) -> dict:
-        choice = self._choice({"text": output.text}, output.finish_reason, output.stop_reason, output.token_ids)
-        if self.return_token_ids:
-            choice["prompt_token_ids"] = self.prompt_ids
-        return self._envelope(self.response_object, [choice], usage=usage(len(self.prompt_ids), len(output.token_ids)))
+    def response(self, outputs: list[Output]) -> dict:
+        choices = []
+        for index, output in enumerate(outputs):
+            text, logprobs = self._text_and_logprobs(index, output.text, output.logprobs, output.prompt_logprobs,
+                                                     True)
+            choice = self._choice(index, {"text": text}, output.finish_reason, output.stop_reason, output.token_ids,
+                                  logprobs)
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = self.prompt_ids
+            choices.append(choice)
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs))
+
+    def _text_and_logprobs(self, index: int, text: str, logprobs, prompt_logprobs, first: bool):
+        echo = self.echo_text is not None and first
+        if echo:
+            text = self.echo_text + text
+        if not self.logprobs:
+            return text, None
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        if echo:  # the first prompt token has no logprob: nothing comes before it
+            entries = [(self.prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt_logprobs or ()]
+        entries += [(lp.token_id, lp) for lp in logprobs or ()]
+        return text, self._logprobs(index, entries)
+
+    def _logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob in entries:
+            token = self.token_text(token_id)
+            result["tokens"].append(token)
+            result["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(token)
+            if logprob is None:
+                result["token_logprobs"].append(None)
+                result["top_logprobs"].append(None)
+                continue
+            result["token_logprobs"].append(logprob.logprob)
+            top: dict[str, float] = {}
+            for top_id, value in logprob.top + ((token_id, logprob.logprob),):  # best first: keep the first of a text
+                top.setdefault(self.token_text(top_id), value)
+            result["top_logprobs"].append(top)
+        return result
 
 
 class ChatFormat(_Format):
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
     keeps_markup = True
 
-    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool,
-                 options: ChatOptions = ChatOptions()):
-        super().__init__(model, prompt_ids, return_token_ids)
+    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
+                 logprobs: bool = False, tokens_as_ids: bool = False, options: ChatOptions = ChatOptions()):
+        super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
         self.options = options
-        self._parser = ChatOutputParser(options)
-        self._num_calls = 0
+        self._parsers = [ChatOutputParser(options) for _ in range(n)]
+        self._num_calls = [0] * n
 
     def _prompt_ids(self) -> dict:
         return {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
 
     def opening_chunks(self) -> list[dict]:
         # As OpenAI and vLLM do: the role first, with no content yet.
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._envelope(self.chunk_object, [choice], **self._prompt_ids())]
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(self.n)]
+        return [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
 
-    def chunk(self, delta: Delta, first: bool) -> dict:
-        parsed = self._parser.feed(delta.text)
+    def chunk(self, index: int, delta: Delta) -> dict:
+        parser = self._parsers[index]
+        parsed = parser.feed(delta.text)
         if delta.finish_reason is not None:
-            parsed.extend(self._parser.finish())
+            parsed.extend(parser.finish())
         body: dict = {"content": parsed.content}  # always a string, as before: clients concatenate it
         if parsed.reasoning:
             body["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
-            body["tool_calls"] = [{"index": self._num_calls + k, **call.to_openai()}
+            body["tool_calls"] = [{"index": self._num_calls[index] + k, **call.to_openai()}
                                   for k, call in enumerate(parsed.tool_calls)]
-            self._num_calls += len(parsed.tool_calls)
-        finish = self._finish_reason(delta.finish_reason, self._num_calls > 0)
-        choice = self._choice({"delta": body}, finish, delta.stop_reason, delta.token_ids)
-        return self._envelope(self.chunk_object, [choice])
+            self._num_calls[index] += len(parsed.tool_calls)
+        finish = self._finish_reason(delta.finish_reason, self._num_calls[index] > 0)
+        logprobs = self._logprobs(delta.logprobs) if self.logprobs and delta.token_ids else None
+        return self._envelope(self.chunk_object,
+                              [self._choice(index, {"delta": body}, finish, delta.stop_reason, delta.token_ids,
+                                            logprobs)])
 
-    def response(self, output: Output) -> dict:
-        parsed = parse_output(output.text, self.options)
-        choice = self._choice({"message": self._message(parsed)},
-                              self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
-                              output.stop_reason, output.token_ids)
-        return self._envelope(self.response_object, [choice], usage=usage(len(self.prompt_ids), len(output.token_ids)),
-                              **self._prompt_ids())
+    def response(self, outputs: list[Output]) -> dict:
+        choices = []
+        for index, output in enumerate(outputs):
+            parsed = parse_output(output.text, self.options)
+            choices.append(self._choice(index, {"message": self._message(parsed)},
+                                        self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
+                                        output.stop_reason, output.token_ids,
+                                        self._logprobs(output.logprobs) if self.logprobs else None))
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **self._prompt_ids())
+
+    def _logprobs(self, logprobs) -> dict:
+        def entry(token_id: int, value: float) -> dict:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs or ()]}
 
     @staticmethod
     def _message(parsed: ParsedDelta) -> dict:

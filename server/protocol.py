@@ -5,6 +5,11 @@ pydantic models would answer 422). Ranges and what fits the model (sampling rang
 are the engine's rules: SamplingParams and Engine.check_admission raise InvalidRequest naming the field, and
 the routes answer 400 with it. Unknown fields are ignored, as vLLM does: benchmark tools send extras. Fields for
 features jaxserve lacks are accepted only at their no-op value.
+
+Logprobs: completions take `logprobs: k` (and with `echo`, the prompt's logprobs too, which is what evaluators
+send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprobs: k`. Both map to the engine's
+SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field. `n` choices are `n` engine
+requests; choice i samples with seed `seed + i`.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
+MAX_CHOICES = 128  # the most `n` OpenAI's API takes
 SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
 
 # Accepted only at the value that asks for nothing (None always is): the benchmark tools send e.g. best_of=1.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "min_tokens": (0,),
+    "best_of": (1,), "min_tokens": (0,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
     "logit_bias": ({},),
 }
@@ -44,19 +50,29 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    n: int = 1  # choices, each its own engine request
+    logprobs: int | None = None  # alternatives per generated token; None: no logprobs
+    logprobs_field: str = "logprobs"  # the name the client used for it (chat: top_logprobs)
+    echo: bool = False  # completions: the prompt comes back in front of the text (with its logprobs if asked)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; a value out of range is an InvalidRequest naming the client's field."""
+    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
+        InvalidRequest naming the client's field."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**32
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, seed=self.seed, stop_token_ids=self.stop_token_ids,
-                                  ignore_eos=self.ignore_eos)
+                                  top_k=self.top_k, seed=seed, stop_token_ids=self.stop_token_ids,
+                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                                  prompt_logprobs=self.logprobs if self.echo else None)
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
 
     def renamed(self, error: InvalidRequest, prompt_field: str) -> InvalidRequest:
-        """`error` with the engine's field names (prompt, max_tokens) replaced by the ones this client sent."""
-        names = {"prompt": prompt_field, "max_tokens": self.max_tokens_field}
+        """`error` with the engine's field names (prompt, max_tokens, logprobs) replaced by the ones this client
+        sent."""
+        names = {"prompt": prompt_field, "max_tokens": self.max_tokens_field, "logprobs": self.logprobs_field,
+                 "prompt_logprobs": "logprobs"}
         name = names.get(error.param)
         if name is None or name == error.param:
             return error
@@ -81,7 +97,15 @@ class ChatRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     fields = _Fields(body)
-    params = _generation_params(fields, fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), "max_tokens")
+    if fields.raw.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs", "top_logprobs: /v1/completions takes `logprobs` (the number of "
+                                          "alternatives per token) instead")
+    echo = fields.boolean("echo", False)
+    max_tokens = fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    if max_tokens == 0 and not echo:
+        raise bad_request("max_tokens", "max_tokens: 0 asks for the prompt alone, which only `echo: true` returns")
+    params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs",
+                                echo)
     return CompletionRequest(_prompt(body.get("prompt")), params)
 
 
@@ -89,7 +113,17 @@ def parse_chat(body: Any) -> ChatRequest:
     fields = _Fields(body)
     # vLLM's bench chat client sends max_completion_tokens, others max_tokens; the newer name wins.
     name = "max_completion_tokens" if fields.raw.get("max_completion_tokens") is not None else "max_tokens"
-    params = _generation_params(fields, fields.integer(name, None), name)
+    max_tokens = fields.integer(name, None)
+    if max_tokens == 0:
+        raise bad_request(name, f"{name}: must be >= 1 (a chat completion has no echo of the prompt)")
+    if fields.raw.get("echo") not in (None, False):
+        raise bad_request("echo", "echo: only /v1/completions echoes the prompt")
+    wants_logprobs = fields.boolean("logprobs", False)
+    top_logprobs = fields.integer("top_logprobs", None)
+    if top_logprobs is not None and not wants_logprobs:
+        raise bad_request("top_logprobs", "top_logprobs: only allowed when logprobs is true")
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
+    params = _generation_params(fields, max_tokens, name, logprobs, "top_logprobs", echo=False)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
@@ -115,7 +149,8 @@ def _chat_options(fields: _Fields) -> ChatOptions:
         raise bad_request(field, message) from None
 
 
-def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field: str) -> GenerationParams:
+def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
+                       logprobs_field: str, echo: bool) -> GenerationParams:
     for name, values in NO_OP_VALUES.items():
         value = fields.raw.get(name)
         if value is not None and not any(_same(value, v) for v in values):
@@ -129,6 +164,9 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
     top_k = fields.integer("top_k", -1)
+    n = fields.integer("n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request("n", f"n: must be in [1, {MAX_CHOICES}], got {n}")
     return GenerationParams(
         model=fields.string("model"),
         max_tokens=max_tokens,
@@ -144,6 +182,11 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
         stream=stream,
         include_usage=_Fields(options, prefix="stream_options.").boolean("include_usage", False),
         return_token_ids=fields.boolean("return_token_ids", False),
+        n=n,
+        logprobs=logprobs,
+        logprobs_field=logprobs_field,
+        echo=echo,
+        tokens_as_ids=fields.boolean("return_tokens_as_token_ids", False),
     )
 
 

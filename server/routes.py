@@ -8,6 +8,7 @@ delivers every other request's tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import aclosing
@@ -25,7 +26,7 @@ from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat
-from jaxserve.generation import Generation
+from jaxserve.generation import Delta, Generation, Output
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
@@ -52,8 +53,13 @@ async def models(request: Request) -> dict:
 async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
+    params = parsed.params
     prompt_ids = await _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-    fmt = CompletionFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids)
+    echo_text = None
+    if params.echo:
+        echo_text = parsed.prompt if isinstance(parsed.prompt, str) else state.tokenizer.decode(prompt_ids)
+    fmt = CompletionFormat(state.served_model_name, prompt_ids, params.return_token_ids, state.tokenizer, params.n,
+                           params.logprobs is not None, params.tokens_as_ids, echo_text)
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
 
 
@@ -62,7 +68,9 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_chat)
     prompt_ids = await run_in_threadpool(chat_prompt_ids, state, parsed)
-    fmt = ChatFormat(state.served_model_name, prompt_ids, parsed.params.return_token_ids, parsed.options)
+    params = parsed.params
+    fmt = ChatFormat(state.served_model_name, prompt_ids, params.return_token_ids, state.tokenizer, params.n,
+                     params.logprobs is not None, params.tokens_as_ids, parsed.options)
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
 
 
@@ -126,37 +134,89 @@ async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
 async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams,
                     prompt_field: str, arrival: float) -> Response:
     max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
-    try:
-        generation = Generation(state.engine, state.tokenizer, prompt_ids, params.sampling(max_tokens), params.stop,
-                                fmt.id, state.metrics.timer(arrival), keep_markup=fmt.keeps_markup)
-    except QueueFull as error:
-        raise APIError(429, f"The request queue is full: {error}") from None
-    except EngineDraining as error:
-        raise APIError(503, f"The server is shutting down: {error}") from None
-    except InvalidRequest as error:  # the engine's admission: out of range, outside the vocabulary, too long
-        error = params.renamed(error, prompt_field)
-        raise bad_request(error.param, str(error)) from None
-    request.state.generation = generation  # for the access log's token counts
+    generations = _submit(state, fmt, prompt_ids, params, max_tokens, prompt_field, arrival)
+    request.state.generations = generations  # for the access log's token counts
     if params.stream:
-        return sse_response(_chunks(generation, fmt, params.include_usage))
+        return sse_response(_chunks(generations, fmt, params.include_usage))
     try:
-        output = await cancel_on_disconnect(request, generation.output())
+        outputs = await cancel_on_disconnect(request, _outputs(generations))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if output.finish_reason == "error":
-        raise APIError(500, f"generation failed: {output.error}")
-    return JSONResponse(fmt.response(output))
+    for output in outputs:
+        if output.finish_reason == "error":
+            raise APIError(500, f"generation failed: {output.error}")
+    return JSONResponse(fmt.response(outputs))
 
 
-async def _chunks(generation: Generation, fmt, include_usage: bool) -> AsyncIterator[dict]:
+def _submit(state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams, max_tokens: int,
+            prompt_field: str, arrival: float) -> list[Generation]:
+    """One engine request per choice; if any is refused, those already submitted are aborted and the refusal
+    answered (429, 503 or 400 naming the client's field)."""
+    generations: list[Generation] = []
+    try:
+        for choice in range(params.n):
+            generations.append(Generation(state.engine, state.tokenizer, prompt_ids,
+                                          params.sampling(max_tokens, choice), params.stop, fmt.request_id(choice),
+                                          state.metrics.timer(arrival), keep_markup=fmt.keeps_markup))
+    except (QueueFull, EngineDraining, InvalidRequest) as error:
+        for generation in generations:
+            state.engine.abort(generation.handle.request_id)
+        if isinstance(error, QueueFull):
+            raise APIError(429, f"The request queue is full: {error}") from None
+        if isinstance(error, EngineDraining):
+            raise APIError(503, f"The server is shutting down: {error}") from None
+        error = params.renamed(error, prompt_field)  # the engine's admission: out of range, vocabulary, too long
+        raise bad_request(error.param, str(error)) from None
+    return generations
+
+
+async def _interleaved(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice, delta) from every generation as they come. Use under `contextlib.aclosing`: leaving early closes
+    every generation, which aborts the requests still running."""
+    queue: asyncio.Queue[tuple[int, Delta | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async with aclosing(generation.deltas()) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait((index, delta))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, error))
+        else:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _outputs(generations: list[Generation]) -> list[Output]:
+    outputs = [Output() for _ in generations]
+    async with aclosing(_interleaved(generations)) as deltas:
+        async for index, delta in deltas:
+            outputs[index].add(delta)
+    return outputs
+
+
+async def _chunks(generations: list[Generation], fmt, include_usage: bool) -> AsyncIterator[dict]:
     for chunk in fmt.opening_chunks():
         yield chunk
-    first = True
-    async with aclosing(generation.deltas()) as deltas:
-        async for delta in deltas:
+    async with aclosing(_interleaved(generations)) as deltas:
+        async for index, delta in deltas:
             if delta.finish_reason == "error":
                 raise APIError(500, f"generation failed: {delta.error}")
-            yield fmt.chunk(delta, first)
-            first = False
+            yield fmt.chunk(index, delta)
     if include_usage:
-        yield fmt.usage_chunk(generation.num_generated)
+        yield fmt.usage_chunk(sum(g.num_generated for g in generations))

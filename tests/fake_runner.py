@@ -2,6 +2,9 @@
 written to a sequence's slot, so the next token is hand-computable (`continuation`) and depends on every token
 the engine fed, at the right positions, in the right slot.
 
+Logprobs, for requests that ask, are those of a model certain of everything: 0.0 for the token sampled (or, for
+prompt logprobs, for the prompt token shown), which is also the only entry of its top list.
+
 It also checks what a real cache would silently get wrong: a chunk that does not continue its slot where the
 last one ended, two rows of one step sharing a slot or a page, a row whose pages are too few for its positions.
 """
@@ -14,8 +17,8 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.cache import CacheGeometry
-from jaxserve.request import Batch
-from jaxserve.runner import Buckets, StepLimits
+from jaxserve.request import Batch, TokenLogprob
+from jaxserve.runner import Buckets, StepLimits, StepResult
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = 2**31 - 1
@@ -92,7 +95,7 @@ class FakeRunner:
         self._kept: dict[int, int] = {}  # slot -> the token sampled for it last (the device's slot tokens)
         self._lost = False
 
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, batch: Batch) -> StepResult:
         return self.dispatch(batch).result()
 
     def dispatch(self, batch: Batch) -> "FakeStep":
@@ -128,14 +131,24 @@ class FakeRunner:
             request.num_sampled += 1
         self.steps.append(batch)
         tokens = np.asarray(out, np.int32)
-        return FakeStep((tokens[:len(batch.prefill)], tokens[len(batch.prefill):]))
+        sampled = [certain(t, r.sampling.logprobs) for t, (_, _, r, _) in zip(out, rows)]
+        prompt = [None if c.request.sampling.prompt_logprobs is None else
+                  [certain(t, c.request.sampling.prompt_logprobs)
+                   for t in c.request.prompt_ids[c.start + 1:c.start + c.length + 1]] for c in batch.prefill]
+        split = len(batch.prefill)
+        return FakeStep(StepResult(tokens[:split], tokens[split:], sampled[:split], sampled[split:], prompt))
+
+
+def certain(token: int, k: int | None) -> TokenLogprob | None:
+    """The logprobs of a model sure of `token`; None when the request did not ask (k None)."""
+    return None if k is None else TokenLogprob(int(token), 0.0, ((int(token), 0.0),)[:k])
 
 
 class FakeStep:
-    def __init__(self, tokens: tuple[np.ndarray, np.ndarray] | None = None, error: Exception | None = None):
-        self._tokens, self._error = tokens, error
+    def __init__(self, result: StepResult | None = None, error: Exception | None = None):
+        self._result, self._error = result, error
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
+    def result(self) -> StepResult:
         if self._error is not None:
             raise self._error
-        return self._tokens
+        return self._result

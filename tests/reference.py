@@ -38,3 +38,28 @@ def reference_logits(model: DeepseekV4ForCausalLM, tokens: np.ndarray) -> np.nda
     with torch.no_grad():
         out = model(torch.as_tensor(np.asarray(tokens, np.int64))[None]).logits
     return out[0].float().numpy()
+
+
+def load_reference(folder: Path) -> DeepseekV4ForCausalLM:
+    """transformers' DeepSeek-V4 reading a checkpoint folder, in float32; every tensor must be used."""
+    model, info = DeepseekV4ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.float().eval()
+
+
+def reference_logprobs(model: DeepseekV4ForCausalLM, tokens) -> np.ndarray:
+    """log-softmax of the full-sequence logits [t, V]: row p is the distribution of the token after position p."""
+    with torch.no_grad():
+        logits = model(torch.as_tensor(np.asarray(tokens, np.int64))[None]).logits[0].float()
+        return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def reference_greedy(model: DeepseekV4ForCausalLM, prompt, n: int) -> tuple[list[int], np.ndarray]:
+    """The n greedy tokens after `prompt` (full forward each step, no cache) and the log-softmax row [n, V] each
+    was chosen from."""
+    tokens, rows = list(prompt), []
+    for _ in range(n):
+        row = reference_logprobs(model, tokens)[-1]
+        rows.append(row)
+        tokens.append(int(np.argmax(row)))
+    return tokens[len(prompt):], np.stack(rows)

@@ -5,6 +5,7 @@ aborts, and mixed batches."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -396,4 +397,42 @@ def test_mixed_batches_advance_running_requests_every_step_with_unchanged_output
     assert [r.kind for r in attacker_steps] == ["prefill"] + ["mixed"] * 6
     assert all("victim" in r.request_ids and r.num_tokens == 16 for r in attacker_steps[1:-1])
     assert engine.stats()["mixed_steps"] == 6
+    assert_nothing_leaked(engine)
+
+
+def test_a_prefill_only_request_returns_its_prompt_logprobs_once_and_frees_everything():
+    engine = fake_engine()
+    ids = prompt(3 * CHUNK + 5, 1)  # four chunks: prompt logprobs gathered across chunk boundaries
+    only = engine.submit(ids, greedy(0, prompt_logprobs=2))
+    first = engine.submit(ids, greedy(1, logprobs=0, prompt_logprobs=1))
+    plain = engine.submit(ids, greedy(3))
+    (tokens, reason, _), (first_tokens, first_reason, _), (plain_tokens, _, _) = run(engine, only, first, plain)
+    assert (tokens, reason, only.last_event.logprobs) == ([], "length", None)
+    assert [lp.token_id for lp in only.last_event.prompt_logprobs] == ids[1:]
+    assert first_reason == "length" and first.last_event.token_ids == tuple(first_tokens)
+    assert [lp.token_id for lp in first.last_event.logprobs] == first_tokens
+    assert [lp.token_id for lp in first.last_event.prompt_logprobs] == ids[1:]
+    assert plain.last_event.prompt_logprobs is None and plain.last_event.logprobs is None
+    assert plain_tokens == continuation(ids, 3, CFG.vocab_size)
+    assert engine.stats()["generation_tokens"] == 4  # the prefill-only request generated nothing
+    assert_nothing_leaked(engine)
+
+
+def test_logprobs_come_one_per_token_and_the_prompt_ones_only_on_the_first_event():
+    engine = fake_engine()
+    ids = prompt(2 * CHUNK + 3, 2)
+
+    async def events():
+        handle = engine.submit(ids, greedy(5, logprobs=1, prompt_logprobs=0))
+        return [event async for event in handle.events()]
+
+    engine.start()
+    try:
+        events = asyncio.run(asyncio.wait_for(events(), 60))
+    finally:
+        engine.shutdown()
+    assert events[-1].finish_reason == "length"
+    assert [e.prompt_logprobs is not None for e in events] == [True, False, False, False, False]
+    assert [lp.top for lp in events[0].prompt_logprobs] == [()] * (len(ids) - 1)  # prompt_logprobs=0: no top list
+    assert [e.logprobs[0].token_id for e in events] == [e.token_ids[0] for e in events]
     assert_nothing_leaked(engine)

@@ -28,7 +28,8 @@ def manager(num_pages=64, budget=8, rows=4, slots=4):
 # --- request records -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2)])
+    ("max_tokens", -1), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
+    ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", 21)])
 def test_sampling_params_reject_bad_values_naming_field_and_value(field, value):
     with pytest.raises(InvalidRequest, match=f"{field}={value!r}") as refused:
         SamplingParams(**{field: value})

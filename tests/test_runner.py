@@ -65,9 +65,9 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     a, b, c = requests
 
     def prefill(*chunks):
-        tokens, decoded = runner.run(Batch(prefill=tuple(PrefillChunk(r, start, n) for r, start, n in chunks)))
-        assert decoded.shape == (0,)
-        return tokens
+        result = runner.run(Batch(prefill=tuple(PrefillChunk(r, start, n) for r, start, n in chunks)))
+        assert result.decode_tokens.shape == (0,)
+        return result.prefill_tokens
 
     # A varied workload: one and two rows, both chunk buckets, decode batches of 1, 2 and 3 rows.
     first = prefill((a, 0, 30))
@@ -76,8 +76,9 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     for request, token in ((a, second[0]), (b, third[0]), (c, third[1])):
         request.output_ids.append(int(token))
     for active in ([a], [a, b], [a, b, c], [c]):
-        prefilled, out = runner.run(Batch(decode=tuple(active)))
-        assert prefilled.shape == (0,) and out.shape == (len(active),)
+        result = runner.run(Batch(decode=tuple(active)))
+        out = result.decode_tokens
+        assert result.prefill_tokens.shape == (0,) and out.shape == (len(active),)
         for request, token in zip(active, out):
             request.output_ids.append(int(token))
     assert counter.count == before, "a call after warm-up compiled"

@@ -90,12 +90,8 @@ def logits_all(weights: Weights, cache: list[list[LayerCache]], inputs: StepInpu
     return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache
 
 
-def logits_last(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig):
-    """Logits at each row's last valid token ([b, V] float32 per group): what sampling needs."""
-    ys, cache = hidden_states(weights, cache, groups, cfg)
-    logits = []
-    for y, inputs in zip(ys, groups):
-        last = jnp.clip(inputs.lengths - 1, 0, None)
-        y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-        logits.append(jnp.einsum("bd,dv->bv", y_last, weights.head, preferred_element_type=F32))
-    return logits, cache
+def last_logits(y: jax.Array, inputs: StepInputs, head: jax.Array) -> jax.Array:
+    """Logits at each row's last valid token ([b, V] float32) of one group's hidden states: what sampling needs."""
+    last = jnp.clip(inputs.lengths - 1, 0, None)
+    y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+    return jnp.einsum("bd,dv->bv", y_last, head, preferred_element_type=F32)

@@ -1,0 +1,98 @@
+"""Log-probabilities on the device, from the logits the sampler uses: the raw model distribution (log-softmax of
+the float32 logits, before temperature, top-k or top-p, as vLLM reports them by default).
+
+Only `[rows, k]` values and ids (and each row's own token's logprob) leave the device, never a vocabulary row,
+and nothing is computed in a step where no row asked: the work sits behind a `lax.cond` on that.
+
+- `sampled_logprobs`: at each row's last position, for the token just sampled there.
+- `prompt_logprobs`: at every position of a prefill chunk, for the prompt token that follows it. The head is
+  applied to the chunk's hidden states a block of positions at a time, so the logits held at once stay at
+  `PROMPT_LOGITS_TOKENS` rows of the vocabulary, whatever the chunk length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.request import MAX_LOGPROBS, TokenLogprob
+
+F32 = jnp.float32
+PROMPT_LOGITS_TOKENS = 512  # rows x positions of logits one block of prompt logprobs holds
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LogprobInputs:
+    """What one group of rows asks for: `sampled` [b] bool (the sampled token's logprobs), and for prefill groups
+    `prompt` [b] bool with `targets` [b, t] int32, the prompt token after each position (None for decode groups)."""
+
+    sampled: jax.Array
+    prompt: jax.Array | None = None
+    targets: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Logprobs:
+    """`token` [...]: the logprob of the token asked about; `top_ids`, `top` [..., K]: the K best, best first."""
+
+    token: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+
+def _logprobs_of(logits: jax.Array, tokens: jax.Array) -> Logprobs:
+    """logits [..., V] float32, tokens [...] -> their Logprobs; the token's value and the top values come from one
+    log-softmax, so a token that is the best has exactly the best value."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    token = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return Logprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top)
+
+
+def _when_asked(asked: jax.Array, compute, shape: tuple[int, ...], k: int) -> Logprobs:
+    def skip(_) -> Logprobs:
+        return Logprobs(token=jnp.zeros(shape, F32), top_ids=jnp.zeros((*shape, k), jnp.int32),
+                        top=jnp.zeros((*shape, k), F32))
+
+    return jax.lax.cond(jnp.any(asked), lambda _: compute(), skip, None)
+
+
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, asked: jax.Array) -> Logprobs:
+    """logits [b, V] float32 (the sampler's), tokens [b] sampled from them -> Logprobs [b] (zeros unless asked)."""
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    return _when_asked(asked, lambda: _logprobs_of(logits.astype(F32), tokens), tokens.shape, k)
+
+
+def prompt_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, asked: jax.Array) -> Logprobs:
+    """hidden [b, t, d] (final-normed), head [d, V], targets [b, t] -> Logprobs [b, t] of each target at the
+    position before it (zeros unless asked)."""
+    rows, length, dim = hidden.shape
+    block = max(1, min(length, PROMPT_LOGITS_TOKENS // rows))
+    blocks = -(-length // block)
+    pad = blocks * block - length
+
+    def compute() -> Logprobs:
+        h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(rows, blocks, block, dim).swapaxes(0, 1)
+        t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, blocks, block).swapaxes(0, 1)
+
+        def one_block(args) -> Logprobs:
+            h_block, t_block = args
+            logits = jnp.einsum("btd,dv->btv", h_block, head, preferred_element_type=F32)
+            return _logprobs_of(logits, t_block)
+
+        out = jax.lax.map(one_block, (h, t))  # [blocks, b, block, ...]
+        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(rows, blocks * block, *x.shape[3:])[:, :length], out)
+
+    return _when_asked(asked, compute, (rows, length), min(MAX_LOGPROBS, head.shape[-1]))
+
+
+def to_host(token_ids, token: np.ndarray, top_ids: np.ndarray, top: np.ndarray, k: int) -> list[TokenLogprob]:
+    """Host records for consecutive positions of one row: `token_ids[i]` with `token[i]`, and the first `k` of
+    `top_ids[i]` / `top[i]`."""
+    return [TokenLogprob(int(t), float(v), tuple(zip(ids[:k].tolist(), values[:k].tolist())))
+            for t, v, ids, values in zip(token_ids, token, top_ids, top)]
