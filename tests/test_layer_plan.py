@@ -118,12 +118,13 @@ def test_loading_fills_the_stacks_exactly_with_the_target_shardings(checkpoint):
     schedule = prefill_then_decode([14, 5], [21, 12])
     single = run_schedule(weights, CFG, prompts, schedule, (1, 16))
     for want, got in zip(single, run_schedule(loaded, CFG, prompts, schedule, (1, 16), mesh=mesh)):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        # Heads and vocabulary split 2 ways sum in another order: float32 rounding, no more.
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
 
 
 def test_orbax_restore_fills_the_stacks_exactly_with_the_target_shardings(checkpoint):
     weights, src, root = checkpoint
     dst = convert_checkpoint(src, root / "converted", dtype="float32")
     assert (dst / "layer_06").is_dir()  # the conversion stays one item per layer
-    mesh = make_mesh(8, 1)
+    mesh = make_mesh(4, 2)
     _assert_same(restore_weights(dst, CFG, mesh), weights, mesh)
