@@ -28,7 +28,7 @@ import jax
 
 from jaxserve.checkpoints.load import LoadedModel, load_model
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
+from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
 from jaxserve.request import SamplingParams
@@ -77,6 +77,10 @@ FLAGS = (
     Flag(ServerConfig, "served_model_name", str, f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or "
                                                  "the --model folder's name)", metavar="NAME"),
     Flag(EngineConfig, "dtype", str, "weights and activations", choices=SUPPORTED_DTYPES),
+    Flag(EngineConfig, "quantization", str, "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 "
+                                            "projections and FP4 experts stay FP8 / FP4 on the devices, with their "
+                                            "block scales, and are decoded inside each matmul); none: dequantize "
+                                            "them to --dtype at load", choices=QUANTIZATION_MODES),
     Flag(EngineConfig, "seed", int, "base of the per-request sampling seeds of requests that bring none"),
     Flag(EngineConfig, "tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
     Flag(EngineConfig, "expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
@@ -146,7 +150,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine, LoadedModel]:
     """Load the checkpoint onto the mesh and make the engine (not started: start() compiles the step shapes)."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress)
+    loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress, quantization=cfg.quantization)
     runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
     return Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids), loaded
 
@@ -312,7 +316,8 @@ def convert(args: argparse.Namespace) -> int:
     from jaxserve.checkpoints.orbax_io import convert_checkpoint  # heavy (orbax), and only this command needs it
 
     started = time.perf_counter()
-    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True)
+    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True,
+                             quantization=args.quantization)
     print(f"converted {args.src} -> {dst} in {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -351,6 +356,9 @@ def convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
+                        help="auto: keep the checkpoint's FP8 / FP4 weights so; none: dequantize them to --dtype "
+                             "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true")
     return parser
 
