@@ -411,6 +411,23 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 # ---- engine knobs ------------------------------------------------------------------------------------------------
 
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '141GB', '24e9' -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{text!r}: not a size; write e.g. 80GiB, 141GB or 24e9") from None
+    if value <= 0:
+        raise ConfigError(f"{text!r}: must be positive")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine knob, one field per CLI flag (the HTTP server's are jaxserve.server.config's ServerConfig)."""
@@ -418,6 +435,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
     dtype: str = "bfloat16"
     quantization: str = "auto"  # QUANTIZATION_MODES
+    device_memory: int | None = None  # bytes per device for the fit check; None: what the device reports, if anything
     seed: int = 0
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -443,7 +461,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
-        for name in ("max_model_len", "num_kv_pages"):
+        for name in ("max_model_len", "num_kv_pages", "device_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
