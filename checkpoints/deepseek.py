@@ -3,7 +3,8 @@
 Accepts DeepSeek's released naming (`embed.weight`, `layers.N.attn.wq_a.weight`, `hc_head_fn`, ...) and what
 transformers' `save_pretrained` writes for this model (the same names behind a `model.` prefix, except
 `head.weight`, with `model.hc_head.hc_fn` for `hc_head_fn`). FP8 e4m3 weights with 128x128 ue8m0 block
-scales and FP4 e2m1 packed experts with 1x32 scales are dequantized into the engine's dtype.
+scales and FP4 e2m1 packed experts with 1x32 scales are kept so (codes and scales, laid out like the leaf) where
+the config keeps them quantized, and dequantized into the engine's dtype where it does not.
 
 `weight_sources` is the one name table: each Source builds a leaf from its checkpoint tensors and splits it back
 (`checkpoints.writer` writes folders with it). Every error names the file and the tensor.
@@ -18,25 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
+from jaxserve.kernels.quant import FP4, Quantized
+from jaxserve.kernels.quant import FP8 as FP8_E4M3
 from jaxserve.model.stacking import WeightsBuilder
-from jaxserve.model.weights import ArrayInfo, Weights, release_leaves
+from jaxserve.model.weights import FP4_BLOCK, FP8_BLOCK, ArrayInfo, Weights, release_leaves
 from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
 
-FP8_BLOCK = 128
-FP4_BLOCK = 32
 FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 # How the release stores each tensor. Only the writer uses it: the loader accepts any float
 # dtype, and treats a weight as quantized when a `.scale` tensor sits beside it.
-FP8, FP4, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"
+FP8, FP4_PACKED, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class Layout:
 
     build: Callable[[list[np.ndarray]], np.ndarray]  # checkpoint tensors -> leaf
     split: Callable[[np.ndarray], list[np.ndarray]]  # leaf -> checkpoint tensors, in `Source.names` order
+    # Whether `build` reshapes (splits or merges dims): then a tensor's grid of block scales is not laid out like
+    # the leaf's, and scales are laid out element by element (see `_leaf_scales`).
+    reshapes: bool = False
 
 
 AS_IS = Layout(lambda ts: ts[0], lambda x: [x])
@@ -54,7 +59,8 @@ EXPERTS_TRANSPOSED = Layout(lambda ts: np.stack([t.T for t in ts]), lambda x: [e
 
 def _heads_last(n_heads: int, head_dim: int) -> Layout:
     # [heads*dim, in] <-> [in, heads, dim]
-    return Layout(lambda ts: ts[0].T.reshape(-1, n_heads, head_dim), lambda x: [x.reshape(x.shape[0], -1).T])
+    return Layout(lambda ts: ts[0].T.reshape(-1, n_heads, head_dim), lambda x: [x.reshape(x.shape[0], -1).T],
+                  reshapes=True)
 
 
 def _grouped_out(cfg: ModelConfig) -> Layout:
@@ -65,7 +71,7 @@ def _grouped_out(cfg: ModelConfig) -> Layout:
 
     def split(x):  # [h, k, o] -> [g, j, k, o] -> [g, o, j, k] -> [g*o, j*k]
         return [x.reshape(g, j, k, -1).transpose(0, 3, 1, 2).reshape(-1, j * k)]
-    return Layout(build, split)
+    return Layout(build, split, reshapes=True)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Source:
 
     names: tuple[str, ...]
     layout: Layout
-    stored: str = BF16  # FP8 | FP4 | BF16 | F32 | I64
+    stored: str = BF16  # FP8 | FP4_PACKED | BF16 | F32 | I64
 
     def build(self, arrays: list[np.ndarray]) -> np.ndarray:
         return self.layout.build(arrays)
@@ -135,9 +141,9 @@ def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
             f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
             f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
             f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
-            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
-            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
-            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4),
+            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
+            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
+            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
             f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
             f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
             f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
@@ -192,8 +198,9 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return self.stored_name(name) in self.folder
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor in float32 when it is quantized (FP8 or packed FP4 beside a `.scale`), else as stored."""
+    def raw(self, name: str) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+        """(the tensor as stored, its ue8m0 scale bytes or None, its format: FP8 e4m3, packed FP4 or None), the
+        scale's shape checked against the weight's."""
         stored = self.stored_name(name)
         weight = self.folder.get(stored)
         where = f"{self.folder.file_of(stored)}: tensor {stored!r}"
@@ -202,7 +209,7 @@ class TensorReader:
             if scale_stored is not None and weight.dtype in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
                 raise CheckpointError(f"{where} is {weight.dtype} (quantized) but its scale tensor "
                                       f"{scale_stored!r} is missing")
-            return weight
+            return weight, None, None
         scale = self.folder.get(scale_stored)
         if weight.dtype not in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
             raise CheckpointError(f"{where} has a scale but dtype {weight.dtype}, neither FP8 e4m3 nor packed FP4")
@@ -210,14 +217,32 @@ class TensorReader:
             raise CheckpointError(f"{where} is quantized but has shape {list(weight.shape)}; only 2-D weights are")
         o, i = weight.shape
         if weight.dtype == ml_dtypes.float8_e4m3fn:
-            need, dequantize = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK)), dequantize_fp8
+            need, fmt = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK)), FP8_E4M3
         else:
-            need, dequantize = (o, -(-2 * i // FP4_BLOCK)), dequantize_fp4
+            need, fmt = (o, -(-2 * i // FP4_BLOCK)), FP4
         if scale.shape != need:
             raise CheckpointError(f"{self.folder.file_of(scale_stored)}: tensor {scale_stored!r} has shape "
                                   f"{list(scale.shape)}, but its weight {stored!r} of shape {list(weight.shape)} "
                                   f"({weight.dtype}) needs scales of shape {list(need)}")
-        return dequantize(weight, scale)
+        return weight, scale, fmt
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor in float32 when it is quantized (FP8 or packed FP4 beside a `.scale`), else as stored."""
+        weight, scale, fmt = self.raw(name)
+        if fmt is None:
+            return weight
+        return (dequantize_fp8 if fmt == FP8_E4M3 else dequantize_fp4)(weight, scale)
+
+    def get_quantized(self, name: str, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, ue8m0 scale bytes as uint8) of a tensor the config keeps in `fmt`; FP4 codes as uint8."""
+        weight, scale, found = self.raw(name)
+        if found != fmt:
+            stored = self.stored_name(name)
+            raise CheckpointError(f"{self.file_of(name)}: tensor {stored!r} is stored as {found or weight.dtype}, "
+                                  f"but config.json (quantization_config / expert_dtype) says {fmt}; load it with "
+                                  "--quantization none")
+        codes = weight.view(np.uint8) if fmt == FP4 else weight
+        return codes, scale.view(np.uint8)
 
     def file_of(self, name: str) -> Path:
         return self.folder.file_of(self.stored_name(name))
@@ -233,8 +258,10 @@ def check_complete(reader: TensorReader, needed: list[Source], folder: Path) -> 
         raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
 
 
-def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo, path: str) -> np.ndarray:
+def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo | Quantized, path: str) -> np.ndarray | Quantized:
     """One Weights leaf from its checkpoint tensors, each shape-checked (the error names file and tensor)."""
+    if isinstance(info, Quantized):
+        return _read_quantized(reader, source, info, path)
     arrays = []
     for name, need in zip(source.names, source.shapes(info.shape)):
         array = reader.get(name)
@@ -246,6 +273,48 @@ def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo, path: str) 
                                   f"the config needs {list(need)} (for {path})")
         arrays.append(array)
     return source.build(arrays).astype(info.dtype, copy=False)
+
+
+def _read_quantized(reader: TensorReader, source: Source, info: Quantized, path: str) -> Quantized:
+    """A weight kept quantized: its tensors' codes laid out like the leaf, their scales like the leaf's blocks."""
+    codes, scales = [], []
+    for name, need in zip(source.names, source.shapes(info.shape)):
+        tensor_codes, tensor_scales = reader.get_quantized(name, info.format)
+        packed = (need[0], need[1] // 2) if info.format == FP4 else need
+        if tensor_codes.shape != packed:
+            stored = reader.stored_name(name)
+            raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {list(tensor_codes.shape)}; "
+                                  f"the config needs {list(packed)} ({info.format}, for {path})")
+        codes.append(tensor_codes)
+        scales.append(tensor_scales)
+    return Quantized(np.ascontiguousarray(source.build(codes)), _leaf_scales(source, info, scales, path),
+                     info.format, info.blocks)
+
+
+def _leaf_scales(source: Source, info: Quantized, scales: list[np.ndarray], path: str) -> np.ndarray:
+    """The tensors' block scales laid out like the leaf's blocks (`info.blocks` along its axes).
+
+    A layout that only transposes and stacks moves whole blocks, so it lays the scale grids out directly. One that
+    reshapes may merge or split blocks across axes: the scales are expanded to one per element, laid out like the
+    weight, and read back at the start of each of the leaf's blocks, checking that each block has one scale."""
+    rows, cols = (1, FP4_BLOCK) if info.format == FP4 else (FP8_BLOCK, FP8_BLOCK)
+    if not source.layout.reshapes:
+        out = source.build(scales)
+    else:
+        shapes = source.shapes(info.shape)
+        per_element = source.build([np.repeat(np.repeat(s, rows, 0), cols, 1)[: o, : i]
+                                    for s, (o, i) in zip(scales, shapes)])
+        out = per_element[tuple(slice(None, None, b) for b in info.blocks)]
+        expanded = out
+        for axis, (b, n) in enumerate(zip(info.blocks, info.shape)):
+            expanded = np.repeat(expanded, b, axis=axis)[(slice(None),) * axis + (slice(0, n),)]
+        if not np.array_equal(expanded, per_element):
+            raise CheckpointError(f"{path}: the release's {rows}x{cols} scale blocks do not map onto blocks of "
+                                  f"{list(info.blocks)} in our layout; load it with --quantization none")
+    if out.shape != info.scales.shape:
+        raise CheckpointError(f"{path}: scales laid out as {list(out.shape)}, the model needs "
+                              f"{list(info.scales.shape)}")
+    return np.ascontiguousarray(out)
 
 
 def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None,
@@ -270,7 +339,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: 
     nbytes = 0
     for count, leaf in enumerate(leaves, start=1):
         array = read_leaf(reader, sources[leaf.name], leaf.info, leaf.name)
-        nbytes += array.nbytes
+        nbytes += sum(part.nbytes for part in jax.tree.leaves(array))
         builder.put(leaf.name, array)
         if show_progress:
             progress("loading weights", count, len(leaves), started)

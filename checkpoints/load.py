@@ -24,13 +24,20 @@ class LoadedModel:
     tokenizer: Tokenizer | TokenIdOnly
 
 
-def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", show_progress: bool = False,
-               skip_tokenizer: bool = False) -> LoadedModel:
-    """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
-    been converted in `dtype`) is restored shard by shard, a safetensors folder streamed leaf by leaf into its
-    target sharding."""
+def model_config(path: str | Path | None, dtype: str = "bfloat16", quantization: str = "auto") -> ModelConfig:
+    """The config a checkpoint (None: the embedded default) is served with: its config.json in `dtype`, its weights
+    kept as it ships them (`quantization="auto"`) or dequantized (`"none"`)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    config = load_config(folder).with_dtype(dtype)
+    return load_config(folder).with_dtype(dtype).with_quantization(quantization)
+
+
+def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", show_progress: bool = False,
+               skip_tokenizer: bool = False, quantization: str = "auto") -> LoadedModel:
+    """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
+    been converted in `dtype` and with the same quantization) is restored shard by shard, a safetensors folder
+    streamed leaf by leaf into its target sharding."""
+    folder = Path(path) if path is not None else default_checkpoint_path()
+    config = model_config(folder, dtype, quantization)
     if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:

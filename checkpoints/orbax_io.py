@@ -2,7 +2,8 @@
 
 Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...) and one
 for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the leaf's release name
-(`layers.3.attn.wq_b`, see `release_leaves`); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
+(`layers.3.attn.wq_b`, see `release_leaves`; a weight kept quantized is two entries, `....wq_b.codes` and
+`....wq_b.scales`, so a conversion keeps the checkpoint's FP8 / FP4 as the engine holds them); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
 written last, so a conversion that stopped half way is never mistaken for a checkpoint.
 
 Orbax API: the stable v0 `ocp.StandardCheckpointer`. Restoring with a target of ShapeDtypeStructs carrying
@@ -17,7 +18,9 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
@@ -25,6 +28,8 @@ from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_lea
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.stacking import WeightsBuilder
+from jaxserve.checkpoints.writer import write_config
+from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
 from jaxserve.progress import progress
 from jaxserve.sharding import shape_dtype_structs, shardings_for
@@ -55,14 +60,22 @@ def _by_item(cfg: ModelConfig) -> dict[str, dict[str, LayerLeaf]]:
 
 # ---- converting ----------------------------------------------------------------------------------------------------
 
+def _parts(name: str, value: Any) -> dict[str, Any]:
+    """A leaf's orbax entries: itself, or a quantized weight's codes and scales ('name.codes', 'name.scales')."""
+    if isinstance(value, Quantized):
+        return {f"{name}.codes": value.codes, f"{name}.scales": value.scales}
+    return {name: value}
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
-                       show_progress: bool = False) -> Path:
+                       show_progress: bool = False, quantization: str = "auto") -> Path:
     """Convert the safetensors folder `src` into an orbax checkpoint at `dst`, leaves in `dtype` as the engine holds
-    them. One layer is read, written and dropped at a time, so host memory peaks at about one layer."""
+    them (`quantization="auto"`: kept as the checkpoint ships them). One layer is read, written and dropped at a
+    time, so host memory peaks at about one layer."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint folder not found")
-    cfg = load_config(src).with_dtype(dtype)
+    cfg = load_config(src).with_dtype(dtype).with_quantization(quantization)
     reader = TensorReader(SafetensorsFolder(src))
     sources = weight_sources(cfg)
     items = _by_item(cfg)
@@ -72,7 +85,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16"
     started = time.perf_counter()
     with ocp.StandardCheckpointer() as checkpointer:
         for done, (item, leaves) in enumerate(items.items(), start=1):
-            arrays = {name: read_leaf(reader, sources[name], leaf.info, name) for name, leaf in leaves.items()}
+            arrays = {}
+            for name, leaf in leaves.items():
+                arrays.update(_parts(name, read_leaf(reader, sources[name], leaf.info, name)))
             checkpointer.save(dst / item, arrays)
             checkpointer.wait_until_finished()  # the save is async; waiting keeps one layer in memory, not two
             if show_progress:
@@ -80,6 +95,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16"
     for name in COPIED_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
+    write_config(cfg, dst)  # with the formats the leaves were written in
     (dst / MARKER).write_text(json.dumps({"format_version": FORMAT_VERSION, "dtype": dtype}, indent=2) + "\n")
     return dst
 
@@ -113,9 +129,13 @@ def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress
     started = time.perf_counter()
     with ocp.StandardCheckpointer() as checkpointer:
         for done, (item, leaves) in enumerate(items.items(), start=1):
-            targets = shape_dtype_structs({name: leaf.info for name, leaf in leaves.items()}, mesh)
-            for name, array in checkpointer.restore(dst / item, targets).items():
-                builder.put(name, array)
+            infos = {name: leaf.info for name, leaf in leaves.items()}
+            targets = shape_dtype_structs(infos, mesh)
+            restored = checkpointer.restore(dst / item, {part: target for name, target in targets.items()
+                                                         for part, target in _parts(name, target).items()})
+            for name, target in targets.items():
+                structure = jax.tree.structure(target)
+                builder.put(name, jax.tree.unflatten(structure, [restored[p] for p in _parts(name, target)]))
             if show_progress:
                 progress("restoring", done, len(items), started)
     return builder.finish()
@@ -138,5 +158,7 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
     converted = load_config(dst).with_dtype(cfg.dtype)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
+        hint = (" (the conversion's quantization: convert again with the --quantization to serve with)"
+                if {"linear_format", "expert_format"} & set(differing) else "")
         raise CheckpointError(f"{dst / 'config.json'}: the converted config differs from the one asked for in "
-                              f"{', '.join(differing)}")
+                              f"{', '.join(differing)}{hint}")

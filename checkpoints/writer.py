@@ -11,66 +11,38 @@ Used to make the embedded default checkpoint and the tests' quantized checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxserve.checkpoints.deepseek import BF16, F32, FP4, FP4_BLOCK, FP8, FP8_BLOCK, I64, scale_name, weight_sources
+from jaxserve.checkpoints.deepseek import BF16, F32, FP4_PACKED, FP8, I64, scale_name, weight_sources
 from jaxserve.config import ModelConfig, to_hf_dict
-from jaxserve.model.weights import Weights, layer_arrays
+from jaxserve.kernels.quant import FP4, Quantized, dequantize
+from jaxserve.kernels.quant import FP8 as FP8_E4M3
+from jaxserve.kernels.quant import quantize as quantize_blocks
+from jaxserve.model.weights import FP4_BLOCK, FP8_BLOCK, Weights, layer_arrays
 
-FP8_MAX = 448.0  # largest finite e4m3fn
-FP4_MAX = 6.0  # largest e2m1
 INDEX = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
-def _pow2_at_least(x: np.ndarray) -> np.ndarray:
-    """The exponent e of the smallest power of two 2^e >= x (x > 0), exactly (no log2 rounding)."""
-    mantissa, exponent = np.frexp(x)  # x = m * 2^e, m in [0.5, 1)
-    return np.where(mantissa == 0.5, exponent - 1, exponent).astype(np.int32)
-
-
-def _e8m0(exponent: np.ndarray) -> np.ndarray:
-    """Exponents -> ue8m0 scale bytes (2^(u - 127))."""
-    return (np.clip(exponent, -127, 127) + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
-
-
-def _block_amax(w: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """max |w| over [rows x cols] blocks, a partial block at the end of either dim included."""
-    o, i = w.shape
-    bo, bi = -(-o // rows), -(-i // cols)
-    padded = np.zeros((bo * rows, bi * cols), np.float32)
-    padded[:o, :i] = np.abs(w)
-    return padded.reshape(bo, rows, bi, cols).max(axis=(1, 3))
-
-
-def _expand(scale: np.ndarray, rows: int, cols: int, shape: tuple[int, int]) -> np.ndarray:
-    return np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
-
-
-def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[o, i] float -> (e4m3 codes [o, i], ue8m0 scales [ceil(o/128), ceil(i/128)]), power-of-two block scales."""
+def quantize_tensor(w: np.ndarray, stored: str) -> tuple[np.ndarray, np.ndarray]:
+    """[o, i] float -> (codes, ue8m0 scales) as the release stores them: FP8 e4m3 [o, i] with 128x128 block scales,
+    or FP4 packed two per byte along i [o, i/2] (int8) with 1x32 scales; power-of-two scales, round to nearest even
+    (the engine's own quantizer, on the transposed tensor for FP4, which packs along axis -2)."""
     w = np.asarray(w, np.float32)
-    exponent = _pow2_at_least(np.maximum(_block_amax(w, FP8_BLOCK, FP8_BLOCK), 1e-4) / FP8_MAX)
-    scale = np.ldexp(np.float32(1), exponent)
-    codes = (w / _expand(scale, FP8_BLOCK, FP8_BLOCK, w.shape)).astype(ml_dtypes.float8_e4m3fn)
-    return codes, _e8m0(exponent)
-
-
-def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[o, i] float (i even) -> (packed int8 [o, i/2], ue8m0 scales [o, ceil(i/32)]), rounding to nearest even."""
-    w = np.asarray(w, np.float32)
+    if stored == FP8:
+        q = quantize_blocks(jnp.asarray(w), FP8_E4M3, (FP8_BLOCK, FP8_BLOCK))
+        return np.asarray(q.codes), np.asarray(q.scales).view(ml_dtypes.float8_e8m0fnu)
     if w.ndim != 2 or w.shape[1] % 2:
         raise ValueError(f"FP4 packing needs a 2-D weight with an even input dim, got shape {list(w.shape)}")
-    exponent = _pow2_at_least(np.maximum(_block_amax(w, 1, FP4_BLOCK), 1e-12) / FP4_MAX)
-    scale = np.ldexp(np.float32(1), exponent)
-    codes = (w / _expand(scale, 1, FP4_BLOCK, w.shape)).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # low nibble = element 2k, high nibble = element 2k+1
-    return packed.view(np.int8), _e8m0(exponent)
+    q = quantize_blocks(jnp.asarray(w.T), FP4, (FP4_BLOCK, 1))
+    return np.asarray(q.codes).T.view(np.int8), np.asarray(q.scales).T.view(ml_dtypes.float8_e8m0fnu)
 
 
 def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = False,
@@ -86,10 +58,12 @@ def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = Fals
     out: dict[str, np.ndarray] = {}
     for leaf_name, leaf in layer_arrays(weights, cfg):
         source = sources[leaf_name]
+        if isinstance(leaf, Quantized):  # re-quantizing its decoded values gives back the same codes and scales
+            leaf = np.asarray(dequantize(leaf, jnp.float32))
         for name, tensor in zip(source.names, source.split(leaf)):
-            if quantize and source.stored in (FP8, FP4):
+            if quantize and source.stored in (FP8, FP4_PACKED):
                 try:
-                    codes, scale = (quantize_fp8 if source.stored == FP8 else quantize_fp4)(tensor)
+                    codes, scale = quantize_tensor(tensor, source.stored)
                 except ValueError as bad:
                     raise ValueError(f"{name} ({leaf_name}): {bad}") from None
                 out[name], out[scale_name(name)] = codes, scale
@@ -98,7 +72,7 @@ def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = Fals
             elif source.stored == F32:
                 out[name] = tensor.astype(np.float32)
             else:
-                assert source.stored in (BF16, FP8, FP4), source.stored
+                assert source.stored in (BF16, FP8, FP4_PACKED), source.stored
                 out[name] = tensor.astype(_FLOAT_DTYPES[dtype])
     return {name: np.ascontiguousarray(t) for name, t in out.items()}
 
@@ -143,8 +117,10 @@ def write_config(cfg: ModelConfig, folder: str | Path) -> Path:
 
 def write_checkpoint(weights: Weights, cfg: ModelConfig, folder: str | Path, quantize: bool = False,
                      dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> Path:
-    """Write `config.json` and the weights (see `checkpoint_tensors`, `save_tensors`) into `folder`."""
+    """Write `config.json` and the weights (see `checkpoint_tensors`, `save_tensors`) into `folder`; a quantized
+    checkpoint's config says so as the release's does (quantization_config, expert_dtype)."""
     folder = Path(folder)
     save_tensors(checkpoint_tensors(weights, cfg, quantize=quantize, dtype=dtype), folder, max_shard_bytes)
-    write_config(cfg, folder)
+    formats = (FP8_E4M3, FP4) if quantize else (None, None)
+    write_config(dataclasses.replace(cfg, linear_format=formats[0], expert_format=formats[1]), folder)
     return folder

@@ -26,11 +26,12 @@ from typing import Callable, NoReturn
 
 import jax
 
-from jaxserve.checkpoints.load import LoadedModel, load_model
+from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
+from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig, parse_bytes
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
+from jaxserve.plan import make_plan
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
 from jaxserve.server.config import ServerConfig
@@ -77,6 +78,13 @@ FLAGS = (
     Flag(ServerConfig, "served_model_name", str, f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or "
                                                  "the --model folder's name)", metavar="NAME"),
     Flag(EngineConfig, "dtype", str, "weights and activations", choices=SUPPORTED_DTYPES),
+    Flag(EngineConfig, "quantization", str, "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 "
+                                            "projections and FP4 experts stay FP8 / FP4 on the devices, with their "
+                                            "block scales, and are decoded inside each matmul); none: dequantize "
+                                            "them to --dtype at load", choices=QUANTIZATION_MODES),
+    Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
+                                                     "against before loading it (default: what the device reports; "
+                                                     "none on CPU: no check)", metavar="BYTES"),
     Flag(EngineConfig, "seed", int, "base of the per-request sampling seeds of requests that bring none"),
     Flag(EngineConfig, "tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
     Flag(EngineConfig, "expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
@@ -146,10 +154,33 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return filled(ServerConfig, args)
 
 
+def device_memory(cfg: EngineConfig) -> int | None:
+    """--device-memory, or the smallest memory limit the devices report (CPUs report none)."""
+    if cfg.device_memory is not None:
+        return cfg.device_memory
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return min(limits) if limits and all(limits) else None
+
+
+def check_fit(cfg: EngineConfig, model_cfg: ModelConfig, mesh) -> None:
+    """Refuse, before loading anything, a model that will not fit the devices (the plan's reason)."""
+    memory = device_memory(cfg)
+    if memory is None:
+        log.info("devices report no memory limit and --device-memory is unset: not checking that the model fits")
+        return
+    plan = make_plan(model_cfg, cfg, mesh, memory)
+    if not plan.fits:
+        raise ValueError(f"the model does not fit {mesh.size} device(s) of {memory / 1e9:.1f} GB: {plan.reason} "
+                         "(see `jaxserve plan`)")
+    log.info("fit check: %s", plan.reason)
+
+
 def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine, LoadedModel]:
-    """Load the checkpoint onto the mesh and make the engine (not started: start() compiles the step shapes)."""
+    """Check the model fits, load the checkpoint onto the mesh and make the engine (not started: start() compiles
+    the step shapes)."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress)
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
+    loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress, quantization=cfg.quantization)
     runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
     return Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids), loaded
 
@@ -343,9 +374,49 @@ def convert(args: argparse.Namespace) -> int:
     from jaxserve.checkpoints.orbax_io import convert_checkpoint  # heavy (orbax), and only this command needs it
 
     started = time.perf_counter()
-    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True)
+    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True,
+                             quantization=args.quantization)
     print(f"converted {args.src} -> {dst} in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxserve.presets import preset
+
+    cfg = engine_config(args)
+    if cfg.device_memory is None:
+        print("jaxserve plan: --device-memory is required (e.g. 80GiB)", file=sys.stderr)
+        return EXIT_USAGE
+    needed = cfg.tensor_parallel_size * cfg.expert_parallel_size
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Fake CPU devices, one per device of the mesh: nothing is allocated, only compiled. Works while no
+        # backend has started yet (this command touches none before here).
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={needed}"
+        jax.config.update("jax_platforms", "cpu")
+    if args.preset is not None:
+        model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization)
+    else:
+        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
+    the_plan = make_plan(model_cfg, cfg, make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size,
+                                                   jax.devices("cpu")), cfg.device_memory)
+    if args.json:
+        print(json.dumps(the_plan.to_json(), indent=2))
+    else:
+        gb = 1e9
+        print(f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, tensor x expert = "
+              f"{cfg.tensor_parallel_size} x {cfg.expert_parallel_size}")
+        print(f"weights per device: {the_plan.weights_bytes_per_device / gb:.2f} GB ("
+              + ", ".join(f"{k} {v / gb:.2f}" for k, v in the_plan.weights_bytes_by_format.items())
+              + f"); whole model {the_plan.weights_bytes_total / gb:.1f} GB")
+        if the_plan.temp_bytes_per_device is not None:
+            print(f"step temporaries per device: {the_plan.temp_bytes_per_device / gb:.2f} GB "
+                  f"(compiled {', '.join(the_plan.compiled_steps)} in {the_plan.compile_s:.1f} s)")
+        print(f"KV: {the_plan.kv_bytes_per_token:.0f} bytes per token; {the_plan.max_kv_tokens} tokens fit; "
+              f"{the_plan.max_concurrent_requests} requests of max_model_len={the_plan.max_model_len} at once")
+        print(f"fits: {'yes' if the_plan.fits else 'no'}: {the_plan.reason}")
+    return 0 if the_plan.fits else EXIT_FAILED
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
@@ -355,7 +426,8 @@ def serve_parser() -> argparse.ArgumentParser:
         prog="jaxserve", description="Serve DeepSeek-V4 over an OpenAI-compatible HTTP API (the default command; "
         "`jaxserve serve` is the same).",
         epilog="Other commands: `jaxserve generate PROMPT` (one prompt, streamed to the terminal), "
-               "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint). Each has --help.")
+               "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint), `jaxserve plan` (will a model "
+               "fit these devices). Each has --help.")
     parser.add_argument("--version", action="version", version=f"jaxserve {version('jaxserve')}")
     add_flags(parser, server=True)
     return parser
@@ -382,12 +454,31 @@ def convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
+                        help="auto: keep the checkpoint's FP8 / FP4 weights so; none: dequantize them to --dtype "
+                             "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true")
     return parser
 
 
+def plan_parser() -> argparse.ArgumentParser:
+    from jaxserve.presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="jaxserve plan", description="Will the model fit these devices, and how "
+                                     "much KV cache is left? Compiles the decode step and the largest prefill step "
+                                     "on abstract weights over fake CPU devices (nothing is allocated) and reports "
+                                     "per device: weights by format, step temporaries, KV bytes per token, KV "
+                                     "tokens that fit and requests of max_model_len at once. Exit status 0 when it "
+                                     "fits, 1 when not.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named geometry instead of --model (flash: "
+                        "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    add_flags(parser, server=False)
+    return parser
+
+
 COMMANDS = {"serve": (serve_parser, serve), "generate": (generate_parser, generate),
-            "convert": (convert_parser, convert)}
+            "convert": (convert_parser, convert), "plan": (plan_parser, plan)}
 
 
 def parse(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argparse.Namespace]:

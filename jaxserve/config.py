@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from jaxserve.kernels.quant import FP4, FP8
+
 SWA, CSA, HCA = "swa", "csa", "hca"
 # HF layer_types names and the legacy compress_ratios values, mapped to our layer kinds.
 _HF_LAYER_TYPES = {
@@ -23,6 +25,11 @@ _HF_LAYER_TYPES = {
 }
 _LEGACY_RATIO_KINDS = {0: SWA, 4: CSA, 128: HCA}
 SUPPORTED_DTYPES = ("bfloat16", "float32")
+# --quantization: `auto` keeps the weights in the formats the checkpoint ships (FP8 / FP4 codes and their scales on
+# the devices), `none` dequantizes them to --dtype at load.
+QUANTIZATION_MODES = ("auto", "none")
+FP8_WEIGHT_BLOCK = [128, 128]  # the only quantization_config.weight_block_size the release (and we) use
+_EXPERT_DTYPES = {"fp4": FP4, "fp8": FP8}
 
 
 class ConfigError(ValueError):
@@ -74,6 +81,11 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     dtype: str = "bfloat16"  # weights and activations; HC, router, compressor and softmax maths stay float32
+    # How the weights are kept on the devices (jaxserve.kernels.quant formats; None: dense in `dtype`): the
+    # attention and shared-expert projections, and the routed experts. From config.json's quantization_config and
+    # expert_dtype, i.e. what the release ships; `dequantized()` for --quantization none.
+    linear_format: str | None = None
+    expert_format: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -97,6 +109,20 @@ class ModelConfig:
     def with_dtype(self, dtype: str) -> "ModelConfig":
         return dataclasses.replace(self, dtype=dtype)
 
+    def dequantized(self) -> "ModelConfig":
+        """Every weight dense in `dtype` (what --quantization none loads)."""
+        return dataclasses.replace(self, linear_format=None, expert_format=None)
+
+    def with_quantization(self, quantization: str) -> "ModelConfig":
+        """`auto` keeps the formats the release ships; `none` dequantizes (see QUANTIZATION_MODES)."""
+        if quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization={quantization!r}: must be one of {QUANTIZATION_MODES}")
+        return self if quantization == "auto" else self.dequantized()
+
+    @property
+    def quantized(self) -> bool:
+        return self.linear_format is not None or self.expert_format is not None
+
     # ---- validation ------------------------------------------------------------------------------------------
     def validate(self) -> None:
         def need(cond: bool, field: str, value: Any, why: str) -> None:
@@ -110,6 +136,13 @@ class ModelConfig:
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
+        need(self.linear_format in (None, FP8), "quantization_config", self.linear_format,
+             f"the projections can be kept as {FP8} or dense")
+        need(self.expert_format in (None, FP8, FP4), "expert_dtype", self.expert_format,
+             f"routed experts can be kept as {FP8}, {FP4} or dense")
+        need((self.linear_format is None) == (self.expert_format is None), "expert_dtype", self.expert_format,
+             f"a release quantizes both the projections and the experts or neither (projections: "
+             f"{self.linear_format})")
         need(len(self.layer_kinds) == self.num_layers, "layer_types", list(self.layer_kinds),
              f"needs one entry per layer (num_hidden_layers={self.num_layers})")
         bad = [k for k in self.layer_kinds if k not in (SWA, CSA, HCA)]
@@ -219,6 +252,23 @@ def _single_id(raw: dict[str, Any], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(projections, routed experts) storage formats from quantization_config and expert_dtype; dense without a
+    quantization_config."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None, None
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": FP8_WEIGHT_BLOCK}
+    for key, value in expected.items():
+        if quant.get(key, value) != value:
+            raise ConfigError(f"quantization_config.{key}={quant[key]!r}: jaxserve reads DeepSeek's FP8 release "
+                              f"format ({key}={value!r})")
+    expert = raw.get("expert_dtype", "fp8")
+    if expert not in _EXPERT_DTYPES:
+        raise ConfigError(f"expert_dtype={expert!r}: must be one of {sorted(_EXPERT_DTYPES)}")
+    return FP8, _EXPERT_DTYPES[expert]
+
+
 def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfig:
     """Parse a DeepSeek-V4 config.json dict, accepting the legacy and the current HF key sets."""
     model_type = raw.get("model_type")
@@ -238,6 +288,7 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
     try:
         n = int(raw["num_hidden_layers"])
         rates = dict(raw.get("compress_rates") or {})
+        linear_format, expert_format = _weight_formats(raw)
         return ModelConfig(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -272,6 +323,8 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
             bos_token_id=_single_id(raw, "bos_token_id", 0),
             eos_token_id=_single_id(raw, "eos_token_id", 1),
             dtype=dtype,
+            linear_format=linear_format,
+            expert_format=expert_format,
         )
     except KeyError as missing:
         raise ConfigError(f"{missing.args[0]}: required field missing from config.json") from None
@@ -341,6 +394,10 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": 0,
     }
+    if cfg.quantized:
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": FP8_WEIGHT_BLOCK, "activation_scheme": "dynamic"}
+        out["expert_dtype"] = {v: k for k, v in _EXPERT_DTYPES.items()}[cfg.expert_format]
     if cfg.yarn is not None:
         out["rope_scaling"] = {
             "type": "yarn",
@@ -354,12 +411,31 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 # ---- engine knobs ------------------------------------------------------------------------------------------------
 
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '141GB', '24e9' -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{text!r}: not a size; write e.g. 80GiB, 141GB or 24e9") from None
+    if value <= 0:
+        raise ConfigError(f"{text!r}: must be positive")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine knob, one field per CLI flag (the HTTP server's are jaxserve.server.config's ServerConfig)."""
 
     model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
     dtype: str = "bfloat16"
+    quantization: str = "auto"  # QUANTIZATION_MODES
+    device_memory: int | None = None  # bytes per device for the fit check; None: what the device reports, if anything
     seed: int = 0
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -386,9 +462,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
-        for name in ("max_model_len", "num_kv_pages"):
+        for name in ("max_model_len", "num_kv_pages", "device_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization={self.quantization!r}: must be one of {QUANTIZATION_MODES}")

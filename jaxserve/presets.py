@@ -1,6 +1,7 @@
 """Named model geometries, written as config.json dicts so they go through the same parser as checkpoints.
 
-- `flash`: DeepSeek-V4-Flash (43 layers, 256 experts); for sizing checks, never allocated in tests.
+- `flash`: DeepSeek-V4-Flash (43 layers, 256 experts) as released: FP4 routed experts, FP8 projections (its
+  config.json's quantization_config and expert_dtype); for sizing checks, never allocated in tests.
 - `tiny`: every feature at CPU-seconds size; the parity tests' config A.
 - `small`: sized for CPU benchmarks (real window 128 and HCA ratio 128).
 """
@@ -29,6 +30,9 @@ FLASH: dict[str, Any] = {
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
     "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    "expert_dtype": "fp4",
 }
 
 TINY: dict[str, Any] = {

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.model.weights import ArrayInfo, is_info
+from jaxserve.kernels.quant import Quantized
+from jaxserve.model.weights import ArrayInfo, is_info, is_weight
 
 EXPERT, TENSOR = "expert", "tensor"
 MESH_AXES = (EXPERT, TENSOR)
@@ -55,28 +56,44 @@ class ShardingError(ValueError):
     """The mesh cannot make a split the logical-axis table asks for."""
 
 
-def _uneven_splits(info: ArrayInfo, mesh: Mesh) -> list[tuple[str, int, str, int]]:
-    """(logical axis, its size, the flags that size the mesh axes, ways) for each split the mesh cannot make."""
-    uneven = []
-    for logical, size, mesh_axes in zip(info.axes, info.shape, logical_spec(info.axes)):
+def _splits(axes: tuple[str | None, ...], mesh: Mesh):
+    """(logical axis, the flags that size its mesh axes, ways) per axis."""
+    for logical, mesh_axes in zip(axes, logical_spec(axes)):
         names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
         ways = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        yield logical, " x ".join(f"{PARALLEL_FLAGS[n]}={mesh.shape[n]}" for n in names), ways
+
+
+def _split_problems(weight: ArrayInfo | Quantized, mesh: Mesh) -> list[str]:
+    """What the mesh cannot split in one (abstract) weight. A quantized weight is judged by its decoded shape: a
+    shard must hold whole scale blocks, or its codes and its scales would be split at different places (a block
+    that spans the whole axis has one scale, replicated, and is no obstacle)."""
+    if isinstance(weight, ArrayInfo):
+        axes, shape, blocks = weight.axes, weight.shape, (1,) * len(weight.shape)
+    else:
+        axes, shape = weight.codes.axes, weight.shape
+        blocks = (1,) * (len(shape) - len(weight.blocks)) + weight.blocks
+    problems = []
+    for (logical, flags, ways), size, block in zip(_splits(axes, mesh), shape, blocks):
         if size % ways:
-            uneven.append((logical, size, " x ".join(f"{PARALLEL_FLAGS[n]}={mesh.shape[n]}" for n in names), ways))
-    return uneven
+            problems.append(f"cannot split {logical} ({size}) over {flags}: {size} is not a multiple of {ways}")
+        elif ways > 1 and block < size and (size // ways) % block:
+            problems.append(f"cannot split {logical} ({size}) over {flags}: a shard of {size // ways} would cut "
+                            f"its {weight.format} scale blocks of {block} (use --quantization none, or sizes that "
+                            "keep whole blocks)")
+    return problems
 
 
 def _named_shardings(abstract: Any, mesh: Mesh, make: Callable[[ArrayInfo, NamedSharding], Any]) -> Any:
     """`make(info, sharding)` at every leaf. A split the mesh cannot make is refused, never silently replicated:
     one ShardingError names every such axis, its size and the parallel sizes."""
-    found: dict[tuple, str] = {}  # (axis, size, flags, ways) -> the first weight it was found in
-    for path, info in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)[0]:
-        for uneven in _uneven_splits(info, mesh):
-            found.setdefault(uneven, jax.tree_util.keystr(path))
+    found: dict[str, str] = {}  # problem -> the first weight it was found in
+    for path, weight in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_weight)[0]:
+        for problem in _split_problems(weight, mesh):
+            found.setdefault(problem, jax.tree_util.keystr(path))
     if found:
-        raise ShardingError("; ".join(
-            f"cannot split {axis} ({size}) over {flags}: {size} is not a multiple of {ways} (first in {where})"
-            for (axis, size, flags, ways), where in found.items()) + "; choose parallel sizes that divide them")
+        raise ShardingError("; ".join(f"{problem} (first in {where})" for problem, where in found.items())
+                            + "; choose parallel sizes that divide them")
     return jax.tree.map(lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes))), abstract,
                         is_leaf=is_info)
 

@@ -22,6 +22,7 @@ from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint, write_config
 from harness import run_schedule
 from jaxserve.config import ConfigError, load_config
+from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.weights import init_weights, layer_arrays
 from jaxserve.presets import preset
 
@@ -120,7 +121,8 @@ def test_quantized_tensors_are_stored_like_the_release(quantized):
     raw = read_folder(folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(raw) and len(set(index["weight_map"].values())) > 1
-    assert load_config(folder, dtype="float32") == CFG
+    config = load_config(folder, dtype="float32")  # says what the release's says: FP8 projections, FP4 experts
+    assert (config.linear_format, config.expert_format) == (FP8, FP4) and config.dequantized() == CFG
 
     weights = [n for n in raw if n.endswith(".weight")]
     fp8, fp4 = [n for n in weights if FP8_NAME.match(n)], [n for n in weights if FP4_NAME.match(n)]

@@ -22,6 +22,7 @@ from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxserve.model.weights import Attention
 from jaxserve.kernels.attention import sink_attention
 from jaxserve.kernels.indexer import indexer_topk
+from jaxserve.kernels.quant import dense, einsum
 
 F32 = jnp.float32
 
@@ -70,12 +71,12 @@ def attention_block(
     write_slots = jnp.where(inputs.lengths > 0, inputs.slots, num_slots)  # padding rows write nothing
 
     with jax.named_scope("query"):
-        qr = rms_norm(jnp.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("btr,rhk->bthk", qr, w.wq_b)
+        qr = rms_norm(einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
+        q = einsum("btr,rhk->bthk", qr, w.wq_b)
         q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
 
     with jax.named_scope("kv"):
-        kv = rms_norm(jnp.einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
+        kv = rms_norm(einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
         kv = apply_rope(kv, qpos, freqs)
 
     with jax.named_scope("window_keys"):
@@ -110,7 +111,7 @@ def attention_block(
                                                                 freqs, cfg)
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
                 index_keys = _read_entries(index_entries, layer, inputs.page_table)
-                qi = apply_rope(jnp.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
+                qi = apply_rope(einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads ** -0.5
                 k = min(cfg.index_topk, index_keys.shape[1])
@@ -124,9 +125,9 @@ def attention_block(
     with jax.named_scope("output_projection"):
         g = cfg.o_groups
         grouped = o.reshape(b, t, g, cfg.heads_per_group, cfg.head_dim)
-        wo_a = w.wo_a.reshape(g, cfg.heads_per_group, cfg.head_dim, -1)
+        wo_a = dense(w.wo_a, grouped.dtype).reshape(g, cfg.heads_per_group, cfg.head_dim, -1)
         r = jnp.einsum("btgjk,gjko->btgo", grouped, wo_a).reshape(b, t, -1)
-        out = jnp.einsum("btx,xd->btd", r, w.wo_b)
+        out = einsum("btx,xd->btd", r, w.wo_b)
 
     with jax.named_scope("window_write"):
         # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.

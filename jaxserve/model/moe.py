@@ -14,6 +14,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.weights import MoE
 from jaxserve.sharding import expert_axes, logical_spec
 from jaxserve.kernels.moe import grouped_matmul
+from jaxserve.kernels.quant import einsum
 
 F32 = jnp.float32
 
@@ -81,9 +82,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: MoE,
 
 
 def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
-    gate = jnp.einsum("nd,df->nf", x, w.shared_gate)
-    up = jnp.einsum("nd,df->nf", x, w.shared_up)
-    return jnp.einsum("nf,fd->nd", clamped_swiglu(gate, up, cfg.swiglu_limit), w.shared_down)
+    gate = einsum("nd,df->nf", x, w.shared_gate)
+    up = einsum("nd,df->nf", x, w.shared_up)
+    return einsum("nf,fd->nd", clamped_swiglu(gate, up, cfg.swiglu_limit), w.shared_down)
 
 
 def moe_block(x: jax.Array, tokens: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info, release_leaves
+from jaxserve.model.weights import (ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info,
+                                    release_leaves)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -44,7 +45,8 @@ def _stack_of(path: str) -> str:
 
 class WeightsBuilder:
     """Takes every leaf of the un-stacked model once (`put`, by release name, in any order), returns Weights
-    placed with `shardings` (a Weights tree of NamedShardings; None: the default device)."""
+    placed with `shardings` (a Weights tree of NamedShardings; None: the default device). A quantized weight is
+    put whole (a Quantized of its codes and scales); each part is stacked and placed like any leaf."""
 
     def __init__(self, cfg: ModelConfig, shardings: Weights | None = None):
         abstract = abstract_weights(cfg)
@@ -65,28 +67,39 @@ class WeightsBuilder:
     def _sharding(self, path: str) -> NamedSharding | None:
         return None if self._shardings is None else self._shardings[path]
 
-    def put(self, name: str, array: Any) -> None:
-        """One leaf (host or device array) of the un-stacked model, shaped and typed as `release_leaves` says."""
+    def put(self, name: str, value: Any) -> None:
+        """One leaf (host or device array, or a Quantized of them) of the un-stacked model, shaped and typed as
+        `release_leaves` says."""
         if name not in self._layout:
             raise ValueError(f"{name}: not a leaf of this model")
         if name in self._received:
             raise ValueError(f"{name}: given twice")
         leaf = self._layout[name]
-        if tuple(array.shape) != leaf.info.shape or jnp.dtype(array.dtype) != jnp.dtype(leaf.info.dtype):
-            raise ValueError(f"{name}: got {array.dtype}{list(array.shape)}, the model needs "
-                             f"{jnp.dtype(leaf.info.dtype)}{list(leaf.info.shape)}")
+        parts = flatten_with_names(leaf.info)
+        if jax.tree.structure(value) != jax.tree.structure(leaf.info, is_leaf=is_info):
+            raise ValueError(f"{name}: got {type(value).__name__}, the model keeps it as "
+                             f"{type(leaf.info).__name__} ({', '.join(part or 'array' for part, _ in parts)})")
+        arrays = jax.tree.leaves(value)
+        for (part, info), array in zip(parts, arrays):
+            if tuple(array.shape) != info.shape or jnp.dtype(array.dtype) != jnp.dtype(info.dtype):
+                raise ValueError(f"{'.'.join(filter(None, (name, part)))}: got {array.dtype}{list(array.shape)}, "
+                                 f"the model needs {jnp.dtype(info.dtype)}{list(info.shape)}")
         self._received.add(name)
-        sharding = self._sharding(leaf.path)
-        if leaf.index is None:
-            self._arrays[leaf.path] = jax.device_put(array, sharding)
-        elif self._infos[leaf.path].shape[0] == 1:
-            self._arrays[leaf.path] = jax.device_put(np.asarray(array)[None], sharding)
+        for (part, _), array in zip(parts, arrays):
+            self._put_part(".".join(filter(None, (leaf.path, part))), leaf.index, array)
+
+    def _put_part(self, path: str, index: int | None, array: Any) -> None:
+        sharding = self._sharding(path)
+        if index is None:
+            self._arrays[path] = jax.device_put(array, sharding)
+        elif self._infos[path].shape[0] == 1:
+            self._arrays[path] = jax.device_put(np.asarray(array)[None], sharding)
         else:
-            stack = _stack_of(leaf.path)
-            layer = self._pending.setdefault((stack, leaf.index), {})
-            layer[leaf.path] = jax.device_put(array, _one_layer(sharding))
+            stack = _stack_of(path)
+            layer = self._pending.setdefault((stack, index), {})
+            layer[path] = jax.device_put(array, _one_layer(sharding))
             if len(layer) == len(self._stack_paths[stack]):
-                self._write(stack, leaf.index, self._pending.pop((stack, leaf.index)))
+                self._write(stack, index, self._pending.pop((stack, index)))
 
     def _write(self, stack: str, index: int, layer: dict[str, jax.Array]) -> None:
         paths = self._stack_paths[stack]

@@ -5,6 +5,10 @@ axes, how to initialise). Initialisation, shardings and checkpoint restore targe
 it, so the three can never disagree. Projections are stored input-major (`x @ W`), the transpose of the
 checkpoint's `[out, in]` layout.
 
+A weight the config keeps quantized (`cfg.linear_format`, `cfg.expert_format`) is a `Quantized` node instead:
+its codes and its scales are two ArrayInfos with the weight's logical axes, so both are sharded alike, and its
+blocks are the release's (128x128 for FP8 `[out, in]`, 1x32 for FP4) carried onto our layout's axes.
+
 The layers are stacked as the layer plan says (`jaxserve.model.segments`): `Weights.segments[s][p]` is one
 `Layer` whose every leaf leads with a `layers` axis. Checkpoints name leaves per layer (`layers.3.attn.wq_b`);
 `release_leaves` maps those names to their place in the stacks.
@@ -20,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import CSA, SWA, ModelConfig
+from jaxserve.config import CSA, SWA, ConfigError, ModelConfig
+from jaxserve.kernels.quant import FP4, Quantized, codes_dtype, codes_shape, quantize, scales_shape
 from jaxserve.model.segments import LayerKind, layer_segments
 
 F32 = jnp.float32
@@ -115,6 +120,72 @@ class Weights:
 
 # ---- the abstract description ---------------------------------------------------------------------------------
 
+FP8_BLOCK = 128  # the release's FP8 blocks: 128 x 128 of an `[out, in]` tensor
+FP4_BLOCK = 32  # the release's FP4 blocks: 1 x 32 along the input
+
+
+def _split_block(block: int, outer: int, inner: int, what: str) -> tuple[int, int]:
+    """A block of `block` consecutive elements of a dim stored as [outer, inner] (row-major), as a block on each of
+    the two axes; a block that starts and ends mid-row cannot be one."""
+    if inner % block == 0:
+        return 1, block
+    if block % inner == 0:
+        return min(block // inner, outer), inner
+    raise ConfigError(f"{what}: its {block}-element quantization blocks straddle rows of {inner}, so its scales "
+                      "cannot follow our layout; load it with --quantization none")
+
+
+def _weight(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fmt: str | None,
+            blocks: tuple[int, ...]) -> ArrayInfo | Quantized:
+    """A weight dense in `dtype` (fmt None) or kept quantized, `blocks` decoded elements per scale on each axis."""
+    if fmt is None:
+        return ArrayInfo(shape, dtype, axes)
+    if fmt == FP4:
+        blocks = tuple(FP4_BLOCK if i == len(shape) - 2 else 1 for i in range(len(shape)))  # 1x32 along the input
+    blocks = tuple(min(b, n) for b, n in zip(blocks, shape))
+    # Where one block spans a whole axis its single scale is replicated, so the codes may be split along it freely.
+    scale_axes = tuple(None if b == n else a for a, b, n in zip(axes, blocks, shape))
+    return Quantized(codes=ArrayInfo(codes_shape(fmt, shape), codes_dtype(fmt), axes),
+                     scales=ArrayInfo(scales_shape(shape, blocks), jnp.uint8, scale_axes),
+                     format=fmt, blocks=blocks)
+
+
+def _projection(cfg: ModelConfig, shape: tuple[int, int], axes: tuple[str | None, str | None]):
+    """An input-major [in, out] projection the release ships as FP8 (128x128 blocks either way round)."""
+    return _weight(shape, axes, cfg.dtype, cfg.linear_format, (FP8_BLOCK, FP8_BLOCK))
+
+
+def _heads_projection(cfg: ModelConfig, rows: int, heads: int, width: int, axes, what: str):
+    """[in, heads, width], the release's [heads * width, in]: its 128-row blocks split over heads and width."""
+    fmt = cfg.linear_format
+    blocks = (FP8_BLOCK, *_split_block(FP8_BLOCK, heads, width, what)) if fmt else ()
+    return _weight((rows, heads, width), axes, cfg.dtype, fmt, blocks)
+
+
+def _grouped_output(cfg: ModelConfig):
+    """wo_a [heads, head_dim, o_lora], the release's [groups * o_lora, heads_per_group * head_dim]: the heads axis
+    mixes a group (from the release's rows) and a head within it (from its columns)."""
+    g, j, k, o = cfg.o_groups, cfg.heads_per_group, cfg.head_dim, cfg.o_lora_rank
+    fmt = cfg.linear_format
+    blocks = ()
+    if fmt:
+        per_group, per_lora = _split_block(FP8_BLOCK, g, o, "attn.wo_a")
+        per_head, per_dim = _split_block(FP8_BLOCK, j, k, "attn.wo_a")
+        if per_head == j:
+            heads = per_group * j
+        elif j % per_head == 0:
+            heads = per_head
+        else:
+            raise ConfigError(f"attn.wo_a: its {FP8_BLOCK}-element blocks split a group's {j} heads unevenly; "
+                              "load it with --quantization none")
+        blocks = (heads, per_dim, per_lora)
+    return _weight((g * j, k, o), ("heads", "head_dim", "o_lora"), cfg.dtype, fmt, blocks)
+
+
+def _experts(cfg: ModelConfig, shape: tuple[int, int, int], axes):
+    """Routed experts [e, in, out]: the release's per-expert [out, in] in FP4 (1x32) or FP8 (128x128)."""
+    return _weight(shape, axes, cfg.dtype, cfg.expert_format, (1, FP8_BLOCK, FP8_BLOCK))
+
 def _hyper_connection(cfg: ModelConfig) -> HyperConnection:
     n, d = cfg.hc_mult, cfg.hidden_size
     mixes = (2 + n) * n
@@ -128,25 +199,25 @@ def _hyper_connection(cfg: ModelConfig) -> HyperConnection:
 def _compressor(cfg: ModelConfig, rate: int, width: int, overlap: bool) -> Compressor:
     coff = 2 if overlap else 1
     d = cfg.hidden_size
+    # Stored as the release ships them (in the engine's dtype); the compressor's maths run in float32.
     return Compressor(
-        wkv=ArrayInfo((d, coff * width), F32, ("embed", None)),
-        wgate=ArrayInfo((d, coff * width), F32, ("embed", None)),
+        wkv=ArrayInfo((d, coff * width), cfg.dtype, ("embed", None)),
+        wgate=ArrayInfo((d, coff * width), cfg.dtype, ("embed", None)),
         ape=ArrayInfo((rate, coff * width), F32, (None, None), "small"),
         norm=ArrayInfo((width,), F32, (None,), "ones"),
     )
 
 
 def _attention(cfg: ModelConfig, kind: str) -> Attention:
-    dt = cfg.dtype
     d, h, hd, r = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     attn = Attention(
-        wq_a=ArrayInfo((d, r), dt, ("embed", "q_lora")),
+        wq_a=_projection(cfg, (d, r), ("embed", "q_lora")),
         q_norm=ArrayInfo((r,), F32, (None,), "ones"),
-        wq_b=ArrayInfo((r, h, hd), dt, ("q_lora", "heads", "head_dim")),
-        wkv=ArrayInfo((d, hd), dt, ("embed", "head_dim")),
+        wq_b=_heads_projection(cfg, r, h, hd, ("q_lora", "heads", "head_dim"), "attn.wq_b"),
+        wkv=_projection(cfg, (d, hd), ("embed", "head_dim")),
         kv_norm=ArrayInfo((hd,), F32, (None,), "ones"),
-        wo_a=ArrayInfo((h, hd, cfg.o_lora_rank), dt, ("heads", "head_dim", "o_lora")),
-        wo_b=ArrayInfo((cfg.o_groups * cfg.o_lora_rank, d), dt, ("o_groups_lora", "embed")),
+        wo_a=_grouped_output(cfg),
+        wo_b=_projection(cfg, (cfg.o_groups * cfg.o_lora_rank, d), ("o_groups_lora", "embed")),
         sinks=ArrayInfo((h,), F32, ("heads",), "small"),
     )
     if kind == SWA:
@@ -154,7 +225,8 @@ def _attention(cfg: ModelConfig, kind: str) -> Attention:
     if kind == CSA:
         indexer = Indexer(
             compressor=_compressor(cfg, cfg.csa_rate, cfg.index_head_dim, overlap=True),
-            wq_b=ArrayInfo((r, cfg.index_n_heads, cfg.index_head_dim), dt, ("q_lora", "index_heads", None)),
+            wq_b=_heads_projection(cfg, r, cfg.index_n_heads, cfg.index_head_dim, ("q_lora", "index_heads", None),
+                                   "attn.indexer.wq_b"),
             weights_proj=ArrayInfo((d, cfg.index_n_heads), F32, ("embed", "index_heads")),
         )
         return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.csa_rate, hd, overlap=True),
@@ -163,16 +235,15 @@ def _attention(cfg: ModelConfig, kind: str) -> Attention:
 
 
 def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
-    dt = cfg.dtype
     d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     return MoE(
         router=ArrayInfo((d, e), F32, ("embed", None)),
-        w_gate=ArrayInfo((e, d, f), dt, ("experts", "embed", "expert_ffw")),
-        w_up=ArrayInfo((e, d, f), dt, ("experts", "embed", "expert_ffw")),
-        w_down=ArrayInfo((e, f, d), dt, ("experts", "expert_ffw", "embed")),
-        shared_gate=ArrayInfo((d, f), dt, ("embed", "ffw")),
-        shared_up=ArrayInfo((d, f), dt, ("embed", "ffw")),
-        shared_down=ArrayInfo((f, d), dt, ("ffw", "embed")),
+        w_gate=_experts(cfg, (e, d, f), ("experts", "embed", "expert_ffw")),
+        w_up=_experts(cfg, (e, d, f), ("experts", "embed", "expert_ffw")),
+        w_down=_experts(cfg, (e, f, d), ("experts", "expert_ffw", "embed")),
+        shared_gate=_projection(cfg, (d, f), ("embed", "ffw")),
+        shared_up=_projection(cfg, (d, f), ("embed", "ffw")),
+        shared_down=_projection(cfg, (f, d), ("ffw", "embed")),
         score_bias=None if hashed else ArrayInfo((e,), F32, (None,), "small"),
         tid2eid=ArrayInfo((cfg.vocab_size, cfg.num_experts_per_tok), jnp.int32, ("vocab", None), "expert_ids")
         if hashed else None,
@@ -215,13 +286,19 @@ def is_info(x: Any) -> bool:
     return isinstance(x, ArrayInfo)
 
 
+def is_weight(x: Any) -> bool:
+    """A whole weight of an abstract tree: an ArrayInfo, or a Quantized node of two (codes and scales)."""
+    return isinstance(x, (ArrayInfo, Quantized))
+
+
 def map_infos(fn: Callable[[ArrayInfo], Any], tree: Any) -> Any:
     return jax.tree.map(fn, tree, is_leaf=is_info)
 
 
-def flatten_with_names(tree: Any) -> list[tuple[str, Any]]:
-    """(dotted path, leaf) pairs, e.g. ('segments.2.1.attn.wq_b', ...), in flatten order."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
+def flatten_with_names(tree: Any, is_leaf: Callable[[Any], bool] = is_info) -> list[tuple[str, Any]]:
+    """(dotted path, leaf) pairs, e.g. ('segments.2.1.attn.wq_b', ...), in flatten order (a quantized weight's
+    parts: '....wq_b.codes', '....wq_b.scales'; with `is_leaf=is_weight`, the weight itself)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(_path_name(path), leaf) for path, leaf in leaves]
 
 
@@ -246,7 +323,7 @@ class LayerLeaf:
     name: str  # as the release names it: 'layers.3.attn.wq_b', 'embed'
     path: str  # the Weights leaf that holds it: 'segments.2.1.attn.wq_b', 'embed'
     index: int | None  # its place along that leaf's leading `layers` axis; None outside the layers
-    info: ArrayInfo  # its own shape (no layers axis), dtype, logical axes
+    info: ArrayInfo | Quantized  # its own shape (no layers axis), dtype, logical axes (of codes and scales)
 
 
 def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
@@ -256,24 +333,30 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
     before: list[LayerLeaf] = []
     after: list[LayerLeaf] = []
     by_layer: dict[int, list[LayerLeaf]] = {}
-    for path, info in flatten_with_names(abstract_weights(cfg)):
+    for path, info in flatten_with_names(abstract_weights(cfg), is_weight):
         if not path.startswith("segments."):
             (after if by_layer else before).append(LayerLeaf(path, path, None, info))
             continue
         _, s, p, rest = path.split(".", 3)
         segment = segments[int(s)]
-        own = ArrayInfo(info.shape[1:], info.dtype, info.axes[1:], info.init)
+        own = map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init), info)
         for k in range(segment.repeats):
             layer = segment.layer(k, int(p))
             by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own))
     return before + [leaf for layer in sorted(by_layer) for leaf in by_layer[layer]] + after
 
 
-def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """The weights un-stacked on the host: (release name, array) in `release_leaves` order."""
-    host = {path: np.asarray(leaf) for path, leaf in flatten_with_names(weights)}
-    return [(leaf.name, host[leaf.path] if leaf.index is None else host[leaf.path][leaf.index])
+def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:
+    """The weights un-stacked on the host: (release name, array or Quantized of arrays) in `release_leaves`
+    order."""
+    host = {path: jax.tree.map(np.asarray, leaf) for path, leaf in flatten_with_names(weights, _is_weight_value)}
+    return [(leaf.name, host[leaf.path] if leaf.index is None else jax.tree.map(lambda a: a[leaf.index],
+                                                                              host[leaf.path]))
             for leaf in release_leaves(cfg)]
+
+
+def _is_weight_value(x: Any) -> bool:
+    return isinstance(x, Quantized)
 
 
 # ---- random initialisation --------------------------------------------------------------------------------------
@@ -283,17 +366,19 @@ def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights
     leaves are drawn as the un-stacked model's were, so a seed gives the same values whatever the layer plan."""
     leaves = release_leaves(cfg)
     keys = jax.random.split(key, len(leaves))
-    parts: dict[str, list[np.ndarray]] = {}
+    parts: dict[str, list[Any]] = {}
     for k, leaf in zip(keys, leaves):
-        parts.setdefault(leaf.path, []).append(np.asarray(_init_leaf(k, leaf.info, std, cfg)))
+        parts.setdefault(leaf.path, []).append(jax.tree.map(np.asarray, _init_leaf(k, leaf.info, std, cfg)))
     stacked = {leaf.path for leaf in leaves if leaf.index is not None}
     abstract = abstract_weights(cfg)
-    arrays = [jnp.asarray(np.stack(parts[path]) if path in stacked else parts[path][0])
-              for path, _ in flatten_with_names(abstract)]
-    return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_info), arrays)
+    weights = [jax.tree.map(lambda *layers: jnp.asarray(np.stack(layers)), *parts[path]) if path in stacked
+               else jax.tree.map(jnp.asarray, parts[path][0]) for path, _ in flatten_with_names(abstract, is_weight)]
+    return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_weight), weights)
 
 
-def _init_leaf(key: jax.Array, info: ArrayInfo, std: float, cfg: ModelConfig) -> jax.Array:
+def _init_leaf(key: jax.Array, info: ArrayInfo | Quantized, std: float, cfg: ModelConfig) -> Any:
+    if isinstance(info, Quantized):  # drawn like the dense weight, then rounded as the release rounds it
+        return quantize(std * jax.random.normal(key, info.shape, F32), info.format, info.blocks)
     if info.init == "ones":
         return jnp.ones(info.shape, info.dtype)
     if info.init == "zeros":

@@ -1,0 +1,137 @@
+"""Will a model fit these devices, and how much KV cache is left? Answered without allocating anything.
+
+Per device: the weights' bytes from their abstract description and shardings (each leaf's shard shape; quantized
+weights as codes plus scales), the step temporaries from XLA's memory analysis of the compiled decode step and the
+largest prefill step (on abstract weights and cache, so fake CPU devices will do), the per-sequence state (window
+rings, compressor state) of max_num_seqs slots, and what remains for the paged KV pools: tokens that fit, and
+requests of max_model_len that fit at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kernels.quant import Quantized
+from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight
+from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.sharding import shape_dtype_structs, shardings_for
+
+GB = 1e9
+
+
+@dataclass
+class Plan:
+    devices: int
+    device_memory: int
+    weights_bytes_per_device: int
+    weights_bytes_by_format: dict[str, int]  # per device: fp8_e4m3 / fp4_e2m1 codes, their scales, dense dtypes
+    weights_bytes_total: int  # the model once, unsharded
+    temp_bytes_per_device: int | None  # None: not compiled (the weights alone do not fit)
+    state_bytes_per_device: int  # per-sequence state of max_num_seqs slots (window rings, compressor state)
+    kv_bytes_per_token: float
+    max_kv_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    max_concurrent_requests: int
+    fits: bool
+    reason: str
+    compile_s: float = 0.0
+    compiled_steps: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
+    """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
+    sharded over `mesh` (ShardingError when it cannot be)."""
+    abstract = abstract_weights(cfg)
+    shardings = shardings_for(abstract, mesh)
+    by_format: dict[str, int] = {}
+    total = 0
+    weights = flatten_with_names(abstract, is_weight)
+    for (_, weight), (_, sharding) in zip(weights, flatten_with_names(shardings, lambda x: isinstance(x, Quantized))):
+        parts = [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)] \
+            if isinstance(weight, Quantized) else [(None, weight, sharding)]
+        for part, info, part_sharding in parts:
+            item = jnp.dtype(info.dtype).itemsize
+            name = jnp.dtype(info.dtype).name if part is None else (weight.format if part == "codes" else "scales")
+            by_format[name] = by_format.get(name, 0) + int(np.prod(part_sharding.shard_shape(info.shape))) * item
+            total += int(np.prod(info.shape)) * item
+    return sum(by_format.values()), by_format, total
+
+
+class _AbstractRunner(ModelRunner):
+    """The engine's own runner over abstract weights and an abstract cache: it compiles step shapes, never runs."""
+
+    def reset_cache(self) -> None:
+        self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
+        self.slot_tokens = jax.ShapeDtypeStruct((self.geometry.num_slots,), jnp.int32, sharding=self._replicated)
+
+    def temp_bytes(self, shape) -> int:
+        with jax.set_mesh(self.mesh):
+            compiled = self._step.lower(*self._abstract_args(shape)).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
+    """Per device bytes of the cache outside the paged pools."""
+    abstract = abstract_cache(cfg, geometry)
+    shardings = shardings_for(abstract, mesh)
+    return sum(int(np.prod(s.shard_shape(info.shape))) * jnp.dtype(info.dtype).itemsize
+               for info, s in zip(jax.tree.leaves(abstract, is_leaf=is_info), jax.tree.leaves(shardings))
+               if "pages" not in info.axes)
+
+
+def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int,
+              compile_steps: bool = True) -> Plan:
+    """The plan for serving `cfg` with these engine knobs on `mesh`, devices of `device_memory` bytes each."""
+    per_device, by_format, total = weight_bytes(cfg, mesh)
+    geometry = kv_geometry(engine_cfg, cfg)
+    max_len = resolve_max_model_len(engine_cfg, cfg)
+    state = _state_bytes(cfg, geometry, mesh)
+    kv_per_token = bytes_per_token(cfg)  # the single K=V head: every device holds every token's entries
+    plan = Plan(devices=mesh.size, device_memory=device_memory, weights_bytes_per_device=per_device,
+                weights_bytes_by_format=by_format, weights_bytes_total=total, temp_bytes_per_device=None,
+                state_bytes_per_device=state, kv_bytes_per_token=kv_per_token, max_kv_tokens=0, max_model_len=max_len,
+                max_num_seqs=engine_cfg.max_num_seqs, max_concurrent_requests=0, fits=False, reason="")
+    if per_device >= device_memory:
+        plan.reason = (f"weights need {per_device / GB:.1f} GB per device, more than the device's "
+                       f"{device_memory / GB:.1f} GB")
+        return plan
+    temp = 0
+    if compile_steps:
+        buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
+                                     engine_cfg.max_num_seqs)
+        runner = _AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets)
+        started = time.perf_counter()
+        for shape in (((max(buckets.decode_rows), 1),),
+                      ((max(buckets.prefill_rows), max(buckets.prefill_chunks)),)):
+            temp = max(temp, runner.temp_bytes(shape))
+            plan.compiled_steps.append(" + ".join(f"rows={r} chunk={c}" for r, c in shape))
+        plan.compile_s = time.perf_counter() - started
+    plan.temp_bytes_per_device = temp
+    left = device_memory - per_device - temp - state
+    page = engine_cfg.page_size
+    plan.max_kv_tokens = max(0, int(left // kv_per_token) // page * page) if kv_per_token else 0
+    plan.max_concurrent_requests = min(engine_cfg.max_num_seqs, plan.max_kv_tokens // max_len)
+    used = (f"weights {per_device / GB:.1f} GB + step temporaries {temp / GB:.1f} GB + per-sequence state "
+            f"{state / GB:.2f} GB")
+    if left <= 0:
+        plan.reason = f"{used} exceed the device's {device_memory / GB:.1f} GB"
+    elif plan.max_concurrent_requests < 1:
+        plan.reason = (f"{used} leave room for {plan.max_kv_tokens} KV tokens, fewer than one request of "
+                       f"max_model_len={max_len}")
+    else:
+        plan.fits = True
+        plan.reason = (f"{used} leave {left / GB:.1f} GB: {plan.max_kv_tokens} KV tokens, "
+                       f"{plan.max_concurrent_requests} requests of {max_len} tokens at once")
+    return plan

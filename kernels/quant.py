@@ -1,0 +1,148 @@
+"""Block-scaled low-precision weights, kept in their storage form on the devices and decoded inside the matmul.
+
+A `Quantized` weight is its codes plus one power-of-two scale per block:
+- FP8: e4m3 codes of the weight's own shape (DeepSeek's release: 128x128 blocks);
+- FP4: e2m1 codes packed two per byte along axis -2, the input axis of an input-major `[..., in, out]` weight
+  (low nibble = the even element), blocks of 32 along that axis (the release's 1x32 per output row).
+Scales are ue8m0 bytes (the value is 2^(u - 127)), one per block: `ceil(n / block)` along each blocked axis.
+`blocks` counts elements of the decoded weight along its trailing axes; any leading axes (a stack of layers, of
+experts) have a block of 1, so stacking weights never changes their blocks.
+
+These are the pure-JAX references: `dequantize` is elementwise work that XLA fuses into the consuming dot, and
+`einsum` / the grouped expert matmul are where a GPU kernel that reads the codes itself would take over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FP8 = "fp8_e4m3"
+FP4 = "fp4_e2m1"
+FORMATS = (FP8, FP4)
+FP8_MAX = 448.0  # largest finite e4m3fn
+FP4_MAX = 6.0  # largest e2m1
+SCALE_BIAS = 127  # ue8m0: 2^(u - 127)
+F32 = jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Quantized:
+    codes: Any  # FP8: float8_e4m3fn [..., n]; FP4: uint8 [..., in / 2, out]
+    scales: Any  # uint8 ue8m0 exponents, ceil(n / block) along each trailing axis
+    format: str = dataclasses.field(metadata=dict(static=True))
+    blocks: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # decoded elements per scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The decoded weight's shape."""
+        return logical_shape(self.format, tuple(self.codes.shape))
+
+
+def logical_shape(fmt: str, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if fmt == FP4:
+        return (*codes_shape[:-2], 2 * codes_shape[-2], codes_shape[-1])
+    return codes_shape
+
+
+def codes_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if fmt == FP4:
+        if len(shape) < 2 or shape[-2] % 2:
+            raise ValueError(f"FP4 packs pairs along axis -2, which needs an even size; got shape {list(shape)}")
+        return (*shape[:-2], shape[-2] // 2, shape[-1])
+    if fmt != FP8:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {FORMATS}")
+    return shape
+
+
+def scales_shape(shape: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[int, ...]:
+    lead = len(shape) - len(blocks)
+    return (*shape[:lead], *(-(-n // b) for n, b in zip(shape[lead:], blocks)))
+
+
+def codes_dtype(fmt: str):
+    return jnp.float8_e4m3fn if fmt == FP8 else jnp.uint8
+
+
+def _expand(scales: jax.Array, blocks: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+    """One scale per block -> one per element of `shape` (partial last blocks cut off)."""
+    lead = len(shape) - len(blocks)
+    for i, b in enumerate(blocks):
+        if b > 1:
+            scales = jnp.repeat(scales, b, axis=lead + i, total_repeat_length=shape[lead + i])
+    return scales
+
+
+def scale_values(scales: jax.Array) -> jax.Array:
+    """ue8m0 bytes -> float32 powers of two (255 is NaN, as the format says)."""
+    return jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(F32)
+
+
+def fp4_values(codes: jax.Array) -> jax.Array:
+    """uint8 nibbles (0..15) -> the e2m1 values they code, float32."""
+    return jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn).astype(F32)
+
+
+def dequantize(w: Quantized, dtype: Any) -> jax.Array:
+    """The decoded weight, in `dtype` (exact: codes times a power of two fit bfloat16 as well as float32)."""
+    if w.format == FP4:
+        low, high = fp4_values(w.codes & 0xF), fp4_values(w.codes >> 4)
+        values = jnp.stack([low, high], axis=-2).reshape(w.shape)  # [.., k, 2, out]: element 2k, then 2k+1
+    else:
+        values = w.codes.astype(F32)
+    return (values * _expand(scale_values(w.scales), w.blocks, w.shape)).astype(dtype)
+
+
+def dense(w: Any, dtype: Any) -> jax.Array:
+    """A weight as a plain array: quantized ones decoded to `dtype`, plain ones as they are."""
+    return dequantize(w, dtype) if isinstance(w, Quantized) else w
+
+
+def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a plain or a quantized weight (decoded in x's dtype, inside the computation)."""
+    return jnp.einsum(spec, x, dense(w, x.dtype), **kwargs)
+
+
+def take(w: Any, index: jax.Array) -> Any:
+    """`w[index]` along the leading axis, codes and scales alike (e.g. the experts of some rows)."""
+    return jax.tree.map(lambda a: a[index], w)
+
+
+# ---- quantizing (tests, benchmarks' random weights, the checkpoint writer) ------------------------------------------
+
+def _block_amax(w: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+    """max |w| over each block (partial blocks at the ends included)."""
+    lead = len(w.shape) - len(blocks)
+    a = jnp.abs(w.astype(F32))
+    pad = [(0, 0)] * lead + [(0, -n % b) for n, b in zip(w.shape[lead:], blocks)]
+    a = jnp.pad(a, pad)
+    split = list(a.shape[:lead])
+    for n, b in zip(a.shape[lead:], blocks):
+        split += [n // b, b]
+    return a.reshape(split).max(axis=tuple(lead + 2 * i + 1 for i in range(len(blocks))))
+
+
+def _pow2_exponent_at_least(x: jax.Array) -> jax.Array:
+    """The exponent e of the smallest power of two 2^e >= x (x > 0), exactly (no log2 rounding)."""
+    mantissa, exponent = jnp.frexp(x)  # x = m * 2^e, m in [0.5, 1)
+    return jnp.where(mantissa == 0.5, exponent - 1, exponent)
+
+
+def quantize(w: jax.Array, fmt: str, blocks: tuple[int, ...]) -> Quantized:
+    """Round `w` to `fmt` with power-of-two block scales chosen so the block's largest value fits (round to nearest
+    even; FP4 pairs packed along axis -2)."""
+    codes_shape(fmt, tuple(w.shape))  # validates the format and the packing axis
+    top, floor = (FP8_MAX, 1e-4) if fmt == FP8 else (FP4_MAX, 1e-12)
+    exponent = jnp.clip(_pow2_exponent_at_least(jnp.maximum(_block_amax(w, blocks), floor) / top),
+                        -SCALE_BIAS, SCALE_BIAS)
+    scaled = w.astype(F32) / _expand(jnp.ldexp(jnp.ones((), F32), exponent), blocks, tuple(w.shape))
+    scales = (exponent + SCALE_BIAS).astype(jnp.uint8)
+    if fmt == FP8:
+        return Quantized(scaled.astype(jnp.float8_e4m3fn), scales, fmt, tuple(blocks))
+    nibbles = jax.lax.bitcast_convert_type(scaled.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+    packed = nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
+    return Quantized(packed, scales, fmt, tuple(blocks))

@@ -1,0 +1,78 @@
+"""`jaxserve plan` and the fit check of `serve`: weights per device from the abstract weights (by format), step
+temporaries from compiled steps, and the KV left, checked against hand arithmetic and the live arrays; Flash as
+released fits 8 x 80 GB on its weights, dequantized it does not; `serve` refuses a model that cannot fit before
+loading it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from jaxserve.cli.main import main
+from jaxserve.config import EngineConfig
+from jaxserve.kernels.quant import FP4
+from jaxserve.model.weights import init_weights
+from jaxserve.plan import make_plan, weight_bytes
+from jaxserve.presets import preset
+from jaxserve.sharding import make_mesh, place
+from jaxserve.model.weights import abstract_weights
+
+FLASH = preset("flash", dtype="bfloat16")
+TINY = preset("tiny", dtype="bfloat16")
+SMALL_ENGINE = EngineConfig(max_num_seqs=4, chunked_prefill_size=16, max_prefill_rows=1, page_size=16,
+                            max_model_len=128)
+
+
+def test_flash_as_released_fits_8_devices_on_its_weights_and_dequantized_is_over_three_times_larger():
+    per_device, by_format, total = weight_bytes(FLASH, make_mesh(8, 1))
+    # Routed experts by hand: 43 layers x 3 matrices x 256 experts x 4096 x 2048 FP4 values, two per byte, over
+    # 8 devices; one ue8m0 scale per 32 values.
+    expert_values = 43 * 3 * 256 * 4096 * 2048
+    assert by_format[FP4] == expert_values // 2 // 8
+    assert by_format["scales"] >= expert_values // 32 // 8
+    assert per_device <= 24e9
+    dense_per_device, _, dense_total = weight_bytes(FLASH.dequantized(), make_mesh(8, 1))
+    assert total <= 0.30 * dense_total and per_device <= 0.30 * dense_per_device
+    assert dense_per_device > 70e9  # 569 GB of bf16 over 8 devices
+
+
+def test_plan_matches_hand_arithmetic_and_the_live_arrays():
+    mesh = make_mesh(2, 4)
+    memory = 4_000_000
+    plan = make_plan(TINY, SMALL_ENGINE, mesh, memory)
+    weights = place(init_weights(jax.random.key(0), TINY), abstract_weights(TINY), mesh)
+    live = sum(shard.data.nbytes for leaf in jax.tree.leaves(weights) for shard in leaf.addressable_shards)
+    assert plan.weights_bytes_per_device * mesh.size >= live >= plan.weights_bytes_per_device  # some replicated
+    assert plan.weights_bytes_per_device == max(
+        sum(s.data.nbytes for leaf in jax.tree.leaves(weights) for s in leaf.addressable_shards if s.device == d)
+        for d in mesh.devices.flat)
+    # Tiny's layers: SWA, CSA, HCA, CSA, SWA; bf16 entries: a CSA token adds (32 + 16) x 2 bytes / 4, an HCA one
+    # 32 x 2 / 8.
+    assert plan.kv_bytes_per_token == 2 * (32 + 16) * 2 / 4 + 32 * 2 / 8
+    assert plan.temp_bytes_per_device > 0 and len(plan.compiled_steps) == 2
+    left = memory - plan.weights_bytes_per_device - plan.temp_bytes_per_device - plan.state_bytes_per_device
+    assert plan.max_kv_tokens == int(left // plan.kv_bytes_per_token) // 16 * 16
+    assert plan.max_concurrent_requests == min(4, plan.max_kv_tokens // 128) and plan.fits
+
+
+def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_path):
+    status = main(["plan", "--preset", "tiny", "--tensor-parallel-size", "2", "--expert-parallel-size", "4",
+                   "--device-memory", "100KB", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 1 and not report["fits"] and report["reason"].startswith("weights need")
+    for key in ("weights_bytes_per_device", "temp_bytes_per_device", "kv_bytes_per_token", "max_kv_tokens",
+                "compile_s"):
+        assert key in report
+
+    status = main(["serve", "--device-memory", "100KB", "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 2 and "does not fit" in err and "weights need" in err
+
+
+def test_device_memory_sizes_parse():
+    from jaxserve.config import ConfigError, parse_bytes
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("24e9") == 24e9
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_bytes("lots")
