@@ -340,6 +340,8 @@ class Engine:
             self.scheduler.note_inflight(*((inflight.batch, inflight.device_start) if inflight else (None,)))
             batch = self.scheduler.schedule()
             dispatched = self._dispatch(batch) if batch is not None else None
+            if batch is not None:
+                self._publish_stats()  # admission took pages before any of this step's tokens can be delivered
             # Overlap: the step just dispatched runs on the device while the host finishes the one before it.
             if inflight is not None:
                 self._complete(inflight)
