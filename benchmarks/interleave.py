@@ -182,7 +182,9 @@ class Server:
         def pump():
             for line in self.proc.stdout:
                 self.lines.append((time.perf_counter(), line.rstrip()))
-                if "jaxserve ready on" in line:
+                # Every step shape compiled (a server is ready before that and compiles the rest while serving):
+                # the rows compare policies at full chunk size.
+                if line.startswith("compiled all "):
                     ready.set()
             ready.set()  # the process ended
         threading.Thread(target=pump, daemon=True).start()
