@@ -126,7 +126,11 @@ class StepRecord:
 class _InFlight:
     batch: Batch
     step: "PendingStep"
-    device_start: float  # when the device could start it: its dispatch, or the end of the step before it
+    dispatched_at: float
+
+    def device_start(self, previous_end: float) -> float:
+        """When the device could start it: its dispatch, or the end of the step before it, whichever is later."""
+        return max(self.dispatched_at, previous_end)
 
 
 @dataclass
@@ -337,7 +341,8 @@ class Engine:
                 self.scheduler.set_step_limits(limits.prefill_tokens, limits.prefill_rows, limits.decode_rows,
                                                limits.mixed)
             self._drain_inbox()
-            self.scheduler.note_inflight(*((inflight.batch, inflight.device_start) if inflight else (None,)))
+            self.scheduler.note_inflight(*((inflight.batch, inflight.device_start(self._device_free_at))
+                                           if inflight else (None,)))
             batch = self.scheduler.schedule()
             dispatched = self._dispatch(batch) if batch is not None else None
             if batch is not None:
@@ -379,8 +384,7 @@ class Engine:
             return None
         for request in batch.requests:
             self._inflight[request.request_id] += 1
-        # The device starts it once the step before it is done.
-        return _InFlight(batch, step, max(dispatched, self._device_free_at))
+        return _InFlight(batch, step, dispatched)
 
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for a dispatched step's tokens, deliver them, and hand completed prompts to decoding."""
@@ -391,7 +395,10 @@ class Engine:
             self._landed(batch)
             self._fail_step(batch, error)
             return
-        ended = self._device_free_at = time.perf_counter()
+        # Steps run in order: this one started when it was dispatched or when the one before it ended (known by now,
+        # as the one before completed first), so a step's time never includes the one it queued behind.
+        started, ended = inflight.device_start(self._device_free_at), time.perf_counter()
+        self._device_free_at = ended
         self._landed(batch)
         self.counters.prompt_tokens += batch.num_prefill_tokens
         # A request finished while this step was in flight (a stop, an abort) may have had a token computed here:
@@ -409,11 +416,11 @@ class Engine:
         for request, token, logprob in zip(batch.decode, result.decode_tokens, result.decode_logprobs):
             if not request.finished:
                 self._deliver(request, int(token), logprob)
-        seconds = ended - inflight.device_start
+        seconds = ended - started
         self.scheduler.observe_step(batch, seconds)
         self.scheduler.on_batch_done(batch)
         self.step_record.append(StepRecord(batch.phase, batch.forced_by, tuple(r.request_id for r in batch.requests),
-                                           batch.num_tokens, inflight.device_start, ended))
+                                           batch.num_tokens, started, ended))
         self._log_step(batch, seconds)
         self._publish_stats()
 
