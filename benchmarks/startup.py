@@ -95,9 +95,7 @@ def measure_serving() -> dict:
     from jaxserve.runner import Buckets
 
     def shapes(mixed: bool) -> int:
-        cfg = EngineConfig()
-        return len(Buckets.for_limits(cfg.max_prefill_rows, cfg.chunked_prefill_size, cfg.max_num_seqs,
-                                      mixed=mixed).shapes())
+        return len(Buckets.for_config(EngineConfig(mixed_batches=mixed)).shapes())
 
     with tempfile.TemporaryDirectory() as plain, tempfile.TemporaryDirectory() as mixed:
         cold = serve_until_ready([], Path(plain))

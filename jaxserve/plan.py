@@ -109,8 +109,7 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
         return plan
     temp = 0
     if compile_steps:
-        buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                     engine_cfg.max_num_seqs)
+        buckets = Buckets.for_config(engine_cfg)
         runner = _AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets)
         started = time.perf_counter()
         for shape in (((max(buckets.decode_rows), 1),),

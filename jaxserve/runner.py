@@ -91,6 +91,12 @@ class Buckets:
                        prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
                        decode_rows=powers_of_two_up_to(max_num_seqs), mixed=mixed)
 
+    @staticmethod
+    def for_config(engine_cfg: EngineConfig) -> "Buckets":
+        """The step buckets an engine configuration asks for (the one place the knobs become buckets)."""
+        return Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
+                                  engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
+
     @property
     def mixed_decode_group(self) -> GroupShape:
         """A mixed step's decode group always has every decode row (padding the rest): one mixed shape per prefill
@@ -443,6 +449,4 @@ _NO_ROWS = _HostGroup(np.zeros(0, np.int32), [], [])
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:
     """The runner (KV geometry and step buckets) these knobs ask for."""
-    buckets = Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                 engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
-    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, buckets)
+    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, Buckets.for_config(engine_cfg))

@@ -36,8 +36,8 @@ def tokenizer():
 def served(tokenizer):
     cfg = EngineConfig(max_num_seqs=4, chunked_prefill_size=256, max_prefill_rows=1, page_size=16, max_model_len=2048)
     model_cfg = load_config(default_checkpoint_path())
-    buckets = Buckets.for_limits(cfg.max_prefill_rows, cfg.chunked_prefill_size, cfg.max_num_seqs)
-    runner = FakeRunner(kv_geometry(cfg, model_cfg), buckets, model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0]))
+    runner = FakeRunner(kv_geometry(cfg, model_cfg), Buckets.for_config(cfg), model_cfg.vocab_size,
+                        ScriptedModel(tokenizer.eos_ids[0]))
     engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids).start()
     try:
         with serve_app(create_app(engine, tokenizer, MODEL), engine) as server:

@@ -39,9 +39,7 @@ def engine_config(**overrides) -> EngineConfig:
 
 def fake_engine(eos=EOS, **overrides) -> Engine:
     cfg = engine_config(**overrides)
-    buckets = Buckets.for_limits(cfg.max_prefill_rows, cfg.chunked_prefill_size, cfg.max_num_seqs,
-                                 mixed=cfg.mixed_batches)
-    return Engine(cfg, CFG, FakeRunner(kv_geometry(cfg, CFG), buckets, CFG.vocab_size), eos)
+    return Engine(cfg, CFG, FakeRunner(kv_geometry(cfg, CFG), Buckets.for_config(cfg), CFG.vocab_size), eos)
 
 
 @pytest.fixture(scope="module")
