@@ -336,8 +336,8 @@ class Engine:
         inflight: _InFlight | None = None
         limits = None
         while not self._stop.is_set():
-            if self.runner.limits() is not limits:  # more shapes compiled: bigger steps allowed
-                limits = self.runner.limits()
+            if (current := self.runner.limits()) is not limits:  # more shapes compiled: bigger steps allowed
+                limits = current
                 self.scheduler.set_step_limits(limits.prefill_tokens, limits.prefill_rows, limits.decode_rows,
                                                limits.mixed)
             self._drain_inbox()
@@ -367,9 +367,8 @@ class Engine:
                 kind, item, reason, stop_reason = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                if not item.finished:  # not aborted (through drain) before it got here
-                    self.scheduler.add_request(item)
+            if kind == "submit":  # an abort of it is behind it in the inbox
+                self.scheduler.add_request(item)
                 continue
             live = self._live.get(item)
             if live is not None:
@@ -421,8 +420,8 @@ class Engine:
         self.scheduler.on_batch_done(batch)
         self.step_record.append(StepRecord(batch.phase, batch.forced_by, tuple(r.request_id for r in batch.requests),
                                            batch.num_tokens, started, ended))
-        self._log_step(batch, seconds)
         self._publish_stats()
+        self._log_step(batch, seconds)  # reads the counts just published
 
     def _landed(self, batch: Batch) -> None:
         """`batch` no longer runs: requests it was the last step in flight of get their pages and slot back."""

@@ -80,7 +80,7 @@ class PrefillManager:
             request.slot = None
 
     def _admit(self, request: Request) -> bool:
-        if self.slots.num_free == 0 or self.slots.num_used >= self.max_active:
+        if self.slots.num_used >= self.max_active:  # max_active <= the slots there are
             return False
         try:
             request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
