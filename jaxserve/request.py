@@ -117,6 +117,12 @@ class Request:
         return self.prompt_len + len(self.output_ids)
 
     @property
+    def decode_position(self) -> int:
+        """The position of the token the next decode step feeds: the last one sampled for it by a dispatched step
+        (output_ids may not have it yet while that step is in flight)."""
+        return self.prompt_len + self.num_sampled - 1
+
+    @property
     def max_total_len(self) -> int:
         return self.prompt_len + self.sampling.max_tokens
 

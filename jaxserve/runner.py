@@ -330,7 +330,7 @@ class ModelRunner:
             groups.append((rows, self._prefill_shape(len(rows), max(c.length for c in batch.prefill), mixed), False))
         if batch.decode:
             # The input token is on the device already (feed_from_slot); the host only says where it sits.
-            rows = [([0], r.prompt_len + r.num_sampled - 1, r, True) for r in batch.decode]
+            rows = [([0], r.decode_position, r, True) for r in batch.decode]
             shape = self.buckets.mixed_decode_group if mixed else self._decode_shape(len(rows))
             if len(rows) > shape[0]:
                 raise ValueError(f"decode batch {len(rows)} exceeds the largest compiled bucket {shape[0]}")

@@ -107,7 +107,7 @@ class FakeRunner:
             self._lost = self.lose_cache_on_failure
             return FakeStep(error=error)
         rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
-        rows += [([self._kept[r.slot]], r.prompt_len + r.num_sampled - 1, r, True) for r in batch.decode]
+        rows += [([self._kept[r.slot]], r.decode_position, r, True) for r in batch.decode]
         slots = [r.slot for _, _, r, _ in rows]
         pages = [p for _, _, r, _ in rows for p in r.pages]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
