@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_leaf, weight_sources
@@ -38,6 +37,13 @@ MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1
 MISC = "misc"
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _checkpointer():
+    # Imported here: orbax takes ~0.25 s to import, and a server loading safetensors never needs it.
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:
@@ -83,7 +89,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16"
     _clear_destination(src, dst, overwrite)
 
     started = time.perf_counter()
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _checkpointer() as checkpointer:
         for done, (item, leaves) in enumerate(items.items(), start=1):
             arrays = {}
             for name, leaf in leaves.items():
@@ -127,7 +133,7 @@ def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress
 
     builder = WeightsBuilder(cfg, shardings_for(abstract_weights(cfg), mesh))
     started = time.perf_counter()
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _checkpointer() as checkpointer:
         for done, (item, leaves) in enumerate(items.items(), start=1):
             infos = {name: leaf.info for name, leaf in leaves.items()}
             targets = shape_dtype_structs(infos, mesh)

@@ -27,6 +27,7 @@ from typing import Callable, NoReturn
 import jax
 
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
+from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
 from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig, parse_bytes
 from jaxserve.engine import Engine
@@ -188,7 +189,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
 # ---- start-up ------------------------------------------------------------------------------------------------------
 
 def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
-    # force: importing orbax (through absl) has already given the root logger a bare handler.
+    # force: a library imported before this (absl, say) may already have given the root logger a bare handler.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     # JAX reports at INFO every backend it probes and does not find (`Unable to initialize backend 'tpu'` on every
     # machine without libtpu); its warnings and errors still show.
@@ -371,8 +372,6 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from jaxserve.checkpoints.orbax_io import convert_checkpoint  # heavy (orbax), and only this command needs it
-
     started = time.perf_counter()
     dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True,
                              quantization=args.quantization)
