@@ -348,13 +348,16 @@ class Engine:
             if batch is not None:
                 self._publish_stats()  # admission took pages before any of this step's tokens can be delivered
             # Overlap: the step just dispatched runs on the device while the host finishes the one before it.
-            if inflight is not None:
-                self._complete(inflight)
+            landed = inflight
+            if landed is not None:
+                self._complete(landed)
             inflight = dispatched
             if inflight is not None and not self.config.async_scheduling:
                 self._complete(inflight)
                 inflight = None
-            if batch is None and inflight is None:
+            # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a prompt
+            # done is a request to decode), and waiting here would hold its next token back by the whole timeout.
+            if batch is None and landed is None:
                 self._publish_stats()  # a step publishes when it completes; aborts and arrivals when idle
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()

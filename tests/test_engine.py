@@ -168,6 +168,28 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         assert_nothing_leaked(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_loop_never_idles_while_a_request_can_decode(async_scheduling):
+    """The loop waits for new work only when there is none: a prompt whose last chunk just landed decodes at once
+    (with a step in flight, the step that lands it may be the only thing the iteration did)."""
+    engine = fake_engine(async_scheduling=async_scheduling)
+    idle_with_decode_work = []
+    wait = engine._wake.wait
+
+    def recording_wait(timeout=None):
+        idle_with_decode_work.append(engine.scheduler.decode_manager.has_work)
+        return wait(timeout)
+
+    engine._wake.wait = recording_wait
+    engine.start()
+    try:
+        for i in range(3):  # one at a time: nothing else is runnable when a prompt completes
+            assert engine.submit(prompt(20, i), greedy(4)).wait(timeout=60)[1] == "length"
+    finally:
+        engine.shutdown()
+    assert idle_with_decode_work and not any(idle_with_decode_work)
+
+
 def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
     """Serving starts with the smallest prefill chunk and one decode row compiled; as more shapes compile, steps
     grow. The fake runner asserts that no step exceeds what is compiled when it is dispatched."""
