@@ -25,6 +25,10 @@ from jaxserve.runner import Buckets, ModelRunner
 from jaxserve.sharding import shape_dtype_structs, shardings_for
 
 GB = 1e9
+# XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
+# layer scan: a full f32 copy of every stacked weight (temporaries 2x the bf16 weights) that a device with native
+# bf16 / fp8 dots never makes. Left in the loop, each layer's conversion is a one-layer temporary.
+ACCELERATOR_LIKE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 @dataclass
@@ -78,7 +82,7 @@ class _AbstractRunner(ModelRunner):
 
     def temp_bytes(self, shape) -> int:
         with jax.set_mesh(self.mesh):
-            compiled = self._step.lower(*self._abstract_args(shape)).compile()
+            compiled = self._step.lower(*self._abstract_args(shape)).compile(compiler_options=ACCELERATOR_LIKE)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -57,6 +57,16 @@ def test_plan_matches_hand_arithmetic_and_the_live_arrays():
     assert plan.max_concurrent_requests == min(4, plan.max_kv_tokens // 128) and plan.fits
 
 
+def test_step_temporaries_hold_one_layer_of_converted_weights_not_a_copy_of_every_layer():
+    """XLA:CPU computes bf16 dots in f32; were the conversion hoisted out of the layer scan, the plan would count an
+    f32 copy of every layer's weights (here 2x the weights) as temporaries, which no accelerator needs."""
+    hca = "heavily_compressed_attention"
+    experts_heavy = preset("tiny", dtype="bfloat16", hidden_size=256, moe_intermediate_size=512, n_routed_experts=64,
+                           num_hash_layers=0, num_hidden_layers=6, layer_types=[hca] * 6)
+    plan = make_plan(experts_heavy, SMALL_ENGINE, make_mesh(1, 1, jax.devices()[:1]), 10**12)
+    assert plan.temp_bytes_per_device < plan.weights_bytes_per_device / 4
+
+
 def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_path):
     status = main(["plan", "--preset", "tiny", "--tensor-parallel-size", "2", "--expert-parallel-size", "4",
                    "--device-memory", "100KB", "--json"])
