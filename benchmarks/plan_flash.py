@@ -1,5 +1,6 @@
 """`jaxserve plan` for DeepSeek-V4-Flash on 8-device nodes (H200 141 GB, H100 80 GB, RTX 4090 24 GB), as released
-(FP4 experts, FP8 projections) and dequantized to bf16: the README's table.
+(FP4 experts, FP8 projections) and dequantized to bf16: the README's table. Usable memory per device is JAX's share
+($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75), as `jaxserve plan --device-memory` counts it.
 
     .venv/bin/python benchmarks/plan_flash.py   # ~minutes on CPU: compiles Flash's decode and prefill steps
 
@@ -18,7 +19,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.plan import make_plan  # noqa: E402
+from jaxserve.plan import make_plan, usable_memory  # noqa: E402
 from jaxserve.presets import preset  # noqa: E402
 from jaxserve.sharding import make_mesh  # noqa: E402
 
@@ -36,7 +37,7 @@ def main() -> None:
         cfg = preset("flash", dtype="bfloat16").with_quantization(quantization)
         for tp, ep in MESHES:
             for node, memory in NODES:
-                plan = make_plan(cfg, engine, make_mesh(tp, ep), int(memory))
+                plan = make_plan(cfg, engine, make_mesh(tp, ep), usable_memory(int(memory)))
                 rows.append({"node": node, "quantization": quantization, "tensor_parallel_size": tp,
                              "expert_parallel_size": ep, **plan.to_json()})
                 print(json.dumps(rows[-1]), flush=True)

@@ -32,7 +32,7 @@ from jaxserve.cli.interrupts import Interrupted, Interrupts
 from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig, parse_bytes
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
-from jaxserve.plan import make_plan
+from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
 from jaxserve.server.config import ServerConfig
@@ -84,8 +84,10 @@ FLAGS = (
                                             "block scales, and are decoded inside each matmul); none: dequantize "
                                             "them to --dtype at load", choices=QUANTIZATION_MODES),
     Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
-                                                     "against before loading it (default: what the device reports; "
-                                                     "none on CPU: no check)", metavar="BYTES"),
+                                                     "against before loading it, of which JAX's share is usable "
+                                                     "($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: "
+                                                     "what the device reports; none on CPU: no check)",
+         metavar="BYTES"),
     Flag(EngineConfig, "seed", int, "base of the per-request sampling seeds of requests that bring none"),
     Flag(EngineConfig, "tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
     Flag(EngineConfig, "expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
@@ -156,9 +158,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def device_memory(cfg: EngineConfig) -> int | None:
-    """--device-memory, or the smallest memory limit the devices report (CPUs report none)."""
+    """Usable bytes per device: JAX's share of --device-memory, or the smallest memory limit the devices' allocators
+    report (that share already taken; CPUs report none)."""
     if cfg.device_memory is not None:
-        return cfg.device_memory
+        return usable_memory(cfg.device_memory)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
     return min(limits) if limits and all(limits) else None
 
@@ -399,13 +402,14 @@ def plan(args: argparse.Namespace) -> int:
     else:
         model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
     the_plan = make_plan(model_cfg, cfg, make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size,
-                                                   jax.devices("cpu")), cfg.device_memory)
+                                                   jax.devices("cpu")), device_memory(cfg))
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=2))
     else:
         gb = 1e9
-        print(f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, tensor x expert = "
-              f"{cfg.tensor_parallel_size} x {cfg.expert_parallel_size}")
+        print(f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
+              f"usable (${MEMORY_FRACTION_ENV}), tensor x expert = {cfg.tensor_parallel_size} x "
+              f"{cfg.expert_parallel_size}")
         print(f"weights per device: {the_plan.weights_bytes_per_device / gb:.2f} GB ("
               + ", ".join(f"{k} {v / gb:.2f}" for k, v in the_plan.weights_bytes_by_format.items())
               + f"); whole model {the_plan.weights_bytes_total / gb:.1f} GB")

@@ -9,6 +9,7 @@ requests of max_model_len that fit at once.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight
 from jaxserve.runner import Buckets, ModelRunner
@@ -29,12 +30,14 @@ GB = 1e9
 # layer scan: a full f32 copy of every stacked weight (temporaries 2x the bf16 weights) that a device with native
 # bf16 / fp8 dots never makes. Left in the loop, each layer's conversion is a one-layer temporary.
 ACCELERATOR_LIKE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_MEMORY_FRACTION = 0.75  # of a GPU's memory, what JAX's allocator takes unless MEMORY_FRACTION_ENV says otherwise
 
 
 @dataclass
 class Plan:
     devices: int
-    device_memory: int
+    device_memory: int  # bytes of one device that the model, its temporaries and the KV cache may take
     weights_bytes_per_device: int
     weights_bytes_by_format: dict[str, int]  # per device: fp8_e4m3 / fp4_e2m1 codes, their scales, dense dtypes
     weights_bytes_total: int  # the model once, unsharded
@@ -52,6 +55,19 @@ class Plan:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def usable_memory(device_memory: int) -> int:
+    """The bytes of a device of `device_memory` that the serving process may allocate: the share JAX's allocator
+    takes ($XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75; the rest is left to the runtime and others)."""
+    raw = os.environ.get(MEMORY_FRACTION_ENV, str(JAX_MEMORY_FRACTION))
+    try:
+        fraction = float(raw)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{MEMORY_FRACTION_ENV}={raw!r}: must be a number in (0, 1]")
+    return int(device_memory * fraction)
 
 
 def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
@@ -97,7 +113,7 @@ def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
 
 def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int,
               compile_steps: bool = True) -> Plan:
-    """The plan for serving `cfg` with these engine knobs on `mesh`, devices of `device_memory` bytes each."""
+    """The plan for serving `cfg` with these engine knobs on `mesh`, `device_memory` usable bytes on each device."""
     per_device, by_format, total = weight_bytes(cfg, mesh)
     geometry = kv_geometry(engine_cfg, cfg)
     max_len = resolve_max_model_len(engine_cfg, cfg)
@@ -108,8 +124,8 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
                 state_bytes_per_device=state, kv_bytes_per_token=kv_per_token, max_kv_tokens=0, max_model_len=max_len,
                 max_num_seqs=engine_cfg.max_num_seqs, max_concurrent_requests=0, fits=False, reason="")
     if per_device >= device_memory:
-        plan.reason = (f"weights need {per_device / GB:.1f} GB per device, more than the device's "
-                       f"{device_memory / GB:.1f} GB")
+        plan.reason = (f"weights need {per_device / GB:.1f} GB per device, more than the "
+                       f"{device_memory / GB:.1f} GB usable")
         return plan
     temp = 0
     if compile_steps:
@@ -129,7 +145,7 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
     used = (f"weights {per_device / GB:.1f} GB + step temporaries {temp / GB:.1f} GB + per-sequence state "
             f"{state / GB:.2f} GB")
     if left <= 0:
-        plan.reason = f"{used} exceed the device's {device_memory / GB:.1f} GB"
+        plan.reason = f"{used} exceed the {device_memory / GB:.1f} GB usable"
     elif plan.max_concurrent_requests < 1:
         plan.reason = (f"{used} leave room for {plan.max_kv_tokens} KV tokens, fewer than one request of "
                        f"max_model_len={max_len}")

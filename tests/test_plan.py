@@ -14,7 +14,7 @@ from jaxserve.cli.main import main
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.quant import FP4
 from jaxserve.model.weights import init_weights
-from jaxserve.plan import make_plan, weight_bytes
+from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, weight_bytes
 from jaxserve.presets import preset
 from jaxserve.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights
@@ -79,6 +79,19 @@ def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_pa
     status = main(["serve", "--device-memory", "100KB", "--port", "0"])
     err = capsys.readouterr().err
     assert status == 2 and "does not fit" in err and "weights need" in err
+
+
+def test_only_jax_share_of_a_device_is_usable_so_flash_in_bf16_does_not_fit_80gib_on_its_weights(capsys,
+                                                                                                monkeypatch):
+    flash_bf16 = ["plan", "--preset", "flash", "--tensor-parallel-size", "8", "--device-memory", "80GiB",
+                  "--quantization", "none", "--json"]
+    monkeypatch.delenv(MEMORY_FRACTION_ENV, raising=False)
+    status = main(flash_bf16)
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_memory"] == int(80 * 2**30 * 0.75)  # JAX's GPU allocator takes 75% unless told
+    assert status == 1 and not report["fits"] and report["reason"].startswith("weights need 74.9 GB per device")
+    monkeypatch.setenv(MEMORY_FRACTION_ENV, "most")
+    assert main(flash_bf16) == 2 and f"{MEMORY_FRACTION_ENV}='most'" in capsys.readouterr().err
 
 
 def test_device_memory_sizes_parse():
