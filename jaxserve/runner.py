@@ -307,18 +307,21 @@ class ModelRunner:
             request.num_sampled += 1
         return step
 
-    def device_seconds(self, batch: Batch, repeats: int) -> list[float]:
-        """The compiled step of `batch` called `repeats` times on inputs built once, each waited for: the step's
-        time without the host's share (building inputs, scheduling, delivery). For benchmarks: it rewrites the
-        batch's KV positions with the same values."""
+    def device_seconds(self, batch: Batch, repeats: int, back_to_back: int = 1) -> list[float]:
+        """Seconds per call of the compiled step of `batch` on inputs built once, `repeats` times: the step's time
+        without the host's share (building inputs, scheduling, delivery). Each time is `back_to_back` calls made
+        before waiting for the last, over their number: with one, the call's latency (its launch included); with
+        more, the device's pace when it is never left waiting, as in the overlapped loop. For benchmarks: it
+        rewrites the batch's KV positions with the same values."""
         groups = self._groups(batch)
         compiled, inputs = self._compiled_step(groups), self._host_inputs(groups)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
+            for _ in range(back_to_back):
+                outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
             jax.block_until_ready(outputs)
-            times.append(time.perf_counter() - started)
+            times.append((time.perf_counter() - started) / back_to_back)
         return times
 
     def _groups(self, batch: Batch) -> list[tuple[list[GroupRow], GroupShape, bool]]:
