@@ -28,7 +28,8 @@ import jax
 
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig, parse_bytes
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig,
+                             parse_bytes)
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
 from jaxserve.plan import make_plan
@@ -82,6 +83,10 @@ FLAGS = (
                                             "projections and FP4 experts stay FP8 / FP4 on the devices, with their "
                                             "block scales, and are decoded inside each matmul); none: dequantize "
                                             "them to --dtype at load", choices=QUANTIZATION_MODES),
+    Flag(EngineConfig, "kv_cache_dtype", str, "how the KV cache stores the window and compressed entries: auto: "
+                                              "--dtype; fp8: e4m3 with a power-of-two scale per 64 dims, the RoPE "
+                                              "dims in bfloat16, indexer keys e4m3 with a float32 scale each (about "
+                                              "0.56x bfloat16's bytes per token)", choices=KV_CACHE_DTYPES),
     Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
                                                      "against before loading it (default: what the device reports; "
                                                      "none on CPU: no check)", metavar="BYTES"),
