@@ -472,9 +472,9 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve plan", description="Will the model fit these devices, and how "
                                      "much KV cache is left? Compiles the decode step and the largest prefill step "
                                      "on abstract weights over fake CPU devices (nothing is allocated) and reports "
-                                     "per device: weights by format, step temporaries, KV bytes per token, KV "
-                                     "tokens that fit and requests of max_model_len at once. Exit status 0 when it "
-                                     "fits, 1 when not.")
+                                     "per device: weights by format, step temporaries, KV bytes per token (as "
+                                     "--kv-cache-dtype stores them), KV tokens that fit and requests of "
+                                     "max_model_len at once. Exit status 0 when it fits, 1 when not.")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a named geometry instead of --model (flash: "
                         "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
