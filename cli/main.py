@@ -29,7 +29,8 @@ import jax
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig, parse_bytes
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig,
+                             parse_bytes)
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
 from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
@@ -83,6 +84,10 @@ FLAGS = (
                                             "projections and FP4 experts stay FP8 / FP4 on the devices, with their "
                                             "block scales, and are decoded inside each matmul); none: dequantize "
                                             "them to --dtype at load", choices=QUANTIZATION_MODES),
+    Flag(EngineConfig, "kv_cache_dtype", str, "how the KV cache stores the window and compressed entries: auto: "
+                                              "--dtype; fp8: e4m3 with a power-of-two scale per 64 dims, the RoPE "
+                                              "dims in bfloat16, indexer keys e4m3 with a float32 scale each (about "
+                                              "0.56x bfloat16's bytes per token)", choices=KV_CACHE_DTYPES),
     Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
                                                      "against before loading it, of which JAX's share is usable "
                                                      "($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: "
@@ -470,9 +475,9 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve plan", description="Will the model fit these devices, and how "
                                      "much KV cache is left? Compiles the decode step and the largest prefill step "
                                      "on abstract weights over fake CPU devices (nothing is allocated) and reports "
-                                     "per device: weights by format, step temporaries, KV bytes per token, KV "
-                                     "tokens that fit and requests of max_model_len at once. Exit status 0 when it "
-                                     "fits, 1 when not.")
+                                     "per device: weights by format, step temporaries, KV bytes per token (as "
+                                     "--kv-cache-dtype stores them), KV tokens that fit and requests of "
+                                     "max_model_len at once. Exit status 0 when it fits, 1 when not.")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a named geometry instead of --model (flash: "
                         "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)")
     parser.add_argument("--json", action="store_true", help="one JSON object")

@@ -13,22 +13,36 @@ The layers are stacked like the weights (`jaxserve.model.segments`): the cache i
 
 A page covers `page_size` tokens in every layer at once: one page table per sequence serves all layers.
 Nothing here needs resetting when a slot is reused: every read is masked by the row's position.
+
+`kv_cache_dtype` (the geometry's) stores the window, entries and indexer keys as plain arrays of the model's dtype
+(`auto`) or bfloat16, or as `Fp8KV` nodes (`fp8`, jaxserve.kernels.kv_quant) whose leaves share the leading axes:
+- K=V vectors (window, entries): the D - R non-RoPE dims in e4m3 with one power-of-two scale (a ue8m0 byte) per
+  block of 64 dims, the quantization DeepSeek-V4 was trained with on these dims; the R RoPE dims (the last ones)
+  stay bfloat16, since positions need the precision. A head dim whose non-RoPE part is under 64 (tiny configs) is
+  one block; one above 64 must be a multiple of 64.
+- indexer keys: every dim e4m3 with one float32 scale per key, as the production layout stores them (only their
+  ranking matters).
+Compressor state stays float32. `read_kv` / `write_kv` take either form, so the model has no special case.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import CSA, HCA, SWA, EngineConfig, ModelConfig
+from jaxserve.config import CSA, HCA, SWA, ConfigError, EngineConfig, ModelConfig, check_kv_cache_dtype
+from jaxserve.kernels.kv_quant import Fp8KV, decode, encode
 from jaxserve.model.segments import layer_segments
-from jaxserve.model.weights import ArrayInfo, is_info, map_infos, stack_infos
+from jaxserve.model.weights import ArrayInfo, is_info, map_infos, stack_infos, weights_nbytes
 
 F32 = jnp.float32
+FP8 = "fp8"
+FP8_BLOCK = 64  # non-RoPE dims per scale of a K=V vector
 
 
 @jax.tree_util.register_static
@@ -38,6 +52,7 @@ class CacheGeometry:
     num_pages: int  # pages in every compressed pool
     page_size: int  # tokens covered by one page
     max_pages_per_seq: int  # width of a page table
+    kv_cache_dtype: str = "auto"  # config.KV_CACHE_DTYPES (storage_dtype resolves `auto`)
 
     @property
     def max_tokens_per_seq(self) -> int:
@@ -47,6 +62,9 @@ class CacheGeometry:
         for name in ("num_slots", "num_pages", "page_size", "max_pages_per_seq"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype == FP8:
+            fp8_block(cfg)
         rates = {cfg.compress_rate(i) for i in cfg.compressed_layers}
         if rates:
             multiple = math.lcm(*rates)
@@ -73,7 +91,24 @@ def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> CacheGeomet
     per_seq = pages_needed(resolve_max_model_len(engine_cfg, model_cfg), engine_cfg.page_size)
     num_pages = engine_cfg.num_kv_pages or engine_cfg.max_num_seqs * per_seq
     return CacheGeometry(num_slots=engine_cfg.max_num_seqs, num_pages=num_pages, page_size=engine_cfg.page_size,
-                         max_pages_per_seq=per_seq)
+                         max_pages_per_seq=per_seq, kv_cache_dtype=engine_cfg.kv_cache_dtype)
+
+
+def storage_dtype(kv_cache_dtype: str, cfg: ModelConfig) -> str:
+    """The dtype a KV knob stores: `auto` is the model's (as vLLM's)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def fp8_block(cfg: ModelConfig) -> int:
+    """Non-RoPE dims per scale of an FP8 K=V vector (ConfigError when they do not split into whole blocks)."""
+    nope = cfg.head_dim - cfg.rope_head_dim
+    block = min(FP8_BLOCK, nope)
+    if block == 0 or nope % block:
+        raise ConfigError(f"kv_cache_dtype='fp8': head_dim - qk_rope_head_dim = {cfg.head_dim} - "
+                          f"{cfg.rope_head_dim} = {nope} dims must be quantized in blocks of {FP8_BLOCK} (or one "
+                          f"block below {FP8_BLOCK}); use kv_cache_dtype='bfloat16'")
+    return block
 
 
 @jax.tree_util.register_dataclass
@@ -88,11 +123,32 @@ class CompressorState:
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerCache:
-    window: jax.Array
-    entries: jax.Array | None = None
+    window: jax.Array | Fp8KV
+    entries: jax.Array | Fp8KV | None = None
     state: CompressorState | None = None
-    index_entries: jax.Array | None = None
+    index_entries: jax.Array | Fp8KV | None = None
     index_state: CompressorState | None = None
+
+
+def gather(store: Any, index: tuple) -> Any:
+    """Rows of a store (an array, an Fp8KV, a CompressorState): `leaf[index]` for every leaf, indexing leading
+    axes only."""
+    return jax.tree.map(lambda a: a[index], store)
+
+
+def scatter(store: Any, index: tuple, rows: Any) -> Any:
+    """`store` with `rows` (in its form) written at `index`; out-of-range indices are dropped."""
+    return jax.tree.map(lambda a, r: a.at[index].set(r, mode="drop"), store, rows)
+
+
+def read_kv(store: jax.Array | Fp8KV, index: tuple, dtype: Any) -> jax.Array:
+    """Stored K=V vectors or indexer keys at `index`, decoded to `dtype`."""
+    return decode(gather(store, index), dtype)
+
+
+def write_kv(store: jax.Array | Fp8KV, index: tuple, values: jax.Array) -> jax.Array | Fp8KV:
+    """`store` with `values [..., width]` encoded to its form and written at `index` (out of range: dropped)."""
+    return scatter(store, index, encode(values, store))
 
 
 def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> CompressorState:
@@ -102,19 +158,34 @@ def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> Compr
     return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)
 
 
+def _kv_store(cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead_axes: tuple[str | None, ...],
+              index: bool) -> ArrayInfo | Fp8KV:
+    """A store of K=V vectors (`index` False) or indexer keys (True) with leading axes `lead`."""
+    width, axis = (cfg.index_head_dim, None) if index else (cfg.head_dim, "head_dim")
+    dtype = storage_dtype(kv_cache_dtype, cfg)
+    if dtype != FP8:
+        return ArrayInfo((*lead, width), dtype, (*lead_axes, axis), "zeros")
+    rope = 0 if index else cfg.rope_head_dim
+    block = width if index else fp8_block(cfg)
+    return Fp8KV(codes=ArrayInfo((*lead, width - rope), jnp.float8_e4m3fn, (*lead_axes, axis), "zeros"),
+                 scales=ArrayInfo((*lead, (width - rope) // block), F32 if index else jnp.uint8, (*lead_axes, None),
+                                  "zeros"),
+                 rope=ArrayInfo((*lead, rope), jnp.bfloat16, (*lead_axes, None), "zeros") if rope else None)
+
+
 def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
-    dt, hd = cfg.dtype, cfg.head_dim
-    window = ArrayInfo((geo.num_slots, cfg.sliding_window, hd), dt, ("slots", None, "head_dim"), "zeros")
+    def store(lead, lead_axes, index=False):
+        return _kv_store(cfg, geo.kv_cache_dtype, lead, lead_axes, index)
+
+    window = store((geo.num_slots, cfg.sliding_window), ("slots", None))
     if kind == SWA:
         return LayerCache(window=window)
     rate = cfg.kind_rate(kind)
     per_page = geo.page_size // rate
-    layer = LayerCache(window=window,
-                       entries=ArrayInfo((geo.num_pages, per_page, hd), dt, ("pages", None, "head_dim"), "zeros"),
-                       state=_compressor_state(geo.num_slots, rate, hd, overlap=kind == CSA))
+    layer = LayerCache(window=window, entries=store((geo.num_pages, per_page), ("pages", None)),
+                       state=_compressor_state(geo.num_slots, rate, cfg.head_dim, overlap=kind == CSA))
     if kind == CSA:
-        layer.index_entries = ArrayInfo((geo.num_pages, per_page, cfg.index_head_dim), dt, ("pages", None, None),
-                                        "zeros")
+        layer.index_entries = store((geo.num_pages, per_page), ("pages", None), index=True)
         layer.index_state = _compressor_state(geo.num_slots, rate, cfg.index_head_dim, overlap=True)
     return layer
 
@@ -133,15 +204,18 @@ def init_cache(cfg: ModelConfig, geo: CacheGeometry, shardings=None) -> list[lis
                         is_leaf=is_info)
 
 
-def bytes_per_token(cfg: ModelConfig) -> float:
-    """Bytes of compressed KV (both pools) one token adds, summed over layers."""
-    item = jnp.dtype(cfg.dtype).itemsize
+def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
+    """Bytes of compressed KV (both pools: codes, scales and RoPE dims when FP8) one token adds, summed over
+    layers."""
+    def entry(index=False):
+        return weights_nbytes(_kv_store(cfg, kv_cache_dtype, (1,), (None,), index))
+
     total = 0.0
-    for i, kind in enumerate(cfg.layer_kinds):
+    for kind in cfg.layer_kinds:
         if kind == CSA:
-            total += (cfg.head_dim + cfg.index_head_dim) * item / cfg.csa_rate
+            total += (entry() + entry(index=True)) / cfg.csa_rate
         elif kind == HCA:
-            total += cfg.head_dim * item / cfg.hca_rate
+            total += entry() / cfg.hca_rate
     return total
 
 

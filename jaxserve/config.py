@@ -28,6 +28,9 @@ SUPPORTED_DTYPES = ("bfloat16", "float32")
 # --quantization: `auto` keeps the weights in the formats the checkpoint ships (FP8 / FP4 codes and their scales on
 # the devices), `none` dequantizes them to --dtype at load.
 QUANTIZATION_MODES = ("auto", "none")
+# --kv-cache-dtype (as vLLM's): how the window rings, compressed entries and indexer keys are stored; `auto` is the
+# model's dtype, `fp8` e4m3 codes with block scales (jaxserve.cache).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 FP8_WEIGHT_BLOCK = [128, 128]  # the only quantization_config.weight_block_size the release (and we) use
 _EXPERT_DTYPES = {"fp4": FP4, "fp8": FP8}
 
@@ -428,6 +431,11 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def check_kv_cache_dtype(value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={value!r}: must be one of {KV_CACHE_DTYPES}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine knob, one field per CLI flag (the HTTP server's are jaxserve.server.config's ServerConfig)."""
@@ -435,6 +443,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
     dtype: str = "bfloat16"
     quantization: str = "auto"  # QUANTIZATION_MODES
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     device_memory: int | None = None  # bytes per device for the fit check; None: what the device reports, if anything
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -470,3 +479,4 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {QUANTIZATION_MODES}")
+        check_kv_cache_dtype(self.kv_cache_dtype)

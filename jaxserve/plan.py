@@ -4,7 +4,7 @@ Per device: the weights' bytes from their abstract description and shardings (ea
 weights as codes plus scales), the step temporaries from XLA's memory analysis of the compiled decode step and the
 largest prefill step (on abstract weights and cache, so fake CPU devices will do), the per-sequence state (window
 rings, compressor state) of max_num_seqs slots, and what remains for the paged KV pools: tokens that fit, and
-requests of max_model_len that fit at once.
+requests of max_model_len that fit at once. The KV sizes follow kv_cache_dtype.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
     geometry = kv_geometry(engine_cfg, cfg)
     max_len = resolve_max_model_len(engine_cfg, cfg)
     state = _state_bytes(cfg, geometry, mesh)
-    kv_per_token = bytes_per_token(cfg)  # the single K=V head: every device holds every token's entries
+    kv_per_token = bytes_per_token(cfg, geometry.kv_cache_dtype)  # the single K=V head: every device holds every token's entries
     plan = Plan(devices=mesh.size, device_memory=device_memory, weights_bytes_per_device=per_device,
                 weights_bytes_by_format=by_format, weights_bytes_total=total, temp_bytes_per_device=None,
                 state_bytes_per_device=state, kv_bytes_per_token=kv_per_token, max_kv_tokens=0, max_model_len=max_len,

@@ -17,24 +17,26 @@ from jaxserve.sharding import shardings_for
 forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
-def geometry_for(cfg: ModelConfig, rows: int, max_len: int) -> CacheGeometry:
+def geometry_for(cfg: ModelConfig, rows: int, max_len: int, kv_cache_dtype: str = "auto") -> CacheGeometry:
     rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
     page_size = int(np.lcm.reduce(rates))
     per_seq = pages_needed(max_len, page_size)
     return CacheGeometry(num_slots=rows, num_pages=rows * per_seq + 1, page_size=page_size,
-                         max_pages_per_seq=per_seq)
+                         max_pages_per_seq=per_seq, kv_cache_dtype=kv_cache_dtype)
 
 
 def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: list[list[int]],
-                 buckets: tuple[int, ...], forward=forward_all, mesh=None) -> list[np.ndarray]:
+                 buckets: tuple[int, ...], forward=forward_all, mesh=None,
+                 kv_cache_dtype: str = "auto") -> list[np.ndarray]:
     """steps[k][r] = tokens row r processes at step k (0 = idle). Each step is one call whose chunk length is
     the smallest bucket that holds its longest row, so a whole schedule compiles once per bucket used.
 
     Rows use slots in reverse order and interleaved pages, so nothing relies on row == slot or on contiguity.
     With a `mesh`, `weights` must already be placed on it; the cache is sharded like the runner's.
+    `kv_cache_dtype` stores the cache as the knob of that name does.
     """
     rows = len(prompts)
-    geo = geometry_for(cfg, rows, max(len(p) for p in prompts))
+    geo = geometry_for(cfg, rows, max(len(p) for p in prompts), kv_cache_dtype)
     if mesh is None:
         cache = init_cache(cfg, geo)
     else:

@@ -76,6 +76,15 @@ def test_flags_reach_the_engine():
     assert loaded.config.dtype == "float32"
 
 
+def test_a_bad_kv_cache_dtype_is_refused_naming_the_choices(capsys):
+    for command in ("serve", "generate", "plan"):
+        with pytest.raises(SystemExit) as exit_status:
+            parse([command, *(["x"] if command == "generate" else []), "--kv-cache-dtype", "bogus"])
+        assert exit_status.value.code == 2
+        err = capsys.readouterr().err.replace("'", "")  # Python versions differ in quoting the choices
+        assert "error: argument --kv-cache-dtype: invalid choice: bogus (choose from auto, bfloat16, fp8)" in err
+
+
 def test_generate_has_the_engine_flags_but_not_the_server_ones():
     _, args = parse(["generate", "Hello", "--max-tokens", "5", "--decode-interleave-every", "2"])
     assert (args.prompt, args.max_tokens) == ("Hello", 5) and engine_config(args).decode_interleave_every == 2

@@ -5,6 +5,7 @@ loading it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -14,7 +15,8 @@ from jaxserve.cli.main import main
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.quant import FP4
 from jaxserve.model.weights import init_weights
-from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, weight_bytes
+from jaxserve.cache import bytes_per_token
+from jaxserve.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
 from jaxserve.presets import preset
 from jaxserve.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights
@@ -38,10 +40,19 @@ def test_flash_as_released_fits_8_devices_on_its_weights_and_dequantized_is_over
     assert dense_per_device > 70e9  # 569 GB of bf16 over 8 devices
 
 
-def test_plan_matches_hand_arithmetic_and_the_live_arrays():
+MEMORY = 4_000_000
+
+
+@pytest.fixture(scope="module")
+def tiny_plans() -> dict[str, Plan]:
+    """Tiny's plan on 2 x 4 devices of MEMORY bytes, by KV cache dtype (each compiles its two steps)."""
+    return {kv: make_plan(TINY, dataclasses.replace(SMALL_ENGINE, kv_cache_dtype=kv), make_mesh(2, 4), MEMORY)
+            for kv in ("bfloat16", "fp8")}
+
+
+def test_plan_matches_hand_arithmetic_and_the_live_arrays(tiny_plans):
     mesh = make_mesh(2, 4)
-    memory = 4_000_000
-    plan = make_plan(TINY, SMALL_ENGINE, mesh, memory)
+    plan = tiny_plans["bfloat16"]
     weights = place(init_weights(jax.random.key(0), TINY), abstract_weights(TINY), mesh)
     live = sum(shard.data.nbytes for leaf in jax.tree.leaves(weights) for shard in leaf.addressable_shards)
     assert plan.weights_bytes_per_device * mesh.size >= live >= plan.weights_bytes_per_device  # some replicated
@@ -52,7 +63,7 @@ def test_plan_matches_hand_arithmetic_and_the_live_arrays():
     # 32 x 2 / 8.
     assert plan.kv_bytes_per_token == 2 * (32 + 16) * 2 / 4 + 32 * 2 / 8
     assert plan.temp_bytes_per_device > 0 and len(plan.compiled_steps) == 2
-    left = memory - plan.weights_bytes_per_device - plan.temp_bytes_per_device - plan.state_bytes_per_device
+    left = MEMORY - plan.weights_bytes_per_device - plan.temp_bytes_per_device - plan.state_bytes_per_device
     assert plan.max_kv_tokens == int(left // plan.kv_bytes_per_token) // 16 * 16
     assert plan.max_concurrent_requests == min(4, plan.max_kv_tokens // 128) and plan.fits
 
@@ -65,6 +76,26 @@ def test_step_temporaries_hold_one_layer_of_converted_weights_not_a_copy_of_ever
                            num_hash_layers=0, num_hidden_layers=6, layer_types=[hca] * 6)
     plan = make_plan(experts_heavy, SMALL_ENGINE, make_mesh(1, 1, jax.devices()[:1]), 10**12)
     assert plan.temp_bytes_per_device < plan.weights_bytes_per_device / 4
+
+
+def test_fp8_kv_fits_more_tokens_in_the_same_memory(tiny_plans):
+    bf16, fp8 = tiny_plans["bfloat16"], tiny_plans["fp8"]
+    # Tiny's fp8 entries: 24 e4m3 non-RoPE dims + one ue8m0 scale + 8 bf16 RoPE dims = 41 B; indexer keys 16 e4m3
+    # dims + a float32 scale = 20 B; two CSA layers at rate 4 and one HCA layer at rate 8.
+    assert fp8.kv_bytes_per_token == 2 * (41 + 20) / 4 + 41 / 8 < bf16.kv_bytes_per_token
+    assert fp8.state_bytes_per_device < bf16.state_bytes_per_device  # the window rings are fp8 too
+    assert fp8.temp_bytes_per_device > 0 and fp8.fits
+    left = MEMORY - fp8.weights_bytes_per_device - fp8.temp_bytes_per_device - fp8.state_bytes_per_device
+    assert fp8.max_kv_tokens == int(left // fp8.kv_bytes_per_token) // 16 * 16 > bf16.max_kv_tokens
+
+
+def test_cli_plan_reports_fp8_kv_bytes_per_token(capsys):
+    # 1 GB devices: Flash's weights alone do not fit, so nothing is compiled; the KV sizes are reported anyway.
+    status = main(["plan", "--preset", "flash", "--tensor-parallel-size", "8", "--device-memory", "1GB",
+                   "--kv-cache-dtype", "fp8", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 1 and report["reason"].startswith("weights need")
+    assert report["kv_bytes_per_token"] == bytes_per_token(FLASH, "fp8") == 3844.84375
 
 
 def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_path):

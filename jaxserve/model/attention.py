@@ -2,6 +2,7 @@
 layer, plus dense HCA entries or indexer-selected CSA entries, attention sinks, inverse RoPE on the output,
 grouped low-rank output projection. Reads and writes the layer's KV state in place: the cache arrays hold every
 layer of a stack (leading `layers` axis), and `layer` picks this one, so a scan over the stack never copies it.
+Stored K=V vectors and indexer keys go through jaxserve.cache's read_kv / write_kv, whatever their storage dtype.
 
 Letters: b rows, t chunk time, h heads, k head dim, r q-lora rank, s keys, e compressed entries,
 g output groups, j heads within a group, o o-lora rank.
@@ -14,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import CompressorState, LayerCache
+from jaxserve.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
@@ -27,35 +28,26 @@ from jaxserve.kernels.quant import dense, einsum
 F32 = jnp.float32
 
 
-def _gather_rows(state: CompressorState, layer: jax.Array, slots: jax.Array) -> CompressorState:
-    return jax.tree.map(lambda a: a[layer, slots], state)
-
-
-def _scatter_rows(state: CompressorState, layer: jax.Array, rows: CompressorState,
-                  write_slots: jax.Array) -> CompressorState:
-    return jax.tree.map(lambda full, new: full.at[layer, write_slots].set(new, mode="drop"), state, rows)
-
-
-def _write_entries(pool: jax.Array, layer: jax.Array, new: NewEntries, page_table: jax.Array) -> jax.Array:
-    """Scatter the completed entries into the paged pools [layers, pages, per_page, c] through the rows' page
-    tables."""
+def _write_entries(pool, layer: jax.Array, new: NewEntries, page_table: jax.Array):
+    """Scatter the completed entries into the paged pools [layers, pages, per_page, c] (any storage form) through
+    the rows' page tables."""
     _, pages, per_page, _ = pool.shape
     page_slot = jnp.clip(new.index // per_page, 0, page_table.shape[1] - 1)
     page = jnp.where(new.valid, jnp.take_along_axis(page_table, page_slot, axis=1), pages)  # invalid -> dropped
-    return pool.at[layer, page, new.index % per_page].set(new.values.astype(pool.dtype), mode="drop")
+    return write_kv(pool, (layer, page, new.index % per_page), new.values)
 
 
-def _read_entries(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
-    """A row's compressed entries in order: [b, max_pages * per_page, c]."""
-    rows = pool[layer, page_table]  # [b, pages_per_seq, per_page, c]
+def _read_entries(pool, layer: jax.Array, page_table: jax.Array, dtype) -> jax.Array:
+    """A row's compressed entries in order, decoded to `dtype`: [b, max_pages * per_page, c]."""
+    rows = read_kv(pool, (layer, page_table), dtype)  # [b, pages_per_seq, per_page, c]
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])
 
 
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
-    new, rows = compress_chunk(x, comp_weights, _gather_rows(state, layer, inputs.slots), inputs.positions,
+    new, rows = compress_chunk(x, comp_weights, gather(state, (layer, inputs.slots)), inputs.positions,
                                inputs.lengths, rate, freqs, cfg.rms_norm_eps)
-    return _write_entries(pool, layer, new, inputs.page_table), _scatter_rows(state, layer, rows, write_slots)
+    return _write_entries(pool, layer, new, inputs.page_table), scatter(state, (layer, write_slots), rows)
 
 
 def attention_block(
@@ -85,8 +77,9 @@ def attention_block(
         ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
         key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
-        recent = cache.window[layer, inputs.slots]  # [b, W, k], the rows' rings
-        shared = jnp.concatenate([recent, kv], axis=1)
+        # The rows' rings [b, W, k], kept as stored: the write below puts back what it read without re-encoding.
+        ring_rows = gather(cache.window, (layer, inputs.slots))
+        shared = jnp.concatenate([decode(ring_rows, kv.dtype), kv], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
         shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
 
@@ -97,7 +90,7 @@ def attention_block(
             entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, layer, inputs,
                                                 write_slots, rate, freqs, cfg)
             cache = dataclasses.replace(cache, entries=entries, state=state)
-            row_entries = _read_entries(entries, layer, inputs.page_table)  # [b, e, k]
+            row_entries = _read_entries(entries, layer, inputs.page_table, kv.dtype)  # [b, e, k]
             entry_visible = jnp.arange(row_entries.shape[1])[None, None, :] < ((qpos + 1) // rate)[:, :, None]
         if kind == HCA:
             shared = jnp.concatenate([shared, row_entries], axis=1)
@@ -110,7 +103,7 @@ def attention_block(
                                                                 cache.index_state, layer, inputs, write_slots, rate,
                                                                 freqs, cfg)
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
-                index_keys = _read_entries(index_entries, layer, inputs.page_table)
+                index_keys = _read_entries(index_entries, layer, inputs.page_table, kv.dtype)
                 qi = apply_rope(einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads ** -0.5
@@ -133,9 +126,9 @@ def attention_block(
         # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
         keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
         ring_index = jnp.where(keep, qpos % window, window)  # [b, t]; out of range -> dropped
-        rows = recent.at[jnp.arange(b)[:, None], ring_index].set(kv.astype(recent.dtype), mode="drop")
+        rows = write_kv(ring_rows, (jnp.arange(b)[:, None], ring_index), kv)
         # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
         # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
-        ring = cache.window.at[layer, write_slots].set(rows, mode="drop")
+        ring = scatter(cache.window, (layer, write_slots), rows)
         cache = dataclasses.replace(cache, window=ring)
     return out, cache
