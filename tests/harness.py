@@ -12,6 +12,7 @@ from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, pages_need
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
+from jaxserve.model.weights import init_weights
 from jaxserve.sharding import shardings_for
 
 forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -84,3 +85,44 @@ def prefill_then_decode(prefill: list[int], totals: list[int]) -> list[list[int]
         done = [d + s for d, s in zip(done, step)]
         steps.append(step)
     return steps
+
+
+def memorizing_weights(cfg: ModelConfig, sequences: np.ndarray, steps: int = 50, seed: int = 5):
+    """`cfg`'s random weights trained with Adam (lr 3e-3) until they predict every next token of `sequences`
+    [rows, length] from the whole prefix: a model that is sure of its continuations, as trained models are of
+    theirs and random ones never are. Returns (weights, final mean cross-entropy)."""
+    rows, length = sequences.shape
+    geo = geometry_for(cfg, rows, length)
+    page_table = np.array([[1 + p * rows + r for p in range(geo.max_pages_per_seq)] for r in range(rows)], np.int32)
+    inputs = StepInputs(tokens=jnp.asarray(sequences), positions=jnp.zeros(rows, jnp.int32),
+                        lengths=jnp.full(rows, length, jnp.int32), slots=jnp.arange(rows, dtype=jnp.int32),
+                        page_table=jnp.asarray(page_table))
+    targets = jnp.asarray(sequences[:, 1:])
+
+    def loss(weights):
+        logits, _ = logits_all(weights, init_cache(cfg, geo), inputs, cfg)
+        logprobs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logprobs, targets[..., None], axis=-1).mean()
+
+    def trained(leaf) -> bool:
+        return jnp.issubdtype(leaf.dtype, jnp.floating)  # not the hash-routing tables
+
+    @jax.jit
+    def adam(weights, m, v, t):
+        value, grads = jax.value_and_grad(loss, allow_int=True)(weights)
+
+        def update(w, g, m, v):
+            if not trained(w):
+                return w, m, v
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            return w - 3e-3 * (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8), m, v
+
+        updated = jax.tree.map(update, weights, grads, m, v)
+        part = lambda i: jax.tree.map(lambda u: u[i], updated, is_leaf=lambda u: isinstance(u, tuple))  # noqa: E731
+        return value, part(0), part(1), part(2)
+
+    weights = init_weights(jax.random.key(seed), cfg, std=0.15)
+    m = v = jax.tree.map(lambda w: jnp.zeros_like(w) if trained(w) else w, weights)
+    for t in range(1, steps + 1):
+        value, weights, m, v = adam(weights, m, v, float(t))
+    return weights, float(value)
