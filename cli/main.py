@@ -26,6 +26,7 @@ from typing import Callable, NoReturn
 
 import jax
 
+from jaxserve.cache import storage_dtype
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
@@ -223,7 +224,8 @@ def capacity_line(engine: Engine) -> str:
     geometry = engine.geometry
     per_request = geometry.num_pages // geometry.max_pages_per_seq
     concurrency = min(per_request, geometry.num_slots)
-    return (f"KV cache: {geometry.num_pages} pages x {geometry.page_size} tokens = "
+    stored = storage_dtype(geometry.kv_cache_dtype, engine.model_config)
+    return (f"KV cache ({stored}): {geometry.num_pages} pages x {geometry.page_size} tokens = "
             f"{geometry.num_pages * geometry.page_size} tokens; max concurrency at max_model_len "
             f"({engine.max_model_len} tokens): {concurrency} requests")
 

@@ -235,8 +235,8 @@ def test_sigterm_drains_running_requests_and_exits_zero():
         assert httpx.get(url + "/health").status_code == 200
         serve_process.wait_for_line("compiled all 5 step shapes", 600)
         output = "".join(serve_process.output)
-        assert "KV cache: 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 tokens): 4" \
-            in output and "compiled 2 step shapes in" in output
+        assert ("KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 "
+                "tokens): 4" in output and "compiled 2 step shapes in" in output)
 
         streams: list[list[dict]] = []
         started = threading.Semaphore(0)
