@@ -16,3 +16,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test helpers (reference.py, harness.py)
+
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A CLI command run in-process sets up the root logger (basicConfig(force=True)) on the test's captured stderr,
+    which pytest closes after the test: later tests' log lines then went to a closed file ("Logging error")."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:], root.level = handlers, level
