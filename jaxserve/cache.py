@@ -33,15 +33,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import CSA, HCA, SWA, ConfigError, EngineConfig, ModelConfig, check_kv_cache_dtype
 from jaxserve.kernels.kv_quant import Fp8KV, decode, encode
 from jaxserve.model.segments import layer_segments
-from jaxserve.model.weights import ArrayInfo, is_info, map_infos, stack_infos, weights_nbytes
+from jaxserve.model.weights import ArrayInfo, is_info, map_infos, nbytes, stack_infos, weights_nbytes
 
 F32 = jnp.float32
-FP8 = "fp8"
+FP8_KV = "fp8"  # the --kv-cache-dtype value (kernels.quant.FP8 names the e4m3 storage format)
 FP8_BLOCK = 64  # non-RoPE dims per scale of a K=V vector
 
 
@@ -63,7 +62,7 @@ class CacheGeometry:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.kv_cache_dtype == FP8:
+        if self.kv_cache_dtype == FP8_KV:
             fp8_block(cfg)
         rates = {cfg.compress_rate(i) for i in cfg.compressed_layers}
         if rates:
@@ -163,7 +162,7 @@ def _kv_store(cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead
     """A store of K=V vectors (`index` False) or indexer keys (True) with leading axes `lead`."""
     width, axis = (cfg.index_head_dim, None) if index else (cfg.head_dim, "head_dim")
     dtype = storage_dtype(kv_cache_dtype, cfg)
-    if dtype != FP8:
+    if dtype != FP8_KV:
         return ArrayInfo((*lead, width), dtype, (*lead_axes, axis), "zeros")
     rope = 0 if index else cfg.rope_head_dim
     block = width if index else fp8_block(cfg)
@@ -222,9 +221,9 @@ def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
 def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
     """Bytes the cache allocates, split into the paged pools and the fixed per-slot state."""
     paged = fixed = 0
-    for name_info in jax.tree.leaves(abstract_cache(cfg, geo), is_leaf=is_info):
-        size = int(np.prod(name_info.shape)) * jnp.dtype(name_info.dtype).itemsize
-        if "pages" in name_info.axes:
+    for info in jax.tree.leaves(abstract_cache(cfg, geo), is_leaf=is_info):
+        size = nbytes(info)
+        if "pages" in info.axes:
             paged += size
         else:
             fixed += size

@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.kernels.quant import Quantized
-from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight
+from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.runner import Buckets, ModelRunner
 from jaxserve.sharding import shape_dtype_structs, shardings_for
 
@@ -82,10 +81,9 @@ def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int
         parts = [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)] \
             if isinstance(weight, Quantized) else [(None, weight, sharding)]
         for part, info, part_sharding in parts:
-            item = jnp.dtype(info.dtype).itemsize
             name = jnp.dtype(info.dtype).name if part is None else (weight.format if part == "codes" else "scales")
-            by_format[name] = by_format.get(name, 0) + int(np.prod(part_sharding.shard_shape(info.shape))) * item
-            total += int(np.prod(info.shape)) * item
+            by_format[name] = by_format.get(name, 0) + nbytes(info, part_sharding.shard_shape(info.shape))
+            total += nbytes(info)
     return sum(by_format.values()), by_format, total
 
 
@@ -106,19 +104,18 @@ def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
     """Per device bytes of the cache outside the paged pools."""
     abstract = abstract_cache(cfg, geometry)
     shardings = shardings_for(abstract, mesh)
-    return sum(int(np.prod(s.shard_shape(info.shape))) * jnp.dtype(info.dtype).itemsize
-               for info, s in zip(jax.tree.leaves(abstract, is_leaf=is_info), jax.tree.leaves(shardings))
-               if "pages" not in info.axes)
+    leaves = zip(jax.tree.leaves(abstract, is_leaf=is_info), jax.tree.leaves(shardings))
+    return sum(nbytes(info, s.shard_shape(info.shape)) for info, s in leaves if "pages" not in info.axes)
 
 
-def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int,
-              compile_steps: bool = True) -> Plan:
+def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int) -> Plan:
     """The plan for serving `cfg` with these engine knobs on `mesh`, `device_memory` usable bytes on each device."""
     per_device, by_format, total = weight_bytes(cfg, mesh)
     geometry = kv_geometry(engine_cfg, cfg)
     max_len = resolve_max_model_len(engine_cfg, cfg)
     state = _state_bytes(cfg, geometry, mesh)
-    kv_per_token = bytes_per_token(cfg, geometry.kv_cache_dtype)  # the single K=V head: every device holds every token's entries
+    # The single K=V head: every device holds every token's entries.
+    kv_per_token = bytes_per_token(cfg, geometry.kv_cache_dtype)
     plan = Plan(devices=mesh.size, device_memory=device_memory, weights_bytes_per_device=per_device,
                 weights_bytes_by_format=by_format, weights_bytes_total=total, temp_bytes_per_device=None,
                 state_bytes_per_device=state, kv_bytes_per_token=kv_per_token, max_kv_tokens=0, max_model_len=max_len,
@@ -128,15 +125,14 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
                        f"{device_memory / GB:.1f} GB usable")
         return plan
     temp = 0
-    if compile_steps:
-        buckets = Buckets.for_config(engine_cfg)
-        runner = _AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets)
-        started = time.perf_counter()
-        for shape in (((max(buckets.decode_rows), 1),),
-                      ((max(buckets.prefill_rows), max(buckets.prefill_chunks)),)):
-            temp = max(temp, runner.temp_bytes(shape))
-            plan.compiled_steps.append(" + ".join(f"rows={r} chunk={c}" for r, c in shape))
-        plan.compile_s = time.perf_counter() - started
+    buckets = Buckets.for_config(engine_cfg)
+    runner = _AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets)
+    started = time.perf_counter()
+    for shape in (((max(buckets.decode_rows), 1),),
+                  ((max(buckets.prefill_rows), max(buckets.prefill_chunks)),)):
+        temp = max(temp, runner.temp_bytes(shape))
+        plan.compiled_steps.append(" + ".join(f"rows={r} chunk={c}" for r, c in shape))
+    plan.compile_s = time.perf_counter() - started
     plan.temp_bytes_per_device = temp
     left = device_memory - per_device - temp - state
     page = engine_cfg.page_size

@@ -392,6 +392,10 @@ def _init_leaf(key: jax.Array, info: ArrayInfo | Quantized, std: float, cfg: Mod
     return (std * jax.random.normal(key, info.shape, F32)).astype(info.dtype)
 
 
+def nbytes(info: Any, shape: tuple[int, ...] | None = None) -> int:
+    """Bytes of an array description (anything with shape and dtype), or of a `shape` of it (a shard)."""
+    return int(np.prod(info.shape if shape is None else shape)) * jnp.dtype(info.dtype).itemsize
+
+
 def weights_nbytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree, is_leaf=is_info))
+    return sum(nbytes(x) for x in jax.tree.leaves(tree, is_leaf=is_info))
