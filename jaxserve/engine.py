@@ -355,8 +355,8 @@ class Engine:
             if inflight is not None and not self.config.async_scheduling:
                 self._complete(inflight)
                 inflight = None
-            # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a prompt
-            # done is a request to decode), and waiting here would hold its next token back by the whole timeout.
+            # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a request it
+            # finished frees pages for a waiting one), and waiting here would hold that back by the whole timeout.
             if batch is None and landed is None:
                 self._publish_stats()  # a step publishes when it completes; aborts and arrivals when idle
                 self._wake.wait(timeout=0.05)
@@ -389,7 +389,7 @@ class Engine:
         return _InFlight(batch, step, dispatched)
 
     def _complete(self, inflight: _InFlight) -> None:
-        """Wait for a dispatched step's tokens, deliver them, and hand completed prompts to decoding."""
+        """Wait for a dispatched step's tokens, deliver them and run the stop checks."""
         batch = inflight.batch
         try:
             result = inflight.step.result()

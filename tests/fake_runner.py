@@ -93,6 +93,9 @@ class FakeRunner:
     def reset_cache(self) -> None:
         self._written: dict[int, list[int]] = {}  # slot -> the tokens its sequence has written, in order
         self._kept: dict[int, int] = {}  # slot -> the token sampled for it last (the device's slot tokens)
+        # Slots a failed step wrote: what they hold is undefined, as on a device, until a new sequence starts there.
+        # A step dispatched behind the failed one may still have rows on them: they compute garbage, unchecked.
+        self._undefined: set[int] = set()
         self._lost = False
 
     def run(self, batch: Batch) -> StepResult:
@@ -105,9 +108,11 @@ class FakeRunner:
         error = self.fail(batch) if self.fail is not None else None
         if error is not None:
             self._lost = self.lose_cache_on_failure
+            self._undefined.update(r.slot for r in batch.requests)
             return FakeStep(error=error)
         rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
-        rows += [([self._kept[r.slot]], r.decode_position, r, True) for r in batch.decode]
+        rows += [([0 if r.slot in self._undefined else self._kept[r.slot]], r.decode_position, r, True)
+                 for r in batch.decode]
         slots = [r.slot for _, _, r, _ in rows]
         pages = [p for _, _, r, _ in rows for p in r.pages]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
@@ -119,6 +124,11 @@ class FakeRunner:
         assert limits.mixed or not (batch.prefill and batch.decode), "a mixed step before mixed shapes compiled"
         out = []
         for tokens, position, request, keeps in rows:
+            if position == 0:
+                self._undefined.discard(request.slot)
+            elif request.slot in self._undefined:
+                out.append(0)
+                continue
             written = [] if position == 0 else self._written[request.slot]
             assert position == len(written), f"{request.request_id}: writes at {position}, slot holds {len(written)}"
             written = written + list(tokens)

@@ -169,25 +169,47 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_loop_never_idles_while_a_request_can_decode(async_scheduling):
-    """The loop waits for new work only when there is none: a prompt whose last chunk just landed decodes at once
-    (with a step in flight, the step that lands it may be the only thing the iteration did)."""
-    engine = fake_engine(async_scheduling=async_scheduling)
-    idle_with_decode_work = []
+def test_the_loop_never_idles_while_there_is_work(async_scheduling):
+    """The loop waits for new work only when there is none. With a step in flight, an iteration may schedule nothing
+    and only land a step, and that landing can make work: here, the request it finishes frees the one slot the next
+    request waits for."""
+    engine = fake_engine(max_num_seqs=1, async_scheduling=async_scheduling)
+    idle_with_work = []
     wait = engine._wake.wait
 
     def recording_wait(timeout=None):
-        idle_with_decode_work.append(engine.scheduler.decode_manager.has_work)
+        idle_with_work.append(engine.scheduler.has_work)
         return wait(timeout)
 
     engine._wake.wait = recording_wait
+    specs = [(prompt(20, i), 4) for i in range(3)]
+    handles = [engine.submit(ids, greedy(n)) for ids, n in specs]
     engine.start()
     try:
-        for i in range(3):  # one at a time: nothing else is runnable when a prompt completes
-            assert engine.submit(prompt(20, i), greedy(4)).wait(timeout=60)[1] == "length"
+        results = [h.wait(timeout=60) for h in handles]
+        deadline = time.monotonic() + 10
+        while not idle_with_work and time.monotonic() < deadline:  # the loop goes idle once all is done
+            time.sleep(0.01)
     finally:
         engine.shutdown()
-    assert idle_with_decode_work and not any(idle_with_decode_work)
+    assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
+    assert idle_with_work and not any(idle_with_work)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_completed_prompt_decodes_in_the_very_next_step(async_scheduling):
+    """Its first token stays on the device, in its slot, so the step dispatched while its last chunk still runs can
+    already decode it: with a step in flight, the second token is not held back a step behind the first."""
+    engine = fake_engine(max_num_seqs=4, max_prefill_rows=1, mixed_batches=True, async_scheduling=async_scheduling)
+    specs = [(prompt(5 + 2 * CHUNK * i, i), 8) for i in range(4)]  # 1, 3, 5 and 7 chunks, queued behind each other
+    results = run(engine, *[engine.submit(ids, greedy(n), request_id=f"r{i}") for i, (ids, n) in enumerate(specs)])
+    assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
+    steps = engine.runner.steps
+    for i in range(len(specs)):
+        last_chunk = next(k for k, b in enumerate(steps) if any(c.is_last and c.request.request_id == f"r{i}"
+                                                               for c in b.prefill))
+        assert f"r{i}" in [r.request_id for r in steps[last_chunk + 1].decode], (i, last_chunk)
+    assert_nothing_leaked(engine)
 
 
 def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
@@ -411,12 +433,14 @@ def test_mixed_batches_advance_running_requests_every_step_with_unchanged_output
         engine.shutdown()
     assert together == alone  # the synchronous loop alone, the overlapped one together
     attacker_steps = [r for r in engine.step_record if "attacker" in r.request_ids and r.kind != "decode"]
-    # The victim prefilled alone (one prompt per step). Its first token is delivered after the attacker's first
-    # chunk was dispatched (one step in flight), so that chunk goes alone; then every attacker chunk carries the
-    # victim's token, in a 16-token budget that the decode row shares: 15 prompt tokens per step (16 + 5 x 15 + 9).
-    assert [r.kind for r in attacker_steps] == ["prefill"] + ["mixed"] * 6
-    assert all("victim" in r.request_ids and r.num_tokens == 16 for r in attacker_steps[1:-1])
-    assert engine.stats()["mixed_steps"] == 6
+    # The victim prefilled alone (one prompt per step). Its first token is still on the device (in its slot) when the
+    # attacker's first chunk is scheduled, and already feeds the victim's decode row there: every attacker chunk
+    # carries the victim's token, in a 16-token budget that the decode row shares (15 prompt tokens per step: 6 x 15
+    # + 10), and the outputs above show the token read from the slot is the right one.
+    assert [r.kind for r in attacker_steps] == ["mixed"] * 7
+    assert all("victim" in r.request_ids for r in attacker_steps)
+    assert [r.num_tokens for r in attacker_steps] == [16] * 6 + [11]
+    assert engine.stats()["mixed_steps"] == 7
     assert_nothing_leaked(engine)
 
 

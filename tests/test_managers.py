@@ -169,18 +169,23 @@ def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
 
 # --- hand-off through the Scheduler --------------------------------------------------------------------------
 
-def test_completed_prompts_start_decoding_only_after_their_batch_ran():
-    pm, pool = manager(budget=8)
+def test_completed_prompts_decode_in_the_next_step_even_before_their_batch_ran():
+    pm, pool = manager(budget=12)
     scheduler = Scheduler(pm, DecodeManager(4))
-    a, b = req("a", 4), req("b", 4)
-    scheduler.add_request(a)
-    scheduler.add_request(b)
+    a, b, c = req("a", 4), req("b", 4), req("c", 4, max_tokens=1)
+    for r in (a, b, c):
+        scheduler.add_request(r)
     batch = scheduler.schedule()
-    assert batch.completed == [a, b]
-    assert scheduler.schedule() is None  # nothing decodes before the batch ran
+    assert batch.completed == [a, b, c]
+    for r in batch.completed:
+        r.num_sampled += 1  # what dispatching the batch records: each samples its first token
+    # The batch is in flight: its first tokens are still on the device, which is where decode rows read them from.
+    # c's only token is the one being sampled: it gets no row.
+    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.RUNNING)
+    assert scheduler.schedule().decode == (a, b)
     scheduler.finish(b, "abort")  # aborted while its last chunk was in flight
     scheduler.on_batch_done(batch)
-    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.FINISHED)
+    scheduler.finish(c, "length")
     assert scheduler.schedule().decode == (a,)
     scheduler.finish(a, "length")
     assert a.finish_reason == "length" and pool.num_free == 64 and not scheduler.has_work

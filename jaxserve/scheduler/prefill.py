@@ -2,8 +2,8 @@
 
 Admission reserves every page a request can ever need (`prompt_len + max_tokens` tokens) plus a slot, so a
 running request never has to wait for memory and nothing is ever preempted. A request whose prefill has been
-fully scheduled leaves this manager; the Scheduler hands it to the decode manager once its batch has run
-(`Scheduler.on_batch_done`).
+fully scheduled leaves this manager; the Scheduler hands it to the decode manager as that batch is scheduled
+(`Scheduler.schedule`).
 """
 
 from __future__ import annotations

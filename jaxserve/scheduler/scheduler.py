@@ -2,11 +2,12 @@
 
 Request life and the prefill -> decode hand-off (driven by the engine loop):
   add_request -> PrefillManager queue (WAITING) -> admitted, chunks scheduled (PREFILLING)
-  -> the batch holding its last chunk runs, the engine samples the first output token and runs stop checks
-  -> on_batch_done(batch) moves every completed, unfinished request into the DecodeManager (RUNNING)
+  -> the batch holding its last chunk is scheduled: the request joins the DecodeManager (RUNNING) at once
+  -> that batch runs and samples the first output token; the engine delivers it and runs the stop checks
   -> finish(request, reason) at EOS / stop / max_tokens / abort: out of both managers, pages and slot freed.
-The hand-off waits for the batch to have run because the first decode step feeds the token sampled from the
-last chunk; a request finished (or aborted) in between is never handed over.
+The hand-off does not wait for the batch to have run: a decode row's input is the token its slot sampled last,
+which stays on the device, so with a step in flight the first decode can be the very next step. A request that
+stops on its first token (or is aborted meanwhile) may have had one decode row computed: never delivered.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Scheduler:
         batch = self._schedule_next_batch()
         if batch is None:
             return None
+        for request in batch.completed:  # their first decode reads the token this batch samples, on the device
+            self.decode_manager.add(request)
         if batch.prefill:
             self.prefill_steps += 1
             self.mixed_steps += bool(batch.decode)
@@ -131,19 +134,15 @@ class Scheduler:
                                                                                                 bool(batch.prefill)))
 
     def on_batch_done(self, batch: Batch) -> None:
-        """Call after `batch` ran and its tokens were delivered: completed prompts start decoding."""
-        started = False
-        for request in batch.completed:
-            if not request.finished:
-                self.decode_manager.add(request)
-                started = True
-        if self.stall_policy is not None:
-            if not self.decode_manager.has_work:
-                self.stall_policy.note_idle()
-            elif batch.decode:
-                self.stall_policy.note_decoded()
-            elif started:
-                self.stall_policy.note_runnable()
+        """Call after `batch` ran and its tokens were delivered: the stall budget's clocks."""
+        if self.stall_policy is None:
+            return
+        if not self.decode_manager.has_work:
+            self.stall_policy.note_idle()
+        elif batch.decode:
+            self.stall_policy.note_decoded()
+        elif any(not request.finished for request in batch.completed):  # a first token: its clock starts
+            self.stall_policy.note_runnable()
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
                release: bool = True) -> None:
