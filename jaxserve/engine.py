@@ -132,6 +132,19 @@ class _InFlight:
         """When the device could start it: its dispatch, or the end of the step before it, whichever is later."""
         return max(self.dispatched_at, previous_end)
 
+    @property
+    def failed_to_start(self) -> bool:
+        return isinstance(self.step, _FailedDispatch)
+
+
+@dataclass
+class _FailedDispatch:
+    """A step whose dispatch raised: waiting for it raises that error, so it fails in step order like any other."""
+    error: Exception
+
+    def result(self):
+        raise self.error
+
 
 @dataclass
 class Counters:
@@ -352,7 +365,9 @@ class Engine:
             if landed is not None:
                 self._complete(landed)
             inflight = dispatched
-            if inflight is not None and not self.config.async_scheduling:
+            # A step that could not even start fails now, after the one before it delivered: tokens come in step
+            # order, so a request gets what earlier steps computed for it before its error.
+            if inflight is not None and (inflight.failed_to_start or not self.config.async_scheduling):
                 self._complete(inflight)
                 inflight = None
             # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a request it
@@ -377,13 +392,12 @@ class Engine:
             if live is not None:
                 self._finish(live[0], reason, stop_reason)
 
-    def _dispatch(self, batch: Batch) -> _InFlight | None:
+    def _dispatch(self, batch: Batch) -> _InFlight:
         dispatched = time.perf_counter()
         try:
             step = self.runner.dispatch(batch)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
-            self._fail_step(batch, error)
-            return None
+            step = _FailedDispatch(error)
         for request in batch.requests:
             self._inflight[request.request_id] += 1
         return _InFlight(batch, step, dispatched)

@@ -285,6 +285,26 @@ def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving(async_sched
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_that_cannot_start_fails_after_the_step_before_it_delivered(async_scheduling):
+    """Decode steps raise at dispatch. With a step in flight, the first decode is dispatched while the prompt's step
+    still runs; its failure must not overtake that step: the client gets the first token, then the error."""
+    engine = fake_engine(async_scheduling=async_scheduling)
+    real = engine.runner.dispatch
+
+    def dispatch(batch):
+        if batch.decode:
+            raise RuntimeError("injected dispatch failure")
+        return real(batch)
+
+    engine.runner.dispatch = dispatch
+    specs = [(prompt(5, 1), 4), (prompt(20, 2), 4)]
+    results = run(engine, *[engine.submit(ids, greedy(n)) for ids, n in specs])
+    assert [r[0] for r in results] == [continuation(ids, 1, CFG.vocab_size) for ids, _ in specs]
+    assert all(r[1] == "error" and "injected dispatch failure" in r[2] for r in results)
+    assert_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_resets_it(async_scheduling):
     engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.lose_cache_on_failure = True
