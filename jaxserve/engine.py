@@ -205,9 +205,8 @@ class Engine:
                            engine_cfg.max_prefill_rows, IdAllocator(engine_cfg.max_num_seqs, "slots")),
             DecodeManager(engine_cfg.max_num_seqs),
             DecodeInterleavePolicy(engine_cfg.decode_interleave_every),
-            # Cuts stay within the compiled sizes: the token budget is capped by the longest compiled chunk, and
-            # single-row chunks compile smallest first, so every size below that cap is compiled.
-            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, chunk_sizes=runner.buckets.prefill_chunks),
+            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, page_size=geometry.page_size,
+                              min_chunk_tokens=min(runner.buckets.prefill_chunks)),
             mixed_batches=engine_cfg.mixed_batches,
         )
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)

@@ -41,7 +41,7 @@ class StubDecode:
 
 def make(stall_ms, every=None, adaptive=True, decode_runnable=True):
     clock = FakeClock()
-    stall = DecodeStallPolicy(stall_ms, chunk_sizes=(64, 256), adaptive_chunks=adaptive, clock=clock)
+    stall = DecodeStallPolicy(stall_ms, page_size=16, min_chunk_tokens=64, adaptive_chunks=adaptive, clock=clock)
     prefill, decode = StubPrefill(), StubDecode(decode_runnable)
     scheduler = Scheduler(prefill, decode, DecodeInterleavePolicy(every), stall)
     return scheduler, stall, prefill, decode, clock
@@ -60,26 +60,14 @@ def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
     scheduler, stall, prefill, _, clock = make(100)
     warm(stall)
     stall.note_decoded()  # decodes wait from t=0
-    # 100 ms budget - 10 ms decode = 90 tokens at 1 ms each -> the 64-token chunk size.
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 64
-    stall.observe_prefill(64, 0.064)  # that step ran (still 1 ms per token)
-    # With a step in flight until t=50 ms only 40 tokens fit, under the smallest chunk size: decode.
+    # 100 ms budget - 10 ms decode = 90 tokens at 1 ms each -> 80 page-aligned.
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    stall.observe_prefill(80, 0.080)  # that step ran (still 1 ms per token)
+    # With a step in flight until t=50 ms only 40 tokens fit -> 32 aligned, under the 64-token floor: decode.
     stall.note_inflight(0.050)
     batch = scheduler.schedule()
     assert letter(batch) == "D" and batch.forced_by == "stall"
     assert scheduler.stall_decode_steps == scheduler.forced_decode_steps == 1
-
-
-@pytest.mark.parametrize("waited_ms, expected", [(0, 384), (50, 256), (200, 64), (350, 16), (385, 0)])
-def test_a_cut_is_the_largest_chunk_size_that_fits(waited_ms, expected):
-    """A chunk runs padded to the next compiled size up, so a cut between two sizes would cost the bigger one."""
-    clock = FakeClock()
-    stall = DecodeStallPolicy(400, chunk_sizes=(16, 64, 256, 384), clock=clock)
-    stall.observe_prefill(384, 0.384)  # 1 ms per token
-    stall.observe_decode(0.010)
-    stall.note_decoded()
-    clock.now = waited_ms / 1000  # 390 - waited ms left: 390, 340, 190, 40, 5 tokens fit
-    assert stall.prefill_token_limit(384) == expected
 
 
 def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
@@ -140,7 +128,7 @@ def test_fresh_arrivals_are_exempt():
     assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
     stall.note_runnable()  # the first token just arrived: its stall clock starts now, not at its arrival
     stall.observe_prefill(100, 0.1)
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 64
+    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
     clock.now = 30.05
     stall.note_runnable()  # a second newcomer does not restart the first one's clock
     assert letter(scheduler._schedule_next_batch()) == "D"

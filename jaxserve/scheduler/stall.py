@@ -2,9 +2,8 @@
 
 A pure object with an injected clock. It predicts the next prefill step's cost from measured per-token
 prefill cost (an exponential moving average that adapts as it runs) and counts the step already in flight.
-When the next prefill step would break the budget it either shrinks that step (adaptive chunking: to the largest
-chunk size the runner compiles that still fits) or asks for a decode step. Only compiled sizes, because a chunk
-runs padded to the next one up: a cut between two sizes costs what the bigger one does and prefills less.
+When the next prefill step would break the budget it either shrinks that step (adaptive chunking: the largest
+page-aligned token count that still fits, if at least `min_chunk_tokens`) or asks for a decode step.
 
 The stall clock of a request starts at its latest token: a fresh arrival's prefill time is not a decode
 stall, so a request that has just produced its first token does not trigger a decode by itself.
@@ -13,14 +12,15 @@ stall, so a request that has just produced its first token does not trigger a de
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 
 class DecodeStallPolicy:
-    def __init__(self, max_stall_ms: float | None, *, chunk_sizes: Sequence[int] = (64,),
+    def __init__(self, max_stall_ms: float | None, *, page_size: int = 1, min_chunk_tokens: int = 64,
                  adaptive_chunks: bool = True, clock: Callable[[], float] = time.monotonic, smoothing: float = 0.3):
         self.budget_s = max_stall_ms / 1000.0 if max_stall_ms is not None and max_stall_ms > 0 else None
-        self.chunk_sizes = sorted(chunk_sizes)  # what a step may be cut to; the smallest is the floor
+        self.page_size = page_size
+        self.min_chunk_tokens = max(min_chunk_tokens, page_size)
         self.adaptive_chunks = adaptive_chunks
         self.clock = clock
         self.smoothing = smoothing
@@ -84,10 +84,12 @@ class DecodeStallPolicy:
         fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
         if fits >= budget_tokens:
             return budget_tokens
-        cut = max((size for size in self.chunk_sizes if size <= fits), default=0)
+        aligned = fits - fits % self.page_size
         if self.prefill_owed:
-            return max(cut, self.chunk_sizes[0]) if self.adaptive_chunks else budget_tokens
-        return cut if self.adaptive_chunks else 0
+            return max(aligned, self.min_chunk_tokens) if self.adaptive_chunks else budget_tokens
+        if not self.adaptive_chunks:
+            return 0
+        return aligned if aligned >= self.min_chunk_tokens else 0
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
