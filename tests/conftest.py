@@ -1,5 +1,6 @@
 """Test set-up: 8 fake CPU devices and JAX's persistent compilation cache, both before JAX starts."""
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 _CACHE = os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", str(Path.home() / ".cache" / "jaxserve" / "xla-tests"))
 jax.config.update("jax_compilation_cache_dir", _CACHE)
@@ -16,11 +18,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test helpers (reference.py, harness.py)
-
-
-import logging  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
