@@ -7,6 +7,8 @@ process, alternating them, and reports medians and ratios, with the load average
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import math
 import os
@@ -176,7 +178,16 @@ def decode_step(runner, requests) -> None:
         request.output_ids.append(int(token))
 
 
-def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...]):
+def add_kernels_flag(parser: argparse.ArgumentParser) -> None:
+    """--kernels, as `jaxserve serve` has it (jaxserve.kernels.table)."""
+    from jaxserve.kernels.table import KERNEL_CHOICES
+
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="implementations of the kernel-worthy operations (default: %(default)s)")
+
+
+def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...],
+                kernels: str = "auto"):
     """A ModelRunner with `weights` placed on `mesh`, every bucket compiled; returns (runner, compile seconds)."""
     from jaxserve.model.weights import abstract_weights
     from jaxserve.runner import Buckets, ModelRunner
@@ -184,7 +195,7 @@ def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode
 
     placed = place(weights, abstract_weights(cfg), mesh)
     runner = ModelRunner(cfg, placed, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=prefill_chunks,
-                                                         decode_rows=decode_rows))
+                                                         decode_rows=decode_rows), kernels=kernels)
     return runner, timed(runner.warmup)
 
 

@@ -20,7 +20,7 @@ import argparse
 import sys
 import tempfile
 
-from common import (REPO, alternate, configure_jax, cpu_cores, decode_step, geometry, load_average, machine_info,
+from common import (REPO, add_kernels_flag, alternate, configure_jax, cpu_cores, decode_step, geometry, load_average, machine_info,
                     make_runner, markdown_table, median, prefill_step, slot_request, spread, write_results)
 
 GOAL_DECODE_B1 = 3.0  # jaxserve / transformers decode tokens/s at batch 1
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps per round (default 4; --quick 2)")
     parser.add_argument("--profile", action="store_true", help="also print jaxserve op time by scope (decode, prefill)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    add_kernels_flag(parser)
     args = parser.parse_args(argv)
     prompt_len = args.prompt or (128 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = prompt_len + 1 + repeats * steps + 8
     geo = geometry(cfg, batch + 1, max_tokens)  # slots 0..7: the batch-8 rows; slot 8: the batch-1 row
     runner, compile_s = make_runner(cfg, weights, geo, make_mesh(1, 1), prefill_chunks=(prompt_len,),
-                                    decode_rows=(1, batch))
+                                    decode_rows=(1, batch), kernels=args.kernels)
     print(f"jaxserve compiled {len(runner.buckets.shapes())} buckets in {compile_s:.1f} s (excluded); "
           f"{geo.max_pages_per_seq} KV pages of {geo.page_size} tokens per sequence", flush=True)
 

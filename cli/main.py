@@ -34,6 +34,7 @@ from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SUPPORTED_DTYP
                              parse_bytes)
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
+from jaxserve.kernels.table import KERNEL_CHOICES
 from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
@@ -89,6 +90,11 @@ FLAGS = (
                                               "--dtype; fp8: e4m3 with a power-of-two scale per 64 dims, the RoPE "
                                               "dims in bfloat16, indexer keys e4m3 with a float32 scale each (about "
                                               "0.56x bfloat16's bytes per token)", choices=KV_CACHE_DTYPES),
+    Flag(EngineConfig, "kernels", str, "which implementation runs the kernel-worthy operations (grouped expert "
+                                       "matmul, FP8 block-scaled matmul, sparse attention): reference: the pure-JAX "
+                                       "references; pallas: the Pallas kernels (interpreted on CPU: for tests); "
+                                       "auto: Pallas where it compiles for the devices (GPUs), the references "
+                                       "elsewhere", choices=KERNEL_CHOICES),
     Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
                                                      "against before loading it, of which JAX's share is usable "
                                                      "($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: "
@@ -210,13 +216,14 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
         # Every step shape is compiled at start; the persistent cache makes the next start with the same flags fast.
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    print(f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.default_backend()} device(s); XLA "
+    print(f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.devices()[0].platform} device(s); XLA "
           f"compilation cache: {cache or 'off'}", flush=True)
     print(f"loading weights from {cfg.model or 'the embedded default checkpoint'}", flush=True)
     started = time.perf_counter()
     engine, loaded = build_engine(cfg, show_progress=True)
     print(f"loaded weights in {time.perf_counter() - started:.1f} s", flush=True)
     print(capacity_line(engine), flush=True)
+    print(f"kernels ({cfg.kernels}): {engine.runner.kernels.describe()}", flush=True)
     return engine, loaded
 
 

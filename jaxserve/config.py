@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from jaxserve.kernels.quant import FP4, FP8
+from jaxserve.kernels.table import check_choice
 
 SWA, CSA, HCA = "swa", "csa", "hca"
 # HF layer_types names and the legacy compress_ratios values, mapped to our layer kinds.
@@ -444,6 +445,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     quantization: str = "auto"  # QUANTIZATION_MODES
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    kernels: str = "auto"  # jaxserve.kernels.table.KERNEL_CHOICES
     device_memory: int | None = None  # bytes per device for the fit check; None: what the device reports, if anything
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -480,3 +482,4 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {QUANTIZATION_MODES}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_choice(self.kernels)

@@ -1,13 +1,16 @@
 """Log-probabilities on the device, from the logits the sampler uses: the raw model distribution (log-softmax of
 the float32 logits, before temperature, top-k or top-p, as vLLM reports them by default).
 
-Only `[rows, k]` values and ids (and each row's own token's logprob) leave the device, never a vocabulary row,
-and nothing is computed in a step where no row asked: the work sits behind a `lax.cond` on that.
+Only `[rows, k]` values and ids (and each row's own token's logprob) leave the device, never a vocabulary row.
 
-- `sampled_logprobs`: at each row's last position, for the token just sampled there.
+- `sampled_logprobs`: at each row's last position, for the token just sampled there. Computed in every step (a
+  log-softmax and a top-k over the logits the sampler already holds): a branch on whether a row asked would make
+  a GPU copy its predicate to the host and wait, every decode step; the host copies only the rows that asked.
 - `prompt_logprobs`: at every position of a prefill chunk, for the prompt token that follows it. The head is
   applied to the chunk's hidden states a block of positions at a time, so the logits held at once stay at
-  `PROMPT_LOGITS_TOKENS` rows of the vocabulary, whatever the chunk length.
+  `PROMPT_LOGITS_TOKENS` rows of the vocabulary, whatever the chunk length. That is a chunk's worth of head
+  matmuls, so it sits behind a `lax.cond` on whether a row asked; only prefill groups have it (decode rows have no
+  prompt tokens), so no decode step branches.
 """
 
 from __future__ import annotations
@@ -62,10 +65,9 @@ def _when_asked(asked: jax.Array, compute, shape: tuple[int, ...], k: int) -> Lo
     return jax.lax.cond(jnp.any(asked), lambda _: compute(), skip, None)
 
 
-def sampled_logprobs(logits: jax.Array, tokens: jax.Array, asked: jax.Array) -> Logprobs:
-    """logits [b, V] float32 (the sampler's), tokens [b] sampled from them -> Logprobs [b] (zeros unless asked)."""
-    k = min(MAX_LOGPROBS, logits.shape[-1])
-    return _when_asked(asked, lambda: _logprobs_of(logits.astype(F32), tokens), tokens.shape, k)
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array) -> Logprobs:
+    """logits [b, V] float32 (the sampler's), tokens [b] sampled from them -> Logprobs [b]."""
+    return _logprobs_of(logits.astype(F32), tokens)
 
 
 def prompt_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, asked: jax.Array) -> Logprobs:

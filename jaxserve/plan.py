@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
 from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
@@ -87,14 +88,21 @@ def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int
     return sum(by_format.values()), by_format, total
 
 
-class _AbstractRunner(ModelRunner):
-    """The engine's own runner over abstract weights and an abstract cache: it compiles step shapes, never runs."""
+class AbstractRunner(ModelRunner):
+    """The engine's own runner over abstract weights and an abstract cache: it traces and compiles step shapes, never
+    runs them."""
 
     def reset_cache(self) -> None:
         self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
         self.slot_tokens = jax.ShapeDtypeStruct((self.geometry.num_slots,), jnp.int32, sharding=self._replicated)
 
+    def jaxpr(self, shape) -> ClosedJaxpr:
+        """The step of `shape` as traced, before XLA sees it."""
+        with jax.set_mesh(self.mesh):
+            return self._step.trace(*self._abstract_args(shape)).jaxpr
+
     def temp_bytes(self, shape) -> int:
+        """XLA's temporaries of the compiled step of `shape` (per device)."""
         with jax.set_mesh(self.mesh):
             compiled = self._step.lower(*self._abstract_args(shape)).compile(compiler_options=ACCELERATOR_LIKE)
         return int(compiled.memory_analysis().temp_size_in_bytes)
@@ -126,7 +134,8 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
         return plan
     temp = 0
     buckets = Buckets.for_config(engine_cfg)
-    runner = _AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets)
+    runner = AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets,
+                            kernels=engine_cfg.kernels)
     started = time.perf_counter()
     for shape in (((max(buckets.decode_rows), 1),),
                   ((max(buckets.prefill_rows), max(buckets.prefill_chunks)),)):

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kernels.table import kernels_for
 from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
@@ -54,11 +55,12 @@ StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a deco
 @jax.tree_util.register_dataclass
 @dataclass
 class GroupOutput:
-    """One group's outputs of a step: the sampled tokens [b], their Logprobs [b], the prompt Logprobs [b, t]."""
+    """One group's outputs of a step: the sampled tokens [b], their Logprobs [b], the prompt Logprobs [b, t] (None
+    for a decode group: decode rows have no prompt tokens)."""
 
     tokens: jax.Array
     sampled: Logprobs
-    prompt: Logprobs
+    prompt: Logprobs | None
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,11 @@ class StepTimes:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets):
+    def __init__(self, cfg: ModelConfig, weights, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets,
+                 kernels: str = "auto"):
         self.cfg = cfg
+        # The kernel table's choice for these devices (--kernels); every step runs through it.
+        self.kernels = kernels_for(kernels, mesh.devices.flat[0].platform)
         self.geometry = geometry
         self.mesh = mesh
         self.buckets = buckets
@@ -217,14 +222,14 @@ class ModelRunner:
         groups = tuple(dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None],
                                                                 g.tokens))
                        for g, r in zip(groups, routes))
-        ys, cache = hidden_states(weights, cache, groups, self.cfg)
+        ys, cache = hidden_states(weights, cache, groups, self.cfg, self.kernels)
         outputs = []
         for y, inputs, sampling, route, asked in zip(ys, groups, samplings, routes, logprob_inputs):
             logits = last_logits(y, inputs, weights.head)
             tokens = sample(logits, sampling)
             slot_tokens = slot_tokens.at[route.store_slot].set(tokens, mode="drop")
-            outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens, asked.sampled),
-                                       prompt_logprobs(y, weights.head, asked.targets, asked.prompt)))
+            prompt = None if asked.targets is None else prompt_logprobs(y, weights.head, asked.targets, asked.prompt)
+            outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens), prompt))
         return tuple(outputs), cache, slot_tokens
 
     # ---- compilation -------------------------------------------------------------------------------------------
@@ -239,8 +244,10 @@ class ModelRunner:
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
-        asked = LogprobInputs(sampled=arr((rows,), jnp.bool_), prompt=arr((rows,), jnp.bool_),
-                              targets=arr((rows, chunk), jnp.int32))
+        asked = LogprobInputs(sampled=arr((rows,), jnp.bool_))
+        if chunk > 1:  # a prefill group (decode groups are one token long and have no prompt logprobs)
+            asked = LogprobInputs(sampled=asked.sampled, prompt=arr((rows,), jnp.bool_),
+                                  targets=arr((rows, chunk), jnp.int32))
         return inputs, sampling, routes, asked
 
     def _abstract_args(self, shape: StepShape):
@@ -387,8 +394,9 @@ class ModelRunner:
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
         store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
-        asked = LogprobInputs(sampled=np.zeros(bucket_rows, bool), prompt=np.zeros(bucket_rows, bool),
-                              targets=np.zeros((bucket_rows, chunk), np.int32))
+        asked = LogprobInputs(sampled=np.zeros(bucket_rows, bool), prompt=None if chunk == 1 else
+                              np.zeros(bucket_rows, bool), targets=None if chunk == 1 else
+                              np.zeros((bucket_rows, chunk), np.int32))
         for i, (row_tokens, position, request, keeps) in enumerate(rows):
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
@@ -400,8 +408,9 @@ class ModelRunner:
             # Only a token that is output has its logprobs taken (not the unused one after a mid-prompt chunk).
             asked.sampled[i] = request.sampling.logprobs is not None and keeps
             targets = _prompt_targets(request, position, len(row_tokens))
-            asked.prompt[i] = len(targets) > 0
-            asked.targets[i, : len(targets)] = targets
+            if targets:  # only prefill rows have prompt tokens after their positions
+                asked.prompt[i] = True
+                asked.targets[i, : len(targets)] = targets
         # Each row samples the token after its last one, at that token's own position.
         sampling = SamplingArrays.for_rows([r.sampling for _, _, r, _ in rows], positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
@@ -436,7 +445,7 @@ class _HostGroup:
                 if asked.sampled[i]:
                     sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
                                          values.top[i:i + 1], request.sampling.logprobs)[0]
-        if asked.prompt.any():
+        if asked.prompt is not None and asked.prompt.any():
             values = jax.device_get(out.prompt)
             for i, (row_tokens, position, request, _) in enumerate(rows):
                 targets = _prompt_targets(request, position, len(row_tokens))
@@ -452,4 +461,5 @@ _NO_ROWS = _HostGroup(np.zeros(0, np.int32), [], [])
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:
     """The runner (KV geometry and step buckets) these knobs ask for."""
-    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, Buckets.for_config(engine_cfg))
+    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, Buckets.for_config(engine_cfg),
+                       kernels=engine_cfg.kernels)

@@ -58,20 +58,15 @@ def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """logits [b, V] float32 -> token ids [b] int32.
 
-    Sorting the vocabulary for top-k / top-p is the costly part: a batch with no sampled row skips all of it, and
-    one whose sampled rows filter nothing skips the sort. Each row's token is the same either way, so it still
-    does not depend on its batch."""
+    Every row goes through every path (greedy, the top-k / top-p filter, the draw) and keeps its own: a branch on
+    the batch's contents (`lax.cond`) would make a GPU copy its predicate to the host and wait, every step. A row
+    that filters nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token
+    still does not depend on its batch."""
     logits = logits.astype(F32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw(_) -> jax.Array:
-        scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
-        filtering = jnp.any((params.top_k > 0) | (params.top_p < 1))
-        filtered = jax.lax.cond(filtering, lambda x: jax.vmap(_filter_row)(x, params.top_k, params.top_p),
-                                lambda x: x, scaled)
-        keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
-            params.seed, params.position)
-        sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-        return jnp.where(params.temperature > 0, sampled, greedy)
-
-    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
+    filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
+    keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
+        params.seed, params.position)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, sampled, greedy)

@@ -15,6 +15,7 @@ These are the pure-JAX references: `dequantize` is elementwise work that XLA fus
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ FORMATS = (FP8, FP4)
 FP8_MAX = 448.0  # largest finite e4m3fn
 FP4_MAX = 6.0  # largest e2m1
 SCALE_BIAS = 127  # ue8m0: 2^(u - 127)
+DECODE_PASS_BYTES = 16 << 20  # decoded weight one pass of a reference matmul may hold (it never decodes all of a
+# bigger weight at once: Flash's expert stacks, its wider projections)
 F32 = jnp.float32
 
 
@@ -102,9 +105,55 @@ def dense(w: Any, dtype: Any) -> jax.Array:
     return dequantize(w, dtype) if isinstance(w, Quantized) else w
 
 
+def pass_rows(n: int, unit: int, bytes_per_row: int) -> int:
+    """How many of `n` rows one pass decodes: all when they fit DECODE_PASS_BYTES, else the most that fit, a multiple
+    of `unit` (whole scale blocks) that divides `n`; all when no such cut exists."""
+    if n * bytes_per_row <= DECODE_PASS_BYTES:
+        return n
+    fits = max(1, DECODE_PASS_BYTES // bytes_per_row)
+    cuts = [size for size in range(unit, min(fits, n) + 1, unit) if n % size == 0]
+    return cuts[-1] if cuts else n
+
+
+def _contracts_first_axis(spec: str) -> bool:
+    """Whether an explicit two-operand `spec` sums x's last axis against w's first (and nothing else uses it)."""
+    spec = spec.replace(" ", "")
+    if "->" not in spec or "..." in spec:
+        return False
+    inputs, out = spec.split("->")
+    operands = inputs.split(",")
+    if len(operands) != 2 or not all(operands):
+        return False
+    x_letters, w_letters = operands
+    return x_letters[-1] == w_letters[0] and w_letters[0] not in out
+
+
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` for a plain or a quantized weight (decoded in x's dtype, inside the computation)."""
-    return jnp.einsum(spec, x, dense(w, x.dtype), **kwargs)
+    """`jnp.einsum(spec, x, w)` for a plain or a quantized weight, decoded in x's dtype inside the computation.
+
+    An FP8 weight whose decoded form would pass DECODE_PASS_BYTES (Flash's wider projections) and whose first axis
+    the spec contracts with x's last is decoded a slice of whole scale blocks of that axis at a time, the partial
+    products summed in float32: never as a whole tensor."""
+    if not isinstance(w, Quantized):
+        return jnp.einsum(spec, x, w, **kwargs)
+    n = w.shape[0]
+    rows = n
+    if w.format == FP8 and _contracts_first_axis(spec):
+        rows = pass_rows(n, w.blocks[0], math.prod(w.shape[1:]) * jnp.dtype(x.dtype).itemsize)
+    if rows == n:
+        return jnp.einsum(spec, x, dense(w, x.dtype), **kwargs)
+    block = w.blocks[0]
+
+    def one_pass(i: jax.Array, acc: jax.Array) -> jax.Array:
+        codes = jax.lax.dynamic_slice_in_dim(w.codes, i * rows, rows, axis=0)
+        scales = jax.lax.dynamic_slice_in_dim(w.scales, i * (rows // block), rows // block, axis=0)
+        x_slice = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=x.ndim - 1)
+        part = dense(Quantized(codes, scales, w.format, w.blocks), x.dtype)
+        return acc + jnp.einsum(spec, x_slice, part, preferred_element_type=F32)
+
+    shape = jax.eval_shape(lambda: jnp.einsum(spec, x, jnp.zeros(w.shape, x.dtype), **kwargs))
+    total = jax.lax.fori_loop(0, n // rows, one_pass, jnp.zeros(shape.shape, F32))
+    return total.astype(shape.dtype)
 
 
 def take(w: Any, index: jax.Array) -> Any:

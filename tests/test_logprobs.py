@@ -49,11 +49,11 @@ def test_device_logprobs_are_the_log_softmax_in_blocks_and_nothing_unless_asked(
 
     logits = hidden[:, -1] @ head
     tokens = targets[:, 0]
-    out = jax.jit(sampled_logprobs)(logits, tokens, np.array([True, False, False]))
+    out = jax.jit(sampled_logprobs)(logits, tokens)
     np.testing.assert_allclose(out.token, expected[np.arange(3), -1, tokens], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids, best[:, -1])
     # The best token's own logprob is bit-equal to the top value (lm-eval's is_greedy compares them with ==).
-    out = jax.jit(sampled_logprobs)(logits, out.top_ids[:, 0], np.ones(3, bool))
+    out = jax.jit(sampled_logprobs)(logits, out.top_ids[:, 0])
     np.testing.assert_array_equal(out.token, out.top[:, 0])
 
 

@@ -1,5 +1,6 @@
-"""kernels.moe: the CPU forms of the grouped matmul (per-row gather, tiled) equal jax.lax.ragged_dot, including
-empty groups and rows past the last group (which come out zero)."""
+"""kernels.moe: the reference's forms of the grouped matmul (per-row gather, tiled; in one pass or several) equal
+jax.lax.ragged_dot, including empty groups, rows past the last group (which come out zero), quantized stacks and
+experts read in place from a stack of layers; kernels.quant.einsum's sliced decode equals the whole decode."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels import moe, quant
 from jaxserve.kernels.moe import gathered_matmul, grouped_matmul, tiled_matmul
+from jaxserve.kernels.quant import FP4, FP8, dequantize, quantize
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -24,3 +27,43 @@ def test_cpu_forms_equal_ragged_dot(seed):
     for got in (grouped, gathered_matmul(x, w, sizes), tiled_matmul(x, w, sizes, tile=int(rng.choice([1, 3, 8, 32])))):
         np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4, rtol=1e-5)
     assert not grouped[int(sizes.sum()):].any()
+
+
+@pytest.mark.parametrize("fmt", [None, FP8, FP4])
+@pytest.mark.parametrize("pass_bytes", [64 << 20, 4 * 48 * 4, 1])
+def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_of_layers(fmt, pass_bytes,
+                                                                                          monkeypatch):
+    # pass_bytes: the whole weight in one pass; passes of a few input rows (gathered form) or items (tiled form);
+    # one row / one item per pass.
+    monkeypatch.setattr(quant, "DECODE_PASS_BYTES", pass_bytes)
+    rng = np.random.default_rng(7)
+    layers, e, d, f = 3, 5, 256, 48
+    stack = jnp.asarray(rng.normal(size=(layers * e, d, f)), jnp.float32)
+    w = stack if fmt is None else quantize(stack, fmt, (1, 128, 128) if fmt == FP8 else (1, 32, 1))
+    decoded = stack if fmt is None else dequantize(w, jnp.float32)
+    for m in (4, 61):  # gathered (m <= e... per layer: 4 rows), tiled (61 rows)
+        x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+        sizes = jnp.asarray(rng.multinomial(m - 1, np.full(e, 1 / e)), jnp.int32)  # the last row in no group
+        for layer in range(layers):
+            expected = jax.lax.ragged_dot(x, decoded[layer * e:(layer + 1) * e], sizes,
+                                          preferred_element_type=jnp.float32)
+            got = grouped_matmul(x, w, sizes, expert_offset=jnp.int32(layer * e))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape, blocks", [
+    ("btd,dr->btr", (2, 3, 384), (384, 40), (128, 128)),
+    ("btr,rhk->bthk", (1, 5, 256), (256, 4, 16), (128, 2, 16)),
+])
+def test_fp8_einsum_decoded_a_slice_at_a_time_equals_the_whole_decode(spec, x_shape, w_shape, blocks, monkeypatch):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+    w = quantize(jnp.asarray(rng.normal(size=w_shape), jnp.float32), FP8, blocks)
+    whole = quant.einsum(spec, x, w)
+    monkeypatch.setattr(quant, "DECODE_PASS_BYTES", 128 * int(np.prod(w_shape[1:])) * 4)  # one block row a pass
+    assert quant.pass_rows(w_shape[0], 128, int(np.prod(w_shape[1:])) * 4) == 128
+    sliced = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
+    assert sliced.dtype == whole.dtype
+    np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), atol=1e-4, rtol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: quant.einsum(spec, x, w))(x, w))
+    assert "scan" in jaxpr  # the sliced path ran (a fori_loop of static length)

@@ -21,9 +21,8 @@ from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxserve.model.weights import Attention
-from jaxserve.kernels.attention import sink_attention
-from jaxserve.kernels.indexer import indexer_topk
-from jaxserve.kernels.quant import dense, einsum
+from jaxserve.kernels.quant import dense
+from jaxserve.kernels.table import Kernels
 
 F32 = jnp.float32
 
@@ -43,6 +42,14 @@ def _read_entries(pool, layer: jax.Array, page_table: jax.Array, dtype) -> jax.A
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])
 
 
+def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: jax.Array, dtype) -> jax.Array:
+    """The compressed entries `picks [b, t, j]` (indices into a row's entries in order) name, gathered from the pool
+    in their storage form and only then decoded to `dtype`: [b, t, j, c]. No other entry of the row is read."""
+    per_page = pool.shape[2]
+    pages = jnp.take_along_axis(page_table[:, None, :], picks // per_page, axis=2)  # [b, t, j]
+    return read_kv(pool, (layer, pages, picks % per_page), dtype)
+
+
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
     new, rows = compress_chunk(x, comp_weights, gather(state, (layer, inputs.slots)), inputs.positions,
@@ -51,7 +58,8 @@ def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, 
 
 
 def attention_block(
-    x: jax.Array, w: Attention, cache: LayerCache, layer: jax.Array, inputs: StepInputs, cfg: ModelConfig, kind: str
+    x: jax.Array, w: Attention, cache: LayerCache, layer: jax.Array, inputs: StepInputs, cfg: ModelConfig, kind: str,
+    kernels: Kernels,
 ) -> tuple[jax.Array, LayerCache]:
     """One layer's attention; `cache` is its stack's, `layer` (int32 scalar) this layer's place in the stack."""
     freqs = rope_frequencies(cfg, kind)
@@ -63,12 +71,12 @@ def attention_block(
     write_slots = jnp.where(inputs.lengths > 0, inputs.slots, num_slots)  # padding rows write nothing
 
     with jax.named_scope("query"):
-        qr = rms_norm(einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
-        q = einsum("btr,rhk->bthk", qr, w.wq_b)
+        qr = rms_norm(kernels.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
+        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b)
         q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
 
     with jax.named_scope("kv"):
-        kv = rms_norm(einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
+        kv = rms_norm(kernels.einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
         kv = apply_rope(kv, qpos, freqs)
 
     with jax.named_scope("window_keys"):
@@ -90,9 +98,10 @@ def attention_block(
             entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, layer, inputs,
                                                 write_slots, rate, freqs, cfg)
             cache = dataclasses.replace(cache, entries=entries, state=state)
-            row_entries = _read_entries(entries, layer, inputs.page_table, kv.dtype)  # [b, e, k]
-            entry_visible = jnp.arange(row_entries.shape[1])[None, None, :] < ((qpos + 1) // rate)[:, :, None]
+            row_capacity = inputs.page_table.shape[1] * entries.shape[2]  # entries a row's page table addresses
+            entry_visible = jnp.arange(row_capacity)[None, None, :] < ((qpos + 1) // rate)[:, :, None]
         if kind == HCA:
+            row_entries = _read_entries(entries, layer, inputs.page_table, kv.dtype)  # [b, e, k]: all attended
             shared = jnp.concatenate([shared, row_entries], axis=1)
             shared_mask = jnp.concatenate([shared_mask, entry_visible], axis=2)
         else:
@@ -104,15 +113,16 @@ def attention_block(
                                                                 freqs, cfg)
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
                 index_keys = _read_entries(index_entries, layer, inputs.page_table, kv.dtype)
-                qi = apply_rope(einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
+                qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads ** -0.5
                 k = min(cfg.index_topk, index_keys.shape[1])
-                picks, selected_mask = indexer_topk(qi, head_weights, index_keys, entry_visible, k)
-                selected = jnp.take_along_axis(row_entries[:, None], picks[..., None], axis=2)  # [b, t, k, dim]
+                picks, selected_mask = kernels.indexer_topk(qi, head_weights, index_keys, entry_visible, k)
+                # Only the picked entries are read and decoded (the indexer's keys are a separate, smaller store).
+                selected = _read_picked_entries(entries, layer, inputs.page_table, picks, kv.dtype)  # [b, t, k, dim]
 
     with jax.named_scope("attend"):
-        o = sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask)
+        o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask)
         o = apply_rope(o, qpos[:, :, None], freqs, inverse=True)
 
     with jax.named_scope("output_projection"):
@@ -120,7 +130,7 @@ def attention_block(
         grouped = o.reshape(b, t, g, cfg.heads_per_group, cfg.head_dim)
         wo_a = dense(w.wo_a, grouped.dtype).reshape(g, cfg.heads_per_group, cfg.head_dim, -1)
         r = jnp.einsum("btgjk,gjko->btgo", grouped, wo_a).reshape(b, t, -1)
-        out = einsum("btx,xd->btd", r, w.wo_b)
+        out = kernels.einsum("btx,xd->btd", r, w.wo_b)
 
     with jax.named_scope("window_write"):
         # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.

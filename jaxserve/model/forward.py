@@ -18,21 +18,23 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
-from jaxserve.model.weights import Layer, Weights
+from jaxserve.model.weights import Layer, RoutedExperts, Weights
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 
 F32 = jnp.float32
 
 
-def block(hs: list[jax.Array], w: Layer, cache: LayerCache, layer: jax.Array, groups: Sequence[StepInputs],
-          cfg: ModelConfig, kind: str):
+def block(hs: list[jax.Array], w: Layer, experts: RoutedExperts, cache: LayerCache, layer: jax.Array,
+          groups: Sequence[StepInputs], cfg: ModelConfig, kind: str, kernels: Kernels):
     """One decoder block over every group of rows. Groups differ in chunk length (e.g. prefill rows beside
-    one-token decode rows); attention runs per group, the MoE over all their tokens at once."""
+    one-token decode rows); attention runs per group, the MoE over all their tokens at once. `w` is this layer's
+    weights but its routed experts, which `experts` holds for every layer of the stack (`layer` picks)."""
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
             x, post, comb = hc_pre(h, w.attn_hc, cfg)
             out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs,
-                                         cfg, kind)
+                                         cfg, kind, kernels)
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
@@ -40,7 +42,7 @@ def block(hs: list[jax.Array], w: Layer, cache: LayerCache, layer: jax.Array, gr
         flat = jnp.concatenate([rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1])
                                 for x, _, _ in pres], axis=1)
         tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
-        out = moe_block(flat, tokens, w.moe, cfg)[0]
+        out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
         sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
         hs = [hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
               for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)]
@@ -48,28 +50,34 @@ def block(hs: list[jax.Array], w: Layer, cache: LayerCache, layer: jax.Array, gr
 
 
 def run_segment(hs: list[jax.Array], weights: list[Layer], cache: list[LayerCache], segment: Segment,
-                groups: Sequence[StepInputs], cfg: ModelConfig):
+                groups: Sequence[StepInputs], cfg: ModelConfig, kernels: Kernels):
     """A segment's layers: one traced body per position of its pattern, scanned over the repeats. The stacked
-    weights are sliced per repeat; the stacked cache rides in the carry and each layer updates its own slice in
-    place (slicing it out and back would copy the whole KV cache every step)."""
+    weights are sliced per repeat, but for the routed experts, which each layer reads in place by its index (sliced,
+    every layer's experts would be copied every step: most of a decode step's bytes); the stacked cache rides in
+    the carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache
+    every step)."""
+    sliced, experts = zip(*(RoutedExperts.split(w) for w in weights))
+
     def one_repeat(carry, xs):
         hs, cache = carry
         layers, index = xs
         cache = list(cache)
         for p, (kind, w) in enumerate(zip(segment.pattern, layers)):
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
-                hs, cache[p] = block(hs, w, cache[p], index, groups, cfg, kind.attention)
+                hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
         return (hs, cache), None
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped.
-    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (weights, indices),
+    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (list(sliced), indices),
                                   unroll=segment.repeats == 1)
     return hs, cache
 
 
-def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig):
-    """Final-normed hidden states ([b, t, d] per group) and the updated cache."""
+def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig,
+                  kernels: Kernels = REFERENCE_KERNELS):
+    """Final-normed hidden states ([b, t, d] per group) and the updated cache; `kernels` (jaxserve.kernels.table)
+    runs the kernel-worthy operations."""
     hs = []
     for inputs in groups:
         x = weights.embed[inputs.tokens]
@@ -77,16 +85,17 @@ def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Seque
     new_cache = []
     for i, (segment, w, c) in enumerate(zip(layer_segments(cfg), weights.segments, cache)):
         with jax.named_scope(f"segment_{i}"):
-            hs, c = run_segment(hs, w, c, segment, groups, cfg)
+            hs, c = run_segment(hs, w, c, segment, groups, cfg, kernels)
         new_cache.append(c)
     ys = [rms_norm(hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg), weights.norm,
                    cfg.rms_norm_eps) for h in hs]
     return ys, new_cache
 
 
-def logits_all(weights: Weights, cache: list[list[LayerCache]], inputs: StepInputs, cfg: ModelConfig):
+def logits_all(weights: Weights, cache: list[list[LayerCache]], inputs: StepInputs, cfg: ModelConfig,
+               kernels: Kernels = REFERENCE_KERNELS):
     """Logits at every position [b, t, V] (float32)."""
-    (y,), cache = hidden_states(weights, cache, [inputs], cfg)
+    (y,), cache = hidden_states(weights, cache, [inputs], cfg, kernels)
     return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache
 
 

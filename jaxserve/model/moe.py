@@ -6,15 +6,16 @@ Letters: n tokens, d embed, e experts, f expert width, a assignments (n * top-k)
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import MoE
+from jaxserve.model.weights import MoE, RoutedExperts
 from jaxserve.sharding import expert_axes, logical_spec
-from jaxserve.kernels.moe import grouped_matmul
-from jaxserve.kernels.quant import einsum
+from jaxserve.kernels.table import Kernels
 
 F32 = jnp.float32
 
@@ -36,10 +37,19 @@ def route(x: jax.Array, tokens: jax.Array, w: MoE, cfg: ModelConfig) -> tuple[ja
     return experts.astype(jnp.int32), weights
 
 
-def _local_experts(x, local_ids, weights, w_gate, w_up, w_down, limit: float) -> jax.Array:
-    """Assignments to experts [0, n_local) of the given weight stacks; others contribute nothing."""
+def _flat_layers(stack: Any) -> Any:
+    """A stack of layers' experts [layers, e, ...] as one run of experts [layers * e, ...] (a free reshape), codes and
+    scales alike."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stack)
+
+
+def _local_experts(x, local_ids, weights, stacks: tuple, layer: jax.Array, limit: float, kernels: Kernels) -> jax.Array:
+    """Assignments to experts [0, n_local) of layer `layer` of the given stacks ([layers, n_local, ...] each: w_gate,
+    w_up, w_down); others contribute nothing."""
     n, k = local_ids.shape
-    n_local = w_gate.shape[0]
+    n_local = stacks[0].shape[1]
+    w_gate, w_up, w_down = (_flat_layers(stack) for stack in stacks)
+    offset = layer * n_local  # where this layer's experts start in the flat run
     flat = local_ids.reshape(-1)
     mine = (flat >= 0) & (flat < n_local)
     flat = jnp.where(mine, flat, n_local)  # foreign assignments sort last, into no group
@@ -47,17 +57,19 @@ def _local_experts(x, local_ids, weights, w_gate, w_up, w_down, limit: float) ->
     token_of = order // k
     group_sizes = jnp.bincount(flat, length=n_local + 1)[:n_local]
     xs = x[token_of]
-    gate = grouped_matmul(xs, w_gate, group_sizes)
-    up = grouped_matmul(xs, w_up, group_sizes)
+    gate = kernels.grouped_matmul(xs, w_gate, group_sizes, offset)
+    up = kernels.grouped_matmul(xs, w_up, group_sizes, offset)
     hidden = clamped_swiglu(gate, up, limit).astype(x.dtype)
-    out = grouped_matmul(hidden, w_down, group_sizes).astype(x.dtype)
+    out = kernels.grouped_matmul(hidden, w_down, group_sizes, offset).astype(x.dtype)
     scale = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = out * scale[:, None].astype(x.dtype)
     return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(out.astype(F32))
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
-    """Sort (token, expert) assignments by expert, run each group through its expert, scatter back.
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, stacks: RoutedExperts, layer: jax.Array,
+                   cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+    """Sort (token, expert) assignments by expert, run each group through its expert, scatter back. `stacks` holds
+    every layer of the segment ([layers, E, ...]); layer `layer`'s experts are read in place.
 
     Under a mesh whose expert axes divide the experts, each device runs only its own experts (routing is
     replicated) and the partial outputs are summed over the expert axes: explicit expert parallelism.
@@ -65,36 +77,41 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: MoE,
     mesh = jax.sharding.get_abstract_mesh()
     axes = expert_axes()
     ways = 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in axes]))
+    stacked = (stacks.w_gate, stacks.w_up, stacks.w_down)
     if ways == 1 or cfg.n_routed_experts % ways:
-        out = _local_experts(x, experts, weights, w.w_gate, w.w_up, w.w_down, cfg.swiglu_limit)
+        out = _local_experts(x, experts, weights, stacked, layer, cfg.swiglu_limit, kernels)
         return out.astype(x.dtype)
 
-    def per_device(x, experts, weights, w_gate, w_up, w_down):
-        first = jax.lax.axis_index(axes) * w_gate.shape[0]
-        partial = _local_experts(x, experts - first, weights, w_gate, w_up, w_down, cfg.swiglu_limit)
+    def per_device(x, experts, weights, layer, w_gate, w_up, w_down):
+        first = jax.lax.axis_index(axes) * w_gate.shape[1]
+        partial = _local_experts(x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit,
+                                 kernels)
         return jax.lax.psum(partial, axes)
 
     replicated = logical_spec((None, None))
-    stacked = logical_spec(("experts", None, None))
-    out = jax.shard_map(per_device, in_specs=(replicated, replicated, replicated, stacked, stacked, stacked),
-                        out_specs=replicated)(x, experts, weights, w.w_gate, w.w_up, w.w_down)
+    per_layer = logical_spec((None, "experts", None, None))
+    out = jax.shard_map(per_device, in_specs=(replicated, replicated, replicated, logical_spec(()), per_layer,
+                                              per_layer, per_layer),
+                        out_specs=replicated)(x, experts, weights, layer, *stacked)
     return out.astype(x.dtype)
 
 
-def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
-    gate = einsum("nd,df->nf", x, w.shared_gate)
-    up = einsum("nd,df->nf", x, w.shared_up)
-    return einsum("nf,fd->nd", clamped_swiglu(gate, up, cfg.swiglu_limit), w.shared_down)
+def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+    gate = kernels.einsum("nd,df->nf", x, w.shared_gate)
+    up = kernels.einsum("nd,df->nf", x, w.shared_up)
+    return kernels.einsum("nf,fd->nd", clamped_swiglu(gate, up, cfg.swiglu_limit), w.shared_down)
 
 
-def moe_block(x: jax.Array, tokens: jax.Array, w: MoE, cfg: ModelConfig) -> jax.Array:
-    """x [b, t, d], tokens [b, t] -> [b, t, d]."""
+def moe_block(x: jax.Array, tokens: jax.Array, w: MoE, stacks: RoutedExperts, layer: jax.Array, cfg: ModelConfig,
+              kernels: Kernels) -> jax.Array:
+    """x [b, t, d], tokens [b, t] -> [b, t, d]. `w` is this layer's (its routed experts aside); `stacks` the
+    segment's routed experts, of which layer `layer`'s run."""
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     with jax.named_scope("router"):
         experts, weights = route(flat, tokens.reshape(-1), w, cfg)
     with jax.named_scope("routed_experts"):
-        routed = routed_experts(flat, experts, weights, w, cfg)
+        routed = routed_experts(flat, experts, weights, stacks, layer, cfg, kernels)
     with jax.named_scope("shared_expert"):
-        shared = shared_expert(flat, w, cfg)
+        shared = shared_expert(flat, w, cfg, kernels)
     return (routed + shared).reshape(b, t, d)

@@ -98,6 +98,22 @@ class MoE:
 
 
 @_dataclass
+class RoutedExperts:
+    """A segment's routed experts, every layer's ([layers, E, ...]): what the layer scan does not slice."""
+
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+
+    @staticmethod
+    def split(layer: "Layer") -> tuple["Layer", "RoutedExperts"]:
+        """(`layer` without its routed experts, those experts)."""
+        moe = layer.moe
+        rest = dataclasses.replace(layer, moe=dataclasses.replace(moe, w_gate=None, w_up=None, w_down=None))
+        return rest, RoutedExperts(moe.w_gate, moe.w_up, moe.w_down)
+
+
+@_dataclass
 class Layer:
     attn_hc: HyperConnection
     attn_norm: Any  # [d]

@@ -1,0 +1,91 @@
+"""The kernel table: the one place that chooses which implementation runs each kernel-worthy operation.
+
+The model calls every such operation through a `Kernels` record made here once (the runner holds it), so nothing
+else in jaxserve tests the backend or picks an implementation. `--kernels`:
+- `reference`: the pure-JAX references of jaxserve.kernels everywhere: the oracle in tests, and what runs on CPU;
+- `pallas`: the Pallas kernel of every operation that has one (on CPU in Pallas's interpret mode, which is how the
+  tests run them against their references), the reference for the others;
+- `auto`: the Pallas kernels that compile natively for the devices' platform, the references elsewhere (on CPU:
+  every reference).
+
+Operations without a Pallas kernel yet run their reference under every choice: the lightning indexer's scoring
+and top-k (`kernels.indexer`), FP8 KV storage (`kernels.kv_quant`, reached through `jaxserve.cache`), and the paged
+reads of compressed entries, which the model gathers before `sink_attention` sees them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from . import attention, indexer, moe, quant
+
+log = logging.getLogger("jaxserve.kernels")
+
+KERNEL_CHOICES = ("auto", "reference", "pallas")
+REFERENCE, PALLAS = "reference", "pallas"
+PALLAS_PLATFORMS = ("gpu", "cuda", "rocm")  # where `pallas_call` lowers natively (Triton); elsewhere: interpret
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation per operation, each with its reference's signature."""
+
+    grouped_matmul: Callable  # kernels.moe.grouped_matmul: rows sorted by expert times their experts' matrices
+    einsum: Callable  # kernels.quant.einsum: an activation times a weight that may be block-scaled FP8 / FP4
+    sink_attention: Callable  # kernels.attention.sink_attention: shared + selected keys, per-head sinks
+    indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
+    implementations: tuple[tuple[str, str], ...] = ()  # (operation, "reference" or "pallas"), for logs and reports
+
+    def describe(self) -> str:
+        return ", ".join(f"{op} {impl}" for op, impl in self.implementations)
+
+
+OPERATIONS = tuple(f.name for f in fields(Kernels) if f.name != "implementations")
+
+REFERENCES: dict[str, Callable] = {
+    "grouped_matmul": moe.grouped_matmul,
+    "einsum": quant.einsum,
+    "sink_attention": attention.sink_attention,
+    "indexer_topk": indexer.indexer_topk,
+}
+
+
+def _pallas_kernels() -> dict[str, Callable]:
+    """The operations that have a Pallas kernel (imported on first use: Pallas is only loaded when asked for)."""
+    from .pallas import block_scaled_matmul, grouped_matmul, sparse_attention
+
+    return {
+        "grouped_matmul": grouped_matmul.grouped_matmul,
+        "einsum": block_scaled_matmul.einsum,
+        "sink_attention": sparse_attention.sink_attention,
+    }
+
+
+def check_choice(choice: str) -> None:
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={choice!r}: must be one of {KERNEL_CHOICES}")
+
+
+@functools.cache
+def kernels_for(choice: str, platform: str) -> Kernels:
+    """The implementations `--kernels choice` means on devices of `platform` ("cpu", "gpu", "cuda", "tpu", ...).
+    Cached: one record per (choice, platform), so equal choices share compiled steps."""
+    check_choice(choice)
+    native = platform in PALLAS_PLATFORMS
+    use_pallas = choice == PALLAS or (choice == "auto" and native)
+    chosen = dict(REFERENCES)
+    implementations = {op: REFERENCE for op in OPERATIONS}
+    if use_pallas:
+        for op, kernel in _pallas_kernels().items():
+            chosen[op] = kernel if native else functools.partial(kernel, interpret=True)
+            implementations[op] = PALLAS if native else f"{PALLAS} (interpret)"
+        if choice == PALLAS:
+            missing = [op for op, impl in implementations.items() if impl == REFERENCE]
+            log.warning("--kernels pallas: no Pallas kernel yet for %s; their references run", ", ".join(missing))
+    return Kernels(**chosen, implementations=tuple(implementations.items()))
+
+
+REFERENCE_KERNELS = kernels_for(REFERENCE, "cpu")
