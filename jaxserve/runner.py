@@ -244,10 +244,7 @@ class ModelRunner:
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
                                   position=arr((rows,), jnp.int32))
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
-        asked = LogprobInputs(sampled=arr((rows,), jnp.bool_))
-        if chunk > 1:  # a prefill group (decode groups are one token long and have no prompt logprobs)
-            asked = LogprobInputs(sampled=asked.sampled, prompt=arr((rows,), jnp.bool_),
-                                  targets=arr((rows, chunk), jnp.int32))
+        asked = _logprob_inputs(rows, chunk, arr)
         return inputs, sampling, routes, asked
 
     def _abstract_args(self, shape: StepShape):
@@ -394,9 +391,7 @@ class ModelRunner:
         lengths = np.zeros(bucket_rows, np.int32)
         slots = np.zeros(bucket_rows, np.int32)
         store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
-        asked = LogprobInputs(sampled=np.zeros(bucket_rows, bool), prompt=None if chunk == 1 else
-                              np.zeros(bucket_rows, bool), targets=None if chunk == 1 else
-                              np.zeros((bucket_rows, chunk), np.int32))
+        asked = _logprob_inputs(bucket_rows, chunk, np.zeros)
         for i, (row_tokens, position, request, keeps) in enumerate(rows):
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
@@ -416,6 +411,16 @@ class ModelRunner:
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
         routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, from_slot), store_slot=store)
         return inputs, sampling, routes, asked
+
+
+def _logprob_inputs(rows: int, chunk: int, make: Callable) -> LogprobInputs:
+    """A group's LogprobInputs, its arrays made by `make(shape, dtype)` (host zeros, or abstract values): prompt
+    logprobs only for a prefill group; a decode group (one token per row) has no prompt tokens, so its step has no
+    branch for them."""
+    sampled = make((rows,), np.bool_)
+    if chunk == 1:
+        return LogprobInputs(sampled=sampled)
+    return LogprobInputs(sampled=sampled, prompt=make((rows,), np.bool_), targets=make((rows, chunk), np.int32))
 
 
 def _prompt_targets(request: Request, position: int, length: int) -> list[int]:
