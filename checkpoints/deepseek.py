@@ -141,9 +141,11 @@ def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
             f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
             f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
             f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
-            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
+            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED,
+                                  FP4_PACKED),
             f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
-            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
+            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED,
+                                  FP4_PACKED),
             f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
             f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
             f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
@@ -231,6 +233,7 @@ class TensorReader:
         weight, scale, fmt = self.raw(name)
         if fmt is None:
             return weight
+        assert scale is not None  # raw gives a scale with every format
         return (dequantize_fp8 if fmt == FP8_E4M3 else dequantize_fp4)(weight, scale)
 
     def get_quantized(self, name: str, fmt: str) -> tuple[np.ndarray, np.ndarray]:
@@ -241,6 +244,7 @@ class TensorReader:
             raise CheckpointError(f"{self.file_of(name)}: tensor {stored!r} is stored as {found or weight.dtype}, "
                                   f"but config.json (quantization_config / expert_dtype) says {fmt}; load it with "
                                   "--quantization none")
+        assert scale is not None  # raw gives a scale with every format, and `found` is one
         codes = weight.view(np.uint8) if fmt == FP4 else weight
         return codes, scale.view(np.uint8)
 

@@ -3,7 +3,8 @@
 Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...) and one
 for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the leaf's release name
 (`layers.3.attn.wq_b`, see `release_leaves`; a weight kept quantized is two entries, `....wq_b.codes` and
-`....wq_b.scales`, so a conversion keeps the checkpoint's FP8 / FP4 as the engine holds them); beside them config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
+`....wq_b.scales`, so a conversion keeps the checkpoint's FP8 / FP4 as the engine holds them); beside them
+config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
 written last, so a conversion that stopped half way is never mistaken for a checkpoint.
 
 Orbax API: the stable v0 `ocp.StandardCheckpointer`. Restoring with a target of ShapeDtypeStructs carrying

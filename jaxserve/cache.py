@@ -154,7 +154,8 @@ def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> Compr
     coff = 2 if overlap else 1
     buf = ArrayInfo((slots, rate, coff * width), F32, ("slots", None, None), "zeros")
     prev = ArrayInfo((slots, rate, width), F32, ("slots", None, None), "zeros") if overlap else None
-    return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)
+    # The abstract state: ArrayInfo leaves where the live cache's CompressorState holds arrays.
+    return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)  # type: ignore[arg-type]
 
 
 def _kv_store(cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead_axes: tuple[str | None, ...],

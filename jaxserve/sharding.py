@@ -68,10 +68,11 @@ def _split_problems(weight: ArrayInfo | Quantized, mesh: Mesh) -> list[str]:
     """What the mesh cannot split in one (abstract) weight. A quantized weight is judged by its decoded shape: a
     shard must hold whole scale blocks, or its codes and its scales would be split at different places (a block
     that spans the whole axis has one scale, replicated, and is no obstacle)."""
+    fmt: str | None = None  # the quantized format, the only kind of weight with scale blocks
     if isinstance(weight, ArrayInfo):
         axes, shape, blocks = weight.axes, weight.shape, (1,) * len(weight.shape)
     else:
-        axes, shape = weight.codes.axes, weight.shape
+        axes, shape, fmt = weight.codes.axes, weight.shape, weight.format
         blocks = (1,) * (len(shape) - len(weight.blocks)) + weight.blocks
     problems = []
     for (logical, flags, ways), size, block in zip(_splits(axes, mesh), shape, blocks):
@@ -79,7 +80,7 @@ def _split_problems(weight: ArrayInfo | Quantized, mesh: Mesh) -> list[str]:
             problems.append(f"cannot split {logical} ({size}) over {flags}: {size} is not a multiple of {ways}")
         elif ways > 1 and block < size and (size // ways) % block:
             problems.append(f"cannot split {logical} ({size}) over {flags}: a shard of {size // ways} would cut "
-                            f"its {weight.format} scale blocks of {block} (use --quantization none, or sizes that "
+                            f"its {fmt} scale blocks of {block} (use --quantization none, or sizes that "
                             "keep whole blocks)")
     return problems
 
@@ -113,7 +114,7 @@ def shape_dtype_structs(abstract: Any, mesh: Mesh) -> Any:
 def expert_axes() -> tuple[str, ...]:
     """The mesh axes routed experts are split over."""
     axes = LOGICAL_AXIS_RULES["experts"]
-    return axes if isinstance(axes, tuple) else (axes,)
+    return (axes,) if isinstance(axes, str) else (axes or ())
 
 
 def place(tree: Any, abstract: Any, mesh: Mesh) -> Any:

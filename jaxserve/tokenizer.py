@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable, Literal
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
@@ -140,7 +140,7 @@ def token_id_text(token_id: int) -> str:
 class Tokenizer:
     """`tokenizer.json` through the `tokenizers` library, with the checkpoint's BOS/EOS ids."""
 
-    has_text = True
+    has_text: ClassVar[Literal[True]] = True
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -185,7 +185,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS first when the checkpoint asks for it (tokenizer_config `add_bos_token`)."""
         ids = self._encoding(text).ids
-        return [self.bos_id] + ids if add_special_tokens and self.add_bos else ids
+        if add_special_tokens and self.add_bos:
+            assert self.bos_id is not None  # add_bos is only ever set with a BOS id
+            return [self.bos_id] + ids
+        return ids
 
     def count(self, text: str) -> int:
         """How many tokens `text` encodes to (without BOS), without building the list of ids."""
@@ -221,7 +224,7 @@ class Tokenizer:
 class TokenIdOnly:
     """A checkpoint without `tokenizer.json`: BOS/EOS ids from its json files, prompts as token ids only."""
 
-    has_text = False
+    has_text: ClassVar[Literal[False]] = False
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)

@@ -26,6 +26,7 @@ def sink_attention(
     neg = jnp.finfo(F32).min
     logits = [jnp.where(shared_mask[:, :, None, :], jnp.einsum("bthk,bsk->bths", qf, shared.astype(F32)) * scale, neg)]
     if selected is not None:
+        assert selected_mask is not None, "selected keys come with their mask"
         sel_logits = jnp.einsum("bthk,btjk->bthj", qf, selected.astype(F32)) * scale
         logits.append(jnp.where(selected_mask[:, :, None, :], sel_logits, neg))
     sink = jnp.broadcast_to(sinks.astype(F32)[None, None, :, None], (*q.shape[:3], 1))

@@ -1,8 +1,8 @@
 """The access log: one line per request when its response has been sent (or the client left), with the client,
 method, path, status, the request's prompt and completion tokens when it generated, and the seconds it took.
 
-Routes that generate put their Generations (one per choice) on `request.state.generations`; the line reads its counts at the end,
-so a stream's line has its final token count."""
+Routes that generate put their Generations (one per choice) on `request.state.generations`; the line reads its
+counts at the end, so a stream's line has its final token count."""
 
 from __future__ import annotations
 

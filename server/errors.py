@@ -7,6 +7,7 @@ Starlette's HTTP errors (unknown route, wrong method) and for anything unexpecte
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +23,7 @@ RETRY_AFTER_SECONDS = 1  # for 429 / 503: the openai client retries politely aft
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message

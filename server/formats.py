@@ -120,19 +120,19 @@ class CompletionFormat(_Format):
         return self._envelope(self.response_object, choices, usage=self._usage(outputs))
 
     def _text_and_logprobs(self, index: int, text: str, logprobs, prompt_logprobs, first: bool):
-        echo = self.echo_text is not None and first
-        if echo:
-            text = self.echo_text + text
+        echo = self.echo_text if first else None
+        if echo is not None:
+            text = echo + text
         if not self.logprobs:
             return text, None
         entries: list[tuple[int, TokenLogprob | None]] = []
-        if echo:  # the first prompt token has no logprob: nothing comes before it
+        if echo is not None:  # the first prompt token has no logprob: nothing comes before it
             entries = [(self.prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt_logprobs or ()]
         entries += [(lp.token_id, lp) for lp in logprobs or ()]
         return text, self._logprobs(index, entries)
 
     def _logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
-        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, logprob in entries:
             token = self.token_text(token_id)
             result["tokens"].append(token)
@@ -208,8 +208,9 @@ class ChatFormat(_Format):
 
     @staticmethod
     def _message(parsed: ParsedDelta) -> dict:
-        message = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None,
-                   "reasoning_content": parsed.reasoning or None}
+        message: dict = {"role": "assistant",
+                         "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+                         "reasoning_content": parsed.reasoning or None}
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         return message

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from jaxserve.engine import Engine
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.tokenizer import TokenIdOnly, Tokenizer
 
 
 @dataclass
 class ServerState:
     engine: Engine
-    tokenizer: object  # jaxserve.tokenizer.Tokenizer or TokenIdOnly
+    tokenizer: Tokenizer | TokenIdOnly
     served_model_name: str
     model_path: str | None = None
     api_key: str | None = None

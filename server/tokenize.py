@@ -19,32 +19,33 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import parse_chat
 from jaxserve.server.routes import chat_prompt_ids, json_body
 from jaxserve.server.state import ServerState
+from jaxserve.tokenizer import Tokenizer
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
-    state, body = await _body(request)
+    state, tokenizer, body = await _body(request)
     is_chat = "messages" in body
     if is_chat == ("prompt" in body):
         raise bad_request("prompt", "prompt: send either `prompt` (text) or `messages` (a chat), not both or neither")
     add_special = _flag(body, "add_special_tokens", not is_chat)
     return_strs = _flag(body, "return_token_strs", False)
     if is_chat:
-        ids = _chat_ids(state, body, add_special)
+        ids = _chat_ids(state, tokenizer, body, add_special)
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad_request("prompt", f"prompt: must be a string, got {type(prompt).__name__}")
-        ids = state.tokenizer.encode(prompt, add_special_tokens=add_special)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     return {"count": len(ids), "max_model_len": state.context_limit, "tokens": ids,
-            "token_strs": [state.tokenizer.id_to_token(i) for i in ids] if return_strs else None}
+            "token_strs": [tokenizer.id_to_token(i) for i in ids] if return_strs else None}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
-    state, body = await _body(request)
+    state, tokenizer, body = await _body(request)
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise bad_request("tokens", f"tokens: must be a list of token ids, got {ids!r:.60}")
@@ -52,7 +53,7 @@ async def detokenize(request: Request) -> dict:
         state.engine.check_token_ids("tokens", ids)
     except InvalidRequest as error:
         raise bad_request(error.param, str(error)) from None
-    return {"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)}
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 @router.get("/tokenizer_info")
@@ -63,9 +64,10 @@ async def tokenizer_info(request: Request) -> dict:
     return state.tokenizer.config()
 
 
-async def _body(request: Request) -> tuple[ServerState, dict]:
+async def _body(request: Request) -> tuple[ServerState, Tokenizer, dict]:
+    """The server state, its tokenizer (refused in token-id-only mode) and the JSON object of the body."""
     state: ServerState = request.app.state.server
-    body = await json_body(request)
+    body: Any = await json_body(request)
     if not isinstance(body, dict):
         raise bad_request(None, f"body: must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -74,7 +76,7 @@ async def _body(request: Request) -> tuple[ServerState, dict]:
     state.check_model(model)
     if not state.tokenizer.has_text:
         raise bad_request(None, "This server has no tokenizer (token-id-only mode): it cannot tokenize or detokenize")
-    return state, body
+    return state, state.tokenizer, body
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -86,10 +88,13 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _chat_ids(state: ServerState, body: dict[str, Any], add_special: bool) -> list[int]:
+def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any], add_special: bool) -> list[int]:
     # The generation prompt is always there: DeepSeek-V4's encoding has no form without it after a user turn.
     for name, supported in (("add_generation_prompt", True), ("continue_final_message", False)):
         if body.get(name) not in (None, supported):
             raise bad_request(name, f"{name}: only {str(supported).lower()} is supported by DeepSeek-V4's encoding")
     ids = chat_prompt_ids(state, parse_chat(body))
-    return [state.tokenizer.bos_id] + ids if add_special and state.tokenizer.add_bos else ids
+    if add_special and tokenizer.add_bos:
+        assert tokenizer.bos_id is not None  # add_bos is only ever set with a BOS id
+        return [tokenizer.bos_id] + ids
+    return ids

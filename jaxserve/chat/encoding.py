@@ -20,7 +20,7 @@ Everything a client can get wrong raises ChatTemplateError naming the request fi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
@@ -83,7 +83,7 @@ Otherwise, output directly after {THINK_END} with tool calls or final response.
 {{tool_schemas}}
 
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
+"""  # noqa: E501 - the release's lines, unwrapped
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -123,7 +123,10 @@ class ChatOptions:
         if not self.uses_tools or self.tool_choice == "auto":
             return ""
         prefix = TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN + "\n"
-        return prefix + invoke_open(self.tool_name) + "\n" if self.tool_choice == "function" else prefix
+        if self.tool_choice != "function":
+            return prefix
+        assert self.tool_name is not None  # chat_options names the function whenever tool_choice is "function"
+        return prefix + invoke_open(self.tool_name) + "\n"
 
 
 def chat_options(thinking: bool = False, reasoning_effort: Any = None, tools: Any = None,
@@ -180,7 +183,8 @@ def _tool_choice(choice: Any, functions: tuple[dict, ...]) -> tuple[str, str | N
     name = named.get("name") if isinstance(named, dict) else None
     if not isinstance(name, str):
         raise ChatTemplateError("tool_choice", "tool_choice: must be 'auto', 'none', 'required' or "
-                                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+                                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                                               f"got {choice!r}")
     if name not in {f["name"] for f in functions}:
         raise ChatTemplateError("tool_choice", f"tool_choice.function.name: {name!r} is not one of the tools")
     return "function", name
@@ -194,7 +198,7 @@ class _Turn:
 
     role: str
     text: str = ""  # system/developer/assistant content; user text is in `blocks`
-    blocks: list[tuple[str, str, str]] | None = None  # user turns: (kind "text"|"tool_result", text, tool_call_id)
+    blocks: list[tuple[str, str, str]] = field(default_factory=list)  # user turns: (kind, text, tool_call_id)
     reasoning: str = ""
     tool_calls: list[tuple[str, dict, str]] | None = None  # (name, arguments, id)
     tools: tuple[dict, ...] = ()

@@ -72,7 +72,8 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
 def parse_tool_block(body: str) -> list[tuple[str, str]] | None:
     """The (name, arguments JSON) calls in the text between a block's opening and closing tags, or None when it
     is not DSML (then the caller returns the block as text)."""
-    calls, at = [], 0
+    calls: list[tuple[str, str]] = []
+    at = 0
     while True:
         invoke = _INVOKE.match(body, at)
         if invoke is None:

@@ -108,6 +108,7 @@ def attention_block(
             assert kind == CSA
             with jax.named_scope("indexer"):
                 idx = w.indexer
+                assert idx is not None  # every CSA layer's weights carry an indexer
                 index_entries, index_state = _update_compressed(x, idx.compressor, cache.index_entries,
                                                                 cache.index_state, layer, inputs, write_slots, rate,
                                                                 freqs, cfg)

@@ -72,6 +72,7 @@ def compress_chunk(
 
     with jax.named_scope("pool"):
         if overlap:
+            assert state.prev_kv is not None and state.prev_gate is not None  # what `overlap` says
             ext_kv = jnp.concatenate([state.prev_kv[:, None], win_kv[..., :c]], axis=1)  # [b, w+1, m, c]
             ext_gate = jnp.concatenate([state.prev_gate[:, None], win_gate[..., :c]], axis=1)
             # Window 0 of a sequence has no predecessor: its A-slots get zero weight.

@@ -43,7 +43,7 @@ def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:
         return r * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), r - 1)
+    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), r - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)

@@ -76,7 +76,8 @@ class WeightsBuilder:
             raise ValueError(f"{name}: given twice")
         leaf = self._layout[name]
         parts = flatten_with_names(leaf.info)
-        if jax.tree.structure(value) != jax.tree.structure(leaf.info, is_leaf=is_info):
+        # jaxlib ships no stubs, so mypy sees PyTreeDef as an unresolved type it cannot compare
+        if jax.tree.structure(value) != jax.tree.structure(leaf.info, is_leaf=is_info):  # type: ignore[operator]
             raise ValueError(f"{name}: got {type(value).__name__}, the model keeps it as "
                              f"{type(leaf.info).__name__} ({', '.join(part or 'array' for part, _ in parts)})")
         arrays = jax.tree.leaves(value)

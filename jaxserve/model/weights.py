@@ -44,18 +44,16 @@ class ArrayInfo:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
 
-def _dataclass(cls):
-    return jax.tree_util.register_dataclass(dataclass(cls))
-
-
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class HyperConnection:
     fn: Any  # [hc*d, (2+hc)*hc]: pre | post | comb (row-major hc x hc)
     base: Any  # [(2+hc)*hc]
     scale: Any  # [3]
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class Compressor:
     wkv: Any  # [d, coff*c]
     wgate: Any  # [d, coff*c]
@@ -63,14 +61,16 @@ class Compressor:
     norm: Any  # [c]
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class Indexer:
     compressor: Compressor
     wq_b: Any  # [q_lora, n_I, c_I]
     weights_proj: Any  # [d, n_I]
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class Attention:
     wq_a: Any  # [d, q_lora]
     q_norm: Any  # [q_lora]
@@ -84,7 +84,8 @@ class Attention:
     indexer: Indexer | None = None
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class MoE:
     router: Any  # [d, E]
     w_gate: Any  # [E, d, f]
@@ -97,7 +98,8 @@ class MoE:
     tid2eid: Any = None  # [V, k], the fixed token -> experts table (hash-routed layers)
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class RoutedExperts:
     """A segment's routed experts, every layer's ([layers, E, ...]): what the layer scan does not slice."""
 
@@ -113,7 +115,8 @@ class RoutedExperts:
         return rest, RoutedExperts(moe.w_gate, moe.w_up, moe.w_down)
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class Layer:
     attn_hc: HyperConnection
     attn_norm: Any  # [d]
@@ -123,7 +126,8 @@ class Layer:
     moe: MoE
 
 
-@_dataclass
+@jax.tree_util.register_dataclass
+@dataclass
 class Weights:
     embed: Any  # [V, d]
     segments: list[list[Layer]]  # [segment][position in its pattern], every leaf stacked: [repeats, ...]
@@ -183,7 +187,7 @@ def _grouped_output(cfg: ModelConfig):
     mixes a group (from the release's rows) and a head within it (from its columns)."""
     g, j, k, o = cfg.o_groups, cfg.heads_per_group, cfg.head_dim, cfg.o_lora_rank
     fmt = cfg.linear_format
-    blocks = ()
+    blocks: tuple[int, ...] = ()
     if fmt:
         per_group, per_lora = _split_block(FP8_BLOCK, g, o, "attn.wo_a")
         per_head, per_dim = _split_block(FP8_BLOCK, j, k, "attn.wo_a")

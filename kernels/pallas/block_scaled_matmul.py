@@ -34,7 +34,6 @@ CPU flushes denormals, so the tests cannot tell); also the speed of the default 
 from __future__ import annotations
 
 import functools
-import math
 import re
 from typing import Any
 

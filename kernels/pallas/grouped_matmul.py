@@ -155,7 +155,7 @@ def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout,
     if w.format == FP8:
         scale_block = (w.blocks[-2], w.blocks[-1])
         layout = _Layout(FP8, m, d, f, bm, bk, bf, x.dtype, w.scales.shape[-2:], scale_block)
-        x_operands = (x,)
+        x_operands: tuple[jax.Array, ...] = (x,)
     elif w.format == FP4:
         if w.blocks[-2] % 2:
             raise ValueError(f"FP4 scale blocks must cover whole code bytes (an even input count); got {w.blocks}")
