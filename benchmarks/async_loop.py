@@ -32,7 +32,9 @@ PACE_CALLS = 8  # device pace: calls queued before one wait, so their launches o
 
 def decode_profile(engine) -> tuple[float, float, int]:
     """(median period between decode step ends, decode tokens per second, decode steps) from the step record."""
-    decodes = [r for r in engine.step_record if r.kind == "decode"]
+    from jaxserve.step import StepKind
+
+    decodes = [r for r in engine.step_record if r.kind is StepKind.DECODE]
     ends = [r.ended for r in decodes]
     periods = [b - a for a, b in zip(ends, ends[1:])]
     tokens = sum(r.num_tokens for r in decodes[1:])
@@ -58,13 +60,14 @@ def run_once(runner, model_cfg, eos, cfg, batch: int, tokens: int) -> dict:
 
 def device_step(runner, batch: int, back_to_back: int, repeats: int = 25) -> float:
     """Median seconds per call of the compiled decode step alone, for `batch` rows, `back_to_back` calls a wait."""
-    from jaxserve.request import Batch, Request, SamplingParams
+    from jaxserve.request import Request, SamplingParams
+    from jaxserve.step import StepPlan
 
     requests = [Request(f"d{i}", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=i, num_sampled=1,
                         pages=list(range(i * runner.geometry.max_pages_per_seq,
                                          (i + 1) * runner.geometry.max_pages_per_seq)))
                 for i in range(batch)]
-    return statistics.median(runner.device_seconds(Batch(decode=tuple(requests)), repeats, back_to_back))
+    return statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats, back_to_back))
 
 
 def main() -> int:

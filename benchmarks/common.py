@@ -165,17 +165,21 @@ def slot_request(geo, slot: int, prompt, output=()) -> "Request":
 
 def prefill_step(runner, request, start: int, length: int) -> int:
     """Run one chunk of `request`'s prompt; the token sampled after it."""
-    from jaxserve.request import Batch, PrefillChunk
+    from jaxserve.step import StepPlan, StepRow
 
-    return int(runner.run(Batch(prefill=(PrefillChunk(request, start, length),))).prefill_tokens[0])
+    row = StepRow.chunk(request, start, length)
+    token = runner.run(StepPlan(prefill=(row,))).prefill[0].token_id
+    request.num_sampled += row.samples_output  # what scheduling the step records
+    return token
 
 
 def decode_step(runner, requests) -> None:
     """One decode step over `requests`; each gets its next token appended."""
-    from jaxserve.request import Batch
+    from jaxserve.step import StepPlan
 
-    for request, token in zip(requests, runner.run(Batch(decode=tuple(requests))).decode_tokens):
-        request.output_ids.append(int(token))
+    for request, out in zip(requests, runner.run(StepPlan.decode_of(requests)).decode):
+        request.output_ids.append(out.token_id)
+        request.num_sampled += 1  # what scheduling the step records
 
 
 def add_kernels_flag(parser: argparse.ArgumentParser) -> None:

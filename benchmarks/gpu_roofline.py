@@ -87,7 +87,8 @@ from jaxserve.kernels.table import KERNEL_CHOICES, kernels_for
 from jaxserve.model.segments import LayerKind, layer_segments
 from jaxserve.model.weights import ArrayInfo, abstract_weights, is_info, is_weight, weights_nbytes
 from jaxserve.presets import preset
-from jaxserve.request import Batch, PrefillChunk, Request, SamplingParams
+from jaxserve.request import Request, SamplingParams
+from jaxserve.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
 from jaxserve.sharding import make_mesh, shardings_for
 
@@ -344,17 +345,17 @@ def slot_pages(geo: CacheGeometry, slot: int) -> list[int]:
     return list(range(slot * geo.max_pages_per_seq, (slot + 1) * geo.max_pages_per_seq))
 
 
-def decode_rows(geo: CacheGeometry, batch: int, context: int) -> Batch:
+def decode_rows(geo: CacheGeometry, batch: int, context: int) -> StepPlan:
     """`batch` decode rows in their own slots and pages, each at position `context`, sampling with its own seed."""
-    return Batch(decode=tuple(Request(f"d{i}", [1] * context, SamplingParams(temperature=1.0, seed=i), slot=i,
-                                      num_sampled=1, pages=slot_pages(geo, i)) for i in range(batch)))
+    return StepPlan.decode_of([Request(f"d{i}", [1] * context, SamplingParams(temperature=1.0, seed=i), slot=i,
+                                       num_sampled=1, pages=slot_pages(geo, i)) for i in range(batch)])
 
 
-def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> Batch:
+def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
     """Slot 0's prompt of `context` random tokens; the chunk of its last `chunk` tokens."""
     tokens = np.random.default_rng(1).integers(2, cfg.vocab_size, plan.context).tolist()
     request = Request("prefill", tokens, SamplingParams(temperature=1.0, seed=0), slot=0, pages=slot_pages(geo, 0))
-    return Batch(prefill=(PrefillChunk(request, plan.context - plan.chunk, plan.chunk),))
+    return StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),))
 
 
 def compiled_text(runner: ModelRunner, shape) -> str:
@@ -548,7 +549,7 @@ def summarize_trace(trace: dict, hlo_text: str, steps: int, on_cpu: bool,
     }
 
 
-def profile_steps(runner: ModelRunner, batch: Batch, steps: int, hlo_text: str) -> dict:
+def profile_steps(runner: ModelRunner, batch: StepPlan, steps: int, hlo_text: str) -> dict:
     """`steps` decode steps through `runner.run` (the serving path) under jax.profiler.trace, summarized; the reason
     instead when there is no trace to read."""
     # The Perfetto JSON's events name their HLO op; a jax without the option still writes the trace viewer's.
@@ -608,7 +609,7 @@ def measure_decode(runner: ModelRunner, choice: str, plan: Plan, costs: list[Lay
         rows.append({"part": "layer_step", "batch": batch, "implementation": choice, "layers": cfg.num_layers,
                      "step_s": pace, "latency_s": latency, "bytes": total, "bound_s": total / bandwidth,
                      "fraction_of_bound": (total / bandwidth) / pace, "method": "device_seconds"})
-        profile = profiles[batch] = profile_steps(runner, step, plan.trace_steps, compiled_text(runner, ((batch, 1),)))
+        profile = profiles[batch] = profile_steps(runner, step, plan.trace_steps, compiled_text(runner, StepShape(decode=GroupShape(batch, 1))))
         if "error" in profile:
             rows[-1]["profile_error"] = profile["error"]
         else:  # kernel time the HLO metadata could not place in a part (the part rows leave it out)
@@ -672,10 +673,10 @@ def tiny_decode_period(choice: str, plan: Plan) -> dict:
         handle.wait(timeout=CHILD_TIMEOUT_S)
     finally:
         engine.shutdown()
-    ends = [r.ended for r in engine.step_record if r.kind == "decode"]
+    ends = [r.ended for r in engine.step_record if r.kind is StepKind.DECODE]
     period = statistics.median(b - a for a, b in zip(ends, ends[1:]))
-    row = Batch(decode=(Request("tiny", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=0, num_sampled=1,
-                                pages=slot_pages(runner.geometry, 0)),))
+    row = StepPlan.decode_of([Request("tiny", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=0, num_sampled=1,
+                                      pages=slot_pages(runner.geometry, 0))])
     device = statistics.median(runner.device_seconds(row, plan.tiny_repeats, back_to_back=8))
     latency = statistics.median(runner.device_seconds(row, plan.tiny_repeats))
     first = jax.devices()[0]

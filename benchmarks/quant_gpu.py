@@ -27,7 +27,8 @@ from jaxserve.kernels.moe import grouped_matmul
 from jaxserve.kernels.quant import FP4, FP8, dequantize, einsum, quantize
 from jaxserve.model.weights import init_weights, weights_nbytes
 from jaxserve.presets import preset
-from jaxserve.request import Batch, Request, SamplingParams
+from jaxserve.request import Request, SamplingParams
+from jaxserve.step import StepPlan
 from jaxserve.runner import Buckets, ModelRunner
 from jaxserve.sharding import make_mesh
 
@@ -88,7 +89,7 @@ def decode_step(preset_name: str, layers: int, batch: int, bandwidth: float, rep
         request = Request(f"r{slot}", [2, 3, 4], SamplingParams(max_tokens=8))
         request.slot, request.pages, request.num_sampled = slot, [slot * 2], 1
         requests.append(request)
-    seconds = statistics.median(runner.device_seconds(Batch(decode=tuple(requests)), repeats))
+    seconds = statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats))
     total = weights_nbytes(weights)
     experts = sum(weights_nbytes([layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down])
                   for segment in weights.segments for layer in segment)

@@ -30,14 +30,14 @@ from jaxserve.cache import storage_dtype
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SUPPORTED_DTYPES, EngineConfig, ModelConfig,
-                             parse_bytes)
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES, SUPPORTED_DTYPES,
+                             EngineConfig, ModelConfig, parse_bytes)
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
 from jaxserve.kernels.table import KERNEL_CHOICES
 from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.request import SamplingParams
-from jaxserve.runner import build_runner
+from jaxserve.runner import ModelRunner, build_runner
 from jaxserve.server.config import ServerConfig
 from jaxserve.sharding import make_mesh
 
@@ -54,8 +54,8 @@ INTERLEAVE_HELP = (
     "further. Smaller N: running requests wait less for their next token, but new prompts take longer to reach "
     "their first token; larger N: the reverse. Under asynchronous dispatch the longest wait for the next token "
     "of a running request is about (N+1) x t_chunk + t_decode (t_chunk: one prefill step of "
-    "--chunked-prefill-size tokens, t_decode: one decode step). Unset or 0: prefill always goes first, so "
-    "running requests freeze for a whole prefill burst.")
+    "--chunked-prefill-size tokens, t_decode: one decode step). Setting it turns the default mixed steps off "
+    "(see --mixed-batches). Unset or 0: no count.")
 
 
 STALL_HELP = (
@@ -66,6 +66,14 @@ STALL_HELP = (
     "--decode-interleave-every (whichever is due first wins).")
 
 
+MIXED_HELP = (
+    "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that "
+    "many tokens so the step costs what a pure chunk does: running requests advance every step, so their longest "
+    "wait is about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those "
+    "keep their own semantics over pure prefill steps; add --mixed-batches to combine). --no-mixed-batches without "
+    "either: prefill-first")
+
+
 @dataclass(frozen=True)
 class Flag:
     config: type  # the dataclass the flag fills: EngineConfig, or ServerConfig (flags of `serve` only)
@@ -74,6 +82,9 @@ class Flag:
     help: str
     choices: tuple | None = None
     metavar: str | None = None  # default: N for integers, SECONDS for floats
+
+
+DEFAULT_METAVARS: dict[Callable, str] = {int: "N", float: "SECONDS"}
 
 
 FLAGS = (
@@ -114,9 +125,11 @@ FLAGS = (
     Flag(EngineConfig, "max_queued_requests", int, "requests waiting for admission; more are refused (HTTP 429)"),
     Flag(EngineConfig, "decode_interleave_every", int, INTERLEAVE_HELP),
     Flag(EngineConfig, "max_decode_stall_ms", float, STALL_HELP, metavar="MS"),
-    Flag(EngineConfig, "mixed_batches", bool, "put one token of every running request into each prefill step, so "
-                                              "running requests advance every step (each then waits one prefill "
-                                              "step, not N)"),
+    Flag(EngineConfig, "mixed_batches", bool, MIXED_HELP),
+    Flag(EngineConfig, "scheduling_policy", str, "the order waiting requests are admitted in: fcfs: first come, "
+                                                 "first served; priority: by each request's `priority` field, lower "
+                                                 "first (first come, first served among equals; requests already "
+                                                 "running are never preempted)", choices=SCHEDULING_POLICIES),
     Flag(EngineConfig, "compilation_cache_dir", str, f"XLA's persistent compilation cache (default: "
                                                      f"${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an "
                                                      "empty string turns it off)", metavar="DIR"),
@@ -146,9 +159,9 @@ def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
         name = "--" + flag.field.replace("_", "-")
         if flag.type is bool:
             parser.add_argument(name, dest=flag.field, action=argparse.BooleanOptionalAction, default=default,
-                                help=flag.help + " (default: %(default)s)")
+                                help=flag.help + ("" if default is None else " (default: %(default)s)"))
             continue
-        metavar = None if flag.choices else flag.metavar or {int: "N", float: "SECONDS"}[flag.type]
+        metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
         parser.add_argument(name, dest=flag.field, type=flag.type, default=default,
                             choices=flag.choices, metavar=metavar,
                             help=flag.help + (" (default: %(default)s)" if default is not None else ""))
@@ -175,7 +188,8 @@ def device_memory(cfg: EngineConfig) -> int | None:
     if cfg.device_memory is not None:
         return usable_memory(cfg.device_memory)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
-    return min(limits) if limits and all(limits) else None
+    known = [limit for limit in limits if limit]
+    return min(known) if limits and len(known) == len(limits) else None
 
 
 def check_fit(cfg: EngineConfig, model_cfg: ModelConfig, mesh) -> None:
@@ -223,7 +237,9 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     engine, loaded = build_engine(cfg, show_progress=True)
     print(f"loaded weights in {time.perf_counter() - started:.1f} s", flush=True)
     print(capacity_line(engine), flush=True)
-    print(f"kernels ({cfg.kernels}): {engine.runner.kernels.describe()}", flush=True)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # build_engine's: the Engine sees it only as a StepRunner
+    print(f"kernels ({cfg.kernels}): {runner.kernels.describe()}", flush=True)
     return engine, loaded
 
 
@@ -416,7 +432,7 @@ def plan(args: argparse.Namespace) -> int:
     else:
         model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
     the_plan = make_plan(model_cfg, cfg, make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size,
-                                                   jax.devices("cpu")), device_memory(cfg))
+                                                   jax.devices("cpu")), usable_memory(cfg.device_memory))
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=2))
     else:

@@ -432,6 +432,10 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+# --scheduling-policy: the order waiting requests are admitted in (jaxserve.scheduler.queue_order).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 def check_kv_cache_dtype(value: str) -> None:
     if value not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype={value!r}: must be one of {KV_CACHE_DTYPES}")
@@ -461,7 +465,10 @@ class EngineConfig:
     max_queued_requests: int = 256  # requests waiting for admission; more are refused (HTTP 429)
     decode_interleave_every: int | None = None  # after N consecutive prefill steps, one decode step
     max_decode_stall_ms: float | None = None  # a runnable decode never waits longer (shrinking chunks to fit)
-    mixed_batches: bool = False  # prefill steps also carry one token of every running request
+    # Prefill steps also carry one token of every decoding request, under the pure chunk's token budget. None (the
+    # default): on unless an interleave count or a stall budget is set, which keep their own semantics (mixed_steps).
+    mixed_batches: bool | None = None
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES: the order waiting requests are admitted in
     async_scheduling: bool = True  # dispatch step N+1 while step N runs (one step in flight)
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_COMPILE_CACHE or ~/.cache/jaxserve/xla; "": off
     decode_log_interval: int = 50
@@ -483,3 +490,25 @@ class EngineConfig:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {QUANTIZATION_MODES}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES}")
+
+    @property
+    def interleave_every(self) -> int | None:
+        """--decode-interleave-every when it asks for a count (unset, 0 or less: none)."""
+        every = self.decode_interleave_every
+        return every if every is not None and every > 0 else None
+
+    @property
+    def stall_budget_ms(self) -> float | None:
+        """--max-decode-stall-ms when it sets a budget (unset, 0 or less: none)."""
+        budget = self.max_decode_stall_ms
+        return budget if budget is not None and budget > 0 else None
+
+    @property
+    def mixed_steps(self) -> bool:
+        """Whether prefill steps carry decode rows: --mixed-batches as given, else on unless --decode-interleave-every
+        or --max-decode-stall-ms is set (each keeps its own semantics, over pure prefill steps)."""
+        if self.mixed_batches is not None:
+            return self.mixed_batches
+        return self.interleave_every is None and self.stall_budget_ms is None

@@ -19,16 +19,14 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
-
-from typing import Iterable, Protocol
+from typing import AsyncIterator, Iterable, Protocol
 
 from jaxserve.cache import CacheGeometry, resolve_max_model_len
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.request import Batch, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
-from jaxserve.runner import Buckets, StepLimits, StepResult
-from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, DecodeStallPolicy, IdAllocator, PrefillManager,
-                                Scheduler)
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.runner import Buckets
+from jaxserve.scheduler import IdAllocator, StepCounts, build_scheduler
+from jaxserve.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -114,8 +112,8 @@ STEP_RECORD_LENGTH = 100_000
 
 @dataclass(frozen=True)
 class StepRecord:
-    kind: str  # prefill | decode | mixed
-    forced_by: str | None  # the policy that put this decode ahead of prefill: interleave | stall
+    kind: StepKind
+    forced_by: ForcedBy | None  # the policy that put this decode ahead of prefill
     request_ids: tuple[str, ...]
     num_tokens: int
     started: float
@@ -124,7 +122,7 @@ class StepRecord:
 
 @dataclass
 class _InFlight:
-    batch: Batch
+    plan: StepPlan
     step: "PendingStep"
     dispatched_at: float
 
@@ -148,15 +146,40 @@ class _FailedDispatch:
 
 @dataclass
 class Counters:
-    """The engine's totals; /metrics and the logs both read these (through stats())."""
+    """The engine's own totals (the scheduler counts the steps)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot of the engine: requests by state, KV pages, steps and tokens. /metrics, the stats log line and
+    the benchmarks all read this (Engine.stats())."""
+
+    waiting: int = 0  # queued for admission
+    prefilling: int = 0  # admitted, prompt not fully scheduled
+    decoding: int = 0
+    free_pages: int = 0
+    total_pages: int = 1
+    steps: StepCounts = field(default_factory=StepCounts)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+    @property
+    def running(self) -> int:
+        """Admitted and unfinished: prefilling or decoding (vLLM's num_requests_running)."""
+        return self.prefilling + self.decoding
+
+    @property
+    def kv_usage(self) -> float:
+        return 1 - self.free_pages / self.total_pages
+
+
 class PendingStep(Protocol):
-    def result(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def result(self) -> StepOutput: ...
 
 
 class StepRunner(Protocol):
@@ -170,8 +193,9 @@ class StepRunner(Protocol):
     def limits(self) -> StepLimits | None:
         """What the compiled shapes allow a step to carry; None until a prefill and a decode shape are compiled."""
 
-    def dispatch(self, batch: Batch) -> PendingStep:
-        """Start `batch`; `result()` waits for its StepResult (tokens and the logprobs rows asked for)."""
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        """Start `plan`; `result()` waits for its StepOutput (each row's token and the logprobs it asked for). Never
+        changes a request."""
 
     def cache_lost(self) -> bool: ...
 
@@ -195,20 +219,13 @@ class Engine:
         if geometry.num_slots < engine_cfg.max_num_seqs or geometry.max_tokens_per_seq < self.max_model_len:
             raise ValueError(f"the runner's KV geometry {geometry} holds fewer than max_num_seqs="
                              f"{engine_cfg.max_num_seqs} sequences of max_model_len={self.max_model_len} tokens")
-        if engine_cfg.mixed_batches and not runner.buckets.mixed:
-            raise ValueError("mixed_batches needs a runner compiled with mixed steps (build_runner does that)")
+        if engine_cfg.mixed_steps:
+            _check_mixed_steps(engine_cfg, runner.buckets)
         self.runner = runner
         self.geometry = geometry
         self.page_pool = IdAllocator(geometry.num_pages, "KV pages")
-        self.scheduler = Scheduler(
-            PrefillManager(self.page_pool, geometry.page_size, engine_cfg.chunked_prefill_size,
-                           engine_cfg.max_prefill_rows, IdAllocator(engine_cfg.max_num_seqs, "slots")),
-            DecodeManager(engine_cfg.max_num_seqs),
-            DecodeInterleavePolicy(engine_cfg.decode_interleave_every),
-            DecodeStallPolicy(engine_cfg.max_decode_stall_ms, page_size=geometry.page_size,
-                              min_chunk_tokens=min(runner.buckets.prefill_chunks)),
-            mixed_batches=engine_cfg.mixed_batches,
-        )
+        self.scheduler = build_scheduler(engine_cfg, self.page_pool, geometry.page_size,
+                                         min(runner.buckets.prefill_chunks))
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -276,8 +293,10 @@ class Engine:
             if not 0 <= int(token) < vocab:
                 raise InvalidRequest(param, f"{param}[{i}]: token id {token} is outside the vocabulary [0, {vocab})")
 
-    def check_admission(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit."""
+    def check_admission(self, prompt_ids: list[int], sampling: SamplingParams, priority: int = 0) -> None:
+        """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit (or asks for a
+        priority the queue order does not use)."""
+        self.scheduler.prefill_manager.queue_order.check_priority(priority)
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         if not prompt_ids:
@@ -292,15 +311,16 @@ class Engine:
                                         f"or completion. (parameter={param}, value={value})")
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, priority: int = 0) -> RequestHandle:
         """Queue a request; raises InvalidRequest at once for one that is invalid or can never fit, QueueFull when
-        `max_queued_requests` are already waiting, EngineDraining once drain() was called."""
+        `max_queued_requests` are already waiting, EngineDraining once drain() was called. `priority`: lower is
+        admitted first under --scheduling-policy priority (elsewhere only 0 is accepted)."""
         sampling = sampling or SamplingParams()
-        self.check_admission(prompt_ids, sampling)
+        self.check_admission(prompt_ids, sampling, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
-        request = Request(request_id, [int(t) for t in prompt_ids], sampling)
+        request = Request(request_id, [int(t) for t in prompt_ids], sampling, priority=priority)
         handle = RequestHandle(request_id, request.prompt_ids)
         with self._admission:
             if self._draining:
@@ -322,27 +342,19 @@ class Engine:
         self._inbox.put(("abort", request_id, reason, stop_reason))
         self._wake.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """A snapshot published by the engine thread after every step (safe to call from any thread)."""
-        return dict(self._stats)
+        return self._stats
 
     def _publish_stats(self) -> None:  # engine thread
         sched = self.scheduler
-        self._stats = {
-            "running": len(sched.decode_manager.running),
-            "waiting": sched.prefill_manager.num_waiting,
-            "free_pages": self.page_pool.num_free,
-            "total_pages": self.page_pool.size,
-            "kv_usage": self.page_pool.num_used / self.page_pool.size,
-            "prefill_steps": sched.prefill_steps,
-            "decode_steps": sched.decode_steps,
-            "forced_decode_steps": sched.forced_decode_steps,
-            "stall_decode_steps": sched.stall_decode_steps,
-            "mixed_steps": sched.mixed_steps,
-            "prompt_tokens": self.counters.prompt_tokens,
-            "generation_tokens": self.counters.generation_tokens,
-            "finished": dict(self.counters.finished),
-        }
+        states = collections.Counter(r.status for r in sched.prefill_manager.requests + sched.decode_manager.running)
+        self._stats = EngineStats(
+            waiting=states[RequestStatus.WAITING], prefilling=states[RequestStatus.PREFILLING],
+            decoding=states[RequestStatus.DECODING], free_pages=self.page_pool.num_free,
+            total_pages=self.page_pool.size, steps=sched.counts.copy(),
+            prompt_tokens=self.counters.prompt_tokens, generation_tokens=self.counters.generation_tokens,
+            finished=dict(self.counters.finished))
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -351,14 +363,13 @@ class Engine:
         while not self._stop.is_set():
             if (current := self.runner.limits()) is not limits:  # more shapes compiled: bigger steps allowed
                 limits = current
-                self.scheduler.set_step_limits(limits.prefill_tokens, limits.prefill_rows, limits.decode_rows,
-                                               limits.mixed)
+                self.scheduler.set_step_limits(limits)
             self._drain_inbox()
-            self.scheduler.note_inflight(*((inflight.batch, inflight.device_start(self._device_free_at))
+            self.scheduler.note_inflight(*((inflight.plan, inflight.device_start(self._device_free_at))
                                            if inflight else (None,)))
-            batch = self.scheduler.schedule()
-            dispatched = self._dispatch(batch) if batch is not None else None
-            if batch is not None:
+            plan = self.scheduler.schedule()
+            dispatched = self._dispatch(plan) if plan is not None else None
+            if plan is not None:
                 self._publish_stats()  # admission took pages before any of this step's tokens can be delivered
             # Overlap: the step just dispatched runs on the device while the host finishes the one before it.
             landed = inflight
@@ -372,7 +383,7 @@ class Engine:
                 inflight = None
             # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a request it
             # finished frees pages for a waiting one), and waiting here would hold that back by the whole timeout.
-            if batch is None and landed is None:
+            if plan is None and landed is None:
                 self._publish_stats()  # a step publishes when it completes; aborts and arrivals when idle
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -392,57 +403,55 @@ class Engine:
             if live is not None:
                 self._finish(live[0], reason, stop_reason)
 
-    def _dispatch(self, batch: Batch) -> _InFlight:
+    def _dispatch(self, plan: StepPlan) -> _InFlight:
         dispatched = time.perf_counter()
         try:
-            step = self.runner.dispatch(batch)
+            step = self.runner.dispatch(plan)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             step = _FailedDispatch(error)
-        for request in batch.requests:
+        for request in plan.requests:
             self._inflight[request.request_id] += 1
-        return _InFlight(batch, step, dispatched)
+        return _InFlight(plan, step, dispatched)
 
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for a dispatched step's tokens, deliver them and run the stop checks."""
-        batch = inflight.batch
+        plan = inflight.plan
         try:
-            result = inflight.step.result()
+            output = inflight.step.result()
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
-            self._landed(batch)
-            self._fail_step(batch, error)
+            self._landed(plan)
+            self._fail_step(plan, error)
             return
         # Steps run in order: this one started when it was dispatched or when the one before it ended (known by now,
         # as the one before completed first), so a step's time never includes the one it queued behind.
         started, ended = inflight.device_start(self._device_free_at), time.perf_counter()
         self._device_free_at = ended
-        self._landed(batch)
-        self.counters.prompt_tokens += batch.num_prefill_tokens
+        self._landed(plan)
+        self.counters.prompt_tokens += plan.num_prefill_tokens
         # A request finished while this step was in flight (a stop, an abort) may have had a token computed here:
         # it is never delivered.
-        for i, chunk in enumerate(batch.prefill):
-            request = chunk.request
+        for row, out in zip(plan.rows, output.prefill + output.decode):
+            request = row.request
             if request.finished:
                 continue
-            if result.prompt_logprobs[i] is not None:
-                request.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if chunk.is_last and request.sampling.max_tokens == 0:  # prefill only: the sampled token is unused
+            if out.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(out.prompt_logprobs)
+            if not row.samples_output:
+                continue
+            if request.sampling.max_tokens == 0:  # prefill only: the token after the prompt is unused
                 self._finish(request, "length", prompt_logprobs=self._prompt_logprobs(request))
-            elif chunk.is_last:  # the token after the prompt is the first output token
-                self._deliver(request, int(result.prefill_tokens[i]), result.prefill_logprobs[i])
-        for request, token, logprob in zip(batch.decode, result.decode_tokens, result.decode_logprobs):
-            if not request.finished:
-                self._deliver(request, int(token), logprob)
+            else:  # after the prompt: the first output token; after a decode row: the next
+                self._deliver(request, out.token_id, out.logprob)
         seconds = ended - started
-        self.scheduler.observe_step(batch, seconds)
-        self.scheduler.on_batch_done(batch)
-        self.step_record.append(StepRecord(batch.phase, batch.forced_by, tuple(r.request_id for r in batch.requests),
-                                           batch.num_tokens, started, ended))
+        self.scheduler.on_step_done(plan, seconds)
+        self.step_record.append(StepRecord(plan.kind, plan.forced_by, tuple(r.request_id for r in plan.requests),
+                                           plan.num_tokens, started, ended))
         self._publish_stats()
-        self._log_step(batch, seconds)  # reads the counts just published
+        self._log_step(plan, seconds)  # reads the counts just published
 
-    def _landed(self, batch: Batch) -> None:
-        """`batch` no longer runs: requests it was the last step in flight of get their pages and slot back."""
-        for request in batch.requests:
+    def _landed(self, plan: StepPlan) -> None:
+        """`plan` no longer runs: requests it was the last step in flight of get their pages and slot back."""
+        for request in plan.requests:
             self._inflight[request.request_id] -= 1
             if not self._inflight[request.request_id]:
                 del self._inflight[request.request_id]
@@ -491,35 +500,51 @@ class Engine:
         handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error,
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
-    def _fail_step(self, batch: Batch, error: Exception) -> None:
-        log.exception("step failed (%s batch of %d requests)", batch.phase, len(batch.requests))
-        failed = [r for r in batch.requests if not r.finished]
+    def _fail_step(self, plan: StepPlan, error: Exception) -> None:
+        log.exception("step failed (%s step of %d requests)", plan.kind.value, len(plan.requests))
+        failed = [r for r in plan.requests if not r.finished]
         if self.runner.cache_lost():
-            # The donated cache went with the failed call: every sequence's KV state is gone, not only the batch's.
+            # The donated cache went with the failed call: every sequence's KV state is gone, not only the step's.
             self.runner.reset_cache()
             failed = [r for r, _ in self._live.values() if not r.finished]
         for request in failed:
             self._finish(request, "error", error=f"{type(error).__name__}: {error}")
 
-    def _log_step(self, batch: Batch, seconds: float) -> None:
+    def _log_step(self, plan: StepPlan, seconds: float) -> None:
         st = self._stats
-        kv = f"KV use {st['kv_usage']:.1%}"
-        if batch.prefill:
-            mixed = f" + {len(batch.decode)} decoding" if batch.decode else ""
+        kv = f"KV use {st.kv_usage:.1%}"
+        if plan.prefill:
+            mixed = f" + {len(plan.decode)} decoding" if plan.decode else ""
             log.info("Prefill batch%s: %d new tokens, %d rows%s, running %d, waiting %d, %s, %.3f s",
-                     " (mixed)" if batch.decode else "", batch.num_prefill_tokens, len(batch.prefill), mixed,
-                     st["running"], st["waiting"], kv, seconds)
+                     " (mixed)" if plan.decode else "", plan.num_prefill_tokens, len(plan.prefill), mixed,
+                     st.running, st.waiting, kv, seconds)
             return
         self._decodes_since_log += 1
-        if batch.forced_by == "interleave":
+        if plan.forced_by is ForcedBy.INTERLEAVE:
             log.info("Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
-                     self.config.decode_interleave_every, len(batch.decode), st["waiting"], kv, seconds)
-        elif batch.forced_by == "stall":
+                     self.config.decode_interleave_every, len(plan.decode), st.waiting, kv, seconds)
+        elif plan.forced_by is ForcedBy.STALL:
             log.info("Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
-                     self.config.max_decode_stall_ms, len(batch.decode), st["waiting"], kv, seconds)
+                     self.config.max_decode_stall_ms, len(plan.decode), st.waiting, kv, seconds)
         elif self._decodes_since_log >= self.config.decode_log_interval:
-            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(batch.decode), st["waiting"], kv,
+            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(plan.decode), st.waiting, kv,
                      seconds)
         else:
             return
         self._decodes_since_log = 0
+
+
+def _check_mixed_steps(cfg: EngineConfig, buckets: Buckets) -> None:
+    """Mixed steps need a runner compiled with them and a chunk longer than the decode rows they carry. A default
+    that cannot mix is said loudly; mixed steps the user asked for are refused."""
+    if not buckets.mixed:
+        why = "the runner was built without mixed step shapes (build_runner builds them)"
+    elif buckets.mixed_shape(GroupShape(1, max(buckets.prefill_chunks))) is None:
+        why = (f"a mixed step's chunk is --chunked-prefill-size ({cfg.chunked_prefill_size}) minus its decode rows "
+               f"(--max-num-seqs, {cfg.max_num_seqs}), which leaves nothing")
+    else:
+        return
+    if cfg.mixed_batches:
+        raise ConfigError(f"--mixed-batches: {why}")
+    log.warning("prefill steps will not carry decode rows (the default mixed steps are off): %s; running requests "
+                "wait for whole prefill bursts (--decode-interleave-every N bounds that)", why)

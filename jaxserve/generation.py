@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncGenerator, Protocol
 
 from jaxserve.engine import Engine, TokenEvent
 from jaxserve.request import SamplingParams, TokenLogprob
@@ -61,9 +61,11 @@ class Output:
 
 class Generation:
     def __init__(self, engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None, keep_markup: bool = False):
-        """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser)."""
-        self.handle = engine.submit(prompt_ids, sampling, request_id=request_id)
+                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None, keep_markup: bool = False,
+                 priority: int = 0):
+        """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser);
+        `priority`: see Engine.submit."""
+        self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority)
         self.num_generated = 0
         self._engine = engine
         self._detokenizer = tokenizer.detokenizer(keep_markup=keep_markup)
@@ -72,7 +74,7 @@ class Generation:
         self._finish_reason: str | None = None
         self._stop_string: str | None = None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """One Delta per engine event, the last one with a finish reason. Use under `contextlib.aclosing`, so
         leaving early aborts the request at once rather than whenever the generator is collected."""
         engine_done = False

@@ -24,12 +24,13 @@ from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.runner import Buckets, ModelRunner
 from jaxserve.sharding import shape_dtype_structs, shardings_for
+from jaxserve.step import GroupShape, StepShape
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
 # layer scan: a full f32 copy of every stacked weight (temporaries 2x the bf16 weights) that a device with native
 # bf16 / fp8 dots never makes. Left in the loop, each layer's conversion is a one-layer temporary.
-ACCELERATOR_LIKE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+ACCELERATOR_LIKE: dict[str, str | bool] = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_MEMORY_FRACTION = 0.75  # of a GPU's memory, what JAX's allocator takes unless MEMORY_FRACTION_ENV says otherwise
 
@@ -94,7 +95,9 @@ class AbstractRunner(ModelRunner):
 
     def reset_cache(self) -> None:
         self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
-        self.slot_tokens = jax.ShapeDtypeStruct((self.geometry.num_slots,), jnp.int32, sharding=self._replicated)
+        # Abstract like the cache: a ShapeDtypeStruct stands in for the runner's array (traced, never run).
+        self.slot_tokens = jax.ShapeDtypeStruct(  # type: ignore[assignment]
+            (self.geometry.num_slots,), jnp.int32, sharding=self._replicated)
 
     def jaxpr(self, shape) -> ClosedJaxpr:
         """The step of `shape` as traced, before XLA sees it."""
@@ -105,7 +108,10 @@ class AbstractRunner(ModelRunner):
         """XLA's temporaries of the compiled step of `shape` (per device)."""
         with jax.set_mesh(self.mesh):
             compiled = self._step.lower(*self._abstract_args(shape)).compile(compiler_options=ACCELERATOR_LIKE)
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        analysis = compiled.memory_analysis()
+        if analysis is None:
+            raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
+        return int(analysis.temp_size_in_bytes)
 
 
 def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
@@ -137,10 +143,10 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
     runner = AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets,
                             kernels=engine_cfg.kernels)
     started = time.perf_counter()
-    for shape in (((max(buckets.decode_rows), 1),),
-                  ((max(buckets.prefill_rows), max(buckets.prefill_chunks)),)):
+    for shape in (StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
+                  StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks)))):
         temp = max(temp, runner.temp_bytes(shape))
-        plan.compiled_steps.append(" + ".join(f"rows={r} chunk={c}" for r, c in shape))
+        plan.compiled_steps.append(str(shape))
     plan.compile_s = time.perf_counter() - started
     plan.temp_bytes_per_device = temp
     left = device_memory - per_device - temp - state

@@ -1,5 +1,5 @@
-"""The request record and the batch: what the scheduler decides, the runner's inputs are built from, and the
-engine delivers to. One record per request, from submission to finish."""
+"""The request record, its sampling parameters and its lifecycle: one record per request, from submission to finish
+(the scheduler plans steps over it, the runner reads it, the engine delivers to it)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,25 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages or slot
-    PREFILLING = "prefilling"  # admitted: pages and slot reserved, prompt partly in the KV cache
-    RUNNING = "running"  # prompt done, in the decode manager
-    FINISHED = "finished"
+    PREFILLING = "prefilling"  # admitted: pages and slot reserved, prompt partly scheduled into the KV cache
+    DECODING = "decoding"  # prompt fully scheduled, in the decode manager
+    FINISHED = "finished"  # EOS, a stop, max_tokens or an error; pages and slot freed once no step writes them
+    ABORTED = "aborted"  # the client went away or asked (finish reason "abort")
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved to a state its current one cannot lead to (a bug in whoever moved it)."""
+
+
+# The one table of a request's legal moves. A request ends in any state it is in (an error, an abort); only an
+# admitted request prefills, only a prefilled one decodes, and an ended one never moves again.
+LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.PREFILLING, RequestStatus.FINISHED, RequestStatus.ABORTED}),
+    RequestStatus.PREFILLING: frozenset({RequestStatus.DECODING, RequestStatus.FINISHED, RequestStatus.ABORTED}),
+    RequestStatus.DECODING: frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED}),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.ABORTED: frozenset(),
+}
 
 
 @dataclass(eq=False)  # identity semantics: two requests are never "equal" because their fields match
@@ -88,7 +104,8 @@ class Request:
     num_sampled: int = 0  # output tokens sampled by dispatched steps (output_ids lags by the step in flight)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    status: RequestStatus = RequestStatus.WAITING  # changed only by move_to(), along LEGAL_TRANSITIONS
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
     # With sampling.prompt_logprobs: the logprobs of prompt tokens 1.. as their chunks run, delivered with the
@@ -128,72 +145,17 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        """Ended, whatever the reason (aborts included)."""
+        return not LEGAL_TRANSITIONS[self.status]
+
+    def move_to(self, status: RequestStatus) -> None:
+        """The one way a request changes state; a move the lifecycle does not allow raises IllegalTransition."""
+        if status not in LEGAL_TRANSITIONS[self.status]:
+            raise IllegalTransition(f"request {self.request_id!r}: {self.status.value} -> {status.value} is not a "
+                                    "legal move")
+        self.status = status
 
     def mark_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self.status = RequestStatus.FINISHED
+        self.move_to(RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED)
         self.finish_reason = reason
         self.stop_reason = stop_reason
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens `request.prompt_ids[start:start + length]`, at positions start, start + 1, ..."""
-
-    request: Request
-    start: int
-    length: int
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.prompt_ids[self.start:self.start + self.length]
-
-    @property
-    def is_last(self) -> bool:
-        # The token sampled after the last chunk is the request's first output token.
-        return self.start + self.length == self.request.prompt_len
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One step: prompt chunks, one next token for each decoding request, or both (a mixed step).
-
-    `forced_by` says which policy put a decode-only step ahead of waiting prefill work ("interleave" or
-    "stall"); None when none did (prefill steps, and the decode taken because there was nothing to prefill)."""
-
-    prefill: tuple[PrefillChunk, ...] = ()
-    decode: tuple[Request, ...] = ()
-    forced_by: str | None = None
-
-    def __post_init__(self):
-        if not self.prefill and not self.decode:
-            raise ValueError("a batch carries prefill chunks, decode rows or both")
-        if self.forced_by is not None and self.prefill:
-            raise ValueError("only a decode-only step is forced ahead of prefill")
-
-    @property
-    def phase(self) -> str:
-        return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.length for c in self.prefill)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decode)
-
-    @property
-    def requests(self) -> list[Request]:
-        """Every request the step advances, prefill rows first, in row order."""
-        return [c.request for c in self.prefill] + list(self.decode)
-
-    @property
-    def completed(self) -> list[Request]:
-        """Requests whose prompt this step completes, in row order."""
-        return [c.request for c in self.prefill if c.is_last]
-
-    @property
-    def sampling_requests(self) -> list[Request]:
-        """The requests this step samples an output token for: completed prompts and decode rows."""
-        return self.completed + list(self.decode)

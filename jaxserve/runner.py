@@ -31,9 +31,11 @@ from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.progress import progress
-from jaxserve.request import Batch, Request, TokenLogprob
+from jaxserve.request import TokenLogprob
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
+from jaxserve.step import (GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow,
+                           StepShape)
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -46,12 +48,6 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sizes) + (limit,)
 
 
-GroupShape = tuple[int, int]  # (rows, chunk length) of one group of rows
-# A row: its tokens, the position of the first, its request, and whether its sampled token is kept in its slot.
-GroupRow = tuple[Sequence[int], int, Request, bool]
-StepShape = tuple[GroupShape, ...]  # one compiled step: a prefill group, a decode group, or both (mixed)
-
-
 @jax.tree_util.register_dataclass
 @dataclass
 class GroupOutput:
@@ -61,17 +57,6 @@ class GroupOutput:
     tokens: jax.Array
     sampled: Logprobs
     prompt: Logprobs | None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step hands back, row by row in batch order (None where a row's request did not ask)."""
-
-    prefill_tokens: np.ndarray  # the token sampled after each prefill chunk
-    decode_tokens: np.ndarray  # the next token of each decode row
-    prefill_logprobs: list[TokenLogprob | None]  # the sampled token's (sampling.logprobs)
-    decode_logprobs: list[TokenLogprob | None]
-    prompt_logprobs: list[list[TokenLogprob] | None]  # each chunk's next prompt tokens' (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -97,22 +82,30 @@ class Buckets:
     def for_config(engine_cfg: EngineConfig) -> "Buckets":
         """The step buckets an engine configuration asks for (the one place the knobs become buckets)."""
         return Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                  engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_batches)
+                                  engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_steps)
 
     @property
     def mixed_decode_group(self) -> GroupShape:
         """A mixed step's decode group always has every decode row (padding the rest): one mixed shape per prefill
         shape, not one per prefill x decode pair."""
-        return (max(self.decode_rows), 1)
+        return GroupShape(max(self.decode_rows), 1)
+
+    def mixed_shape(self, prefill: GroupShape) -> StepShape | None:
+        """The mixed step that costs what the pure step `prefill` does: its chunk shortened by the decode rows, so
+        chunk + decode rows is the pure chunk's tokens (None: the chunk is no longer than the decode rows)."""
+        decode = self.mixed_decode_group
+        if prefill.chunk <= decode.rows:
+            return None
+        return StepShape(GroupShape(prefill.rows, prefill.chunk - decode.rows), decode)
 
     def shapes(self) -> list[StepShape]:
         """Every step shape, in the order they are compiled: first what one request at a time needs (the smallest
         prefill chunk, a decode of one row), then what widens the usable steps soonest."""
-        prefill = [(r, c) for r in self.prefill_rows for c in self.prefill_chunks]
-        first = [((1, self.prefill_chunks[0]),), ((1, 1),)]
-        rest = [((r, 1),) for r in self.decode_rows] + [(p,) for p in prefill]
+        prefill = [GroupShape(r, c) for r in self.prefill_rows for c in self.prefill_chunks]
+        first = [StepShape(prefill=GroupShape(1, self.prefill_chunks[0])), StepShape(decode=GroupShape(1, 1))]
+        rest = [StepShape(decode=GroupShape(r, 1)) for r in self.decode_rows] + [StepShape(prefill=p) for p in prefill]
         if self.mixed:
-            rest += [(p, self.mixed_decode_group) for p in prefill]
+            rest += [shape for shape in map(self.mixed_shape, prefill) if shape is not None]
         return first + [s for s in rest if s not in first]
 
     def first_shapes(self) -> list[StepShape]:
@@ -121,30 +114,24 @@ class Buckets:
     def prompt_shapes(self, prompt_len: int) -> list[StepShape]:
         """What one prompt of `prompt_len` tokens needs, alone: its chunk (or the largest) and a decode of one."""
         chunk = next((c for c in self.prefill_chunks if c >= prompt_len), self.prefill_chunks[-1])
-        return [((1, chunk),), ((1, 1),)]
-
-
-@dataclass(frozen=True)
-class StepLimits:
-    """What the compiled shapes allow a step to carry (the scheduler keeps within it)."""
-
-    prefill_tokens: int  # the longest chunk one row may have
-    prefill_rows: int
-    decode_rows: int
-    mixed: bool
+        return [StepShape(prefill=GroupShape(1, chunk)), StepShape(decode=GroupShape(1, 1))]
 
 
 def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None:
-    """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled."""
-    prefill = {s[0] for s in compiled if len(s) == 1 and s[0][1] > 1}
-    decode = [s[0][0] for s in compiled if len(s) == 1 and s[0][1] == 1]
-    single_row = [c for r, c in prefill if r == 1]
+    """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled. Mixed steps
+    are allowed once every compiled prefill shape's mixed counterpart is compiled too."""
+    prefill = {s.prefill for s in compiled if s.kind is StepKind.PREFILL}
+    decode = [s.decode.rows for s in compiled if s.kind is StepKind.DECODE]
+    single_row = [p.chunk for p in prefill if p.rows == 1]
     if not single_row or not decode:
         return None
     tokens = max(single_row)
-    rows = max(r for r, c in prefill if c >= tokens)
-    mixed = buckets.mixed and all((p, buckets.mixed_decode_group) in compiled for p in prefill)
-    return StepLimits(prefill_tokens=tokens, prefill_rows=rows, decode_rows=max(decode), mixed=mixed)
+    rows = max(p.rows for p in prefill if p.chunk >= tokens)
+    wanted = [m for m in map(buckets.mixed_shape, prefill) if m is not None]
+    mixed = (buckets.mixed and buckets.mixed_shape(GroupShape(1, tokens)) is not None
+             and all(m in compiled for m in wanted))
+    return StepLimits(prefill_tokens=tokens, prefill_rows=rows, decode_rows=max(decode),
+                      mixed_decode_rows=buckets.mixed_decode_group.rows if mixed else 0)
 
 
 class CompileCounter:
@@ -170,20 +157,27 @@ class TokenRoutes:
     store_slot: jax.Array  # [b] int32: the slot that keeps the sampled token; num_slots: not kept (dropped)
 
 
-class PendingStep:
-    """A dispatched step; `result()` waits for its StepResult."""
+@dataclass(frozen=True)
+class _Group:
+    """One group of a step's rows and the compiled shape they run in (decode: the decode group)."""
 
-    def __init__(self, outputs: tuple[GroupOutput, ...], groups: list, asked: tuple[LogprobInputs, ...]):
+    rows: tuple[StepRow, ...]
+    shape: GroupShape
+    decode: bool
+
+
+class PendingStep:
+    """A dispatched step; `result()` waits for its StepOutput."""
+
+    def __init__(self, outputs: tuple[GroupOutput, ...], groups: list[_Group], asked: tuple[LogprobInputs, ...]):
         for out in outputs:
             out.tokens.copy_to_host_async()  # the copy runs while the host prepares the next step
         self._outputs, self._groups, self._asked = outputs, groups, asked
 
-    def result(self) -> StepResult:
-        fetched = [_HostGroup.fetch(out, rows, asked)
-                   for out, (rows, _, _), asked in zip(self._outputs, self._groups, self._asked)]
-        prefill = fetched[0] if not self._groups[0][2] else _NO_ROWS
-        decode = fetched[-1] if self._groups[-1][2] else _NO_ROWS
-        return StepResult(prefill.tokens, decode.tokens, prefill.sampled, decode.sampled, prefill.prompt)
+    def result(self) -> StepOutput:
+        fetched = {group.decode: _fetch(out, group.rows, asked)
+                   for out, group, asked in zip(self._outputs, self._groups, self._asked)}
+        return StepOutput(prefill=fetched.get(False, ()), decode=fetched.get(True, ()))
 
 
 @dataclass
@@ -248,7 +242,7 @@ class ModelRunner:
         return inputs, sampling, routes, asked
 
     def _abstract_args(self, shape: StepShape):
-        groups = [self._abstract_group(rows, chunk) for rows, chunk in shape]
+        groups = [self._abstract_group(group.rows, group.chunk) for group, _ in shape.groups]
         weights, cache, slot_tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens))
@@ -268,12 +262,12 @@ class ModelRunner:
                 compiled = self._step.lower(*self._abstract_args(shape)).compile()
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
-            padding = [([], group, False) for group in shape]
+            padding = [_Group((), group, decode) for group, decode in shape.groups]
             self._launch(compiled, self._host_inputs(padding), padding).result()
             self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
-            described = " + ".join(f"{'decode' if c == 1 else 'prefill'} rows={r} chunk={c}" for r, c in shape)
+            described = str(shape)
             log.debug("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(todo))
             if show_progress:
                 so_far = time.perf_counter() - started
@@ -297,27 +291,23 @@ class ModelRunner:
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
-    def run(self, batch: Batch) -> StepResult:
-        """One step, waited for: the token sampled after each prefill chunk, the next token of each decode row, and
-        the logprobs their requests asked for."""
-        return self.dispatch(batch).result()
+    def run(self, plan: StepPlan) -> StepOutput:
+        """One step, waited for: the token sampled after each row and the logprobs its request asked for."""
+        return self.dispatch(plan).result()
 
-    def dispatch(self, batch: Batch) -> PendingStep:
-        """Start one step without waiting for it. A chunk that is not its prompt's last still samples (its token is
-        neither kept nor used). Records on each request whose token this step samples that it does
-        (`num_sampled`): a decode row's position is that of the last token sampled for it before this step."""
-        step = self._dispatch(self._groups(batch))
-        for request in batch.sampling_requests:
-            request.num_sampled += 1
-        return step
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        """Start one step without waiting for it. Every row samples (after a chunk that is not its prompt's last,
+        the token is neither kept nor returned as an output)."""
+        groups = self._groups(plan)
+        return self._launch(self._compiled_step(groups), self._host_inputs(groups), groups)
 
-    def device_seconds(self, batch: Batch, repeats: int, back_to_back: int = 1) -> list[float]:
-        """Seconds per call of the compiled step of `batch` on inputs built once, `repeats` times: the step's time
+    def device_seconds(self, plan: StepPlan, repeats: int, back_to_back: int = 1) -> list[float]:
+        """Seconds per call of the compiled step of `plan` on inputs built once, `repeats` times: the step's time
         without the host's share (building inputs, scheduling, delivery). Each time is `back_to_back` calls made
         before waiting for the last, over their number: with one, the call's latency (its launch included); with
         more, the device's pace when it is never left waiting, as in the overlapped loop. For benchmarks: it
-        rewrites the batch's KV positions with the same values."""
-        groups = self._groups(batch)
+        rewrites the plan's KV positions with the same values."""
+        groups = self._groups(plan)
         compiled, inputs = self._compiled_step(groups), self._host_inputs(groups)
         times = []
         for _ in range(repeats):
@@ -328,63 +318,55 @@ class ModelRunner:
             times.append((time.perf_counter() - started) / back_to_back)
         return times
 
-    def _groups(self, batch: Batch) -> list[tuple[list[GroupRow], GroupShape, bool]]:
-        """(rows, their compiled bucket shape, whether they are decode rows) for each group of the step."""
+    def _groups(self, plan: StepPlan) -> list[_Group]:
+        """The plan's groups of rows, each with the compiled shape it runs in."""
         groups = []
-        mixed = bool(batch.prefill and batch.decode)
-        if batch.prefill:
-            rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
-            groups.append((rows, self._prefill_shape(len(rows), max(c.length for c in batch.prefill), mixed), False))
-        if batch.decode:
-            # The input token is on the device already (feed_from_slot); the host only says where it sits.
-            rows = [([0], r.decode_position, r, True) for r in batch.decode]
-            shape = self.buckets.mixed_decode_group if mixed else self._decode_shape(len(rows))
-            if len(rows) > shape[0]:
-                raise ValueError(f"decode batch {len(rows)} exceeds the largest compiled bucket {shape[0]}")
-            groups.append((rows, shape, True))
+        mixed = plan.kind is StepKind.MIXED
+        if plan.prefill:
+            shape = self._prefill_shape(len(plan.prefill), max(row.length for row in plan.prefill), mixed)
+            groups.append(_Group(plan.prefill, shape, decode=False))
+        if plan.decode:
+            shape = self.buckets.mixed_decode_group if mixed else self._decode_shape(len(plan.decode))
+            if len(plan.decode) > shape.rows:
+                raise ValueError(f"decode batch {len(plan.decode)} exceeds the largest compiled bucket {shape.rows}")
+            groups.append(_Group(plan.decode, shape, decode=True))
         return groups
 
     def _prefill_shape(self, rows: int, tokens: int, mixed: bool) -> GroupShape:
-        """The cheapest compiled prefill shape that holds `rows` chunks of up to `tokens` tokens."""
-        if mixed:
-            shapes = [s[0] for s in list(self._compiled) if len(s) == 2]
-        else:
-            shapes = [s[0] for s in list(self._compiled) if len(s) == 1 and s[0][1] > 1]
-        fits = [(r * c, (r, c)) for r, c in shapes if r >= rows and c >= tokens]
+        """The cheapest compiled prefill group that holds `rows` chunks of up to `tokens` tokens."""
+        kind = StepKind.MIXED if mixed else StepKind.PREFILL
+        shapes = [s.prefill for s in list(self._compiled) if s.kind is kind and s.prefill is not None]
+        fits = [(p.rows * p.chunk, p) for p in shapes if p.rows >= rows and p.chunk >= tokens]
         if not fits:
-            kind = "mixed step's prefill" if mixed else "prefill"
-            raise ValueError(f"{rows} prefill rows of up to {tokens} tokens: no compiled {kind} shape holds them "
-                             f"(the largest compiled bucket is {max(shapes, default=None)})")
+            raise ValueError(f"{rows} prefill rows of up to {tokens} tokens: no compiled {kind.value} step holds "
+                             f"them (the largest compiled one is {max(shapes, default=None)})")
         return min(fits)[1]
 
     def _decode_shape(self, rows: int) -> GroupShape:
-        sizes = [s[0][0] for s in list(self._compiled) if len(s) == 1 and s[0][1] == 1]
-        return (min((d for d in sizes if d >= rows), default=max(sizes, default=0)), 1)
+        sizes = [s.decode.rows for s in list(self._compiled) if s.kind is StepKind.DECODE and s.decode is not None]
+        return GroupShape(min((d for d in sizes if d >= rows), default=max(sizes, default=0)), 1)
 
-    def _compiled_step(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
-        shape = tuple(group_shape for _, group_shape, _ in groups)
+    def _compiled_step(self, groups: list[_Group]):
+        shape = StepShape(**{"decode" if group.decode else "prefill": group.shape for group in groups})
         compiled = self._compiled.get(shape)
         if compiled is None:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         return compiled
 
-    def _dispatch(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]) -> PendingStep:
-        return self._launch(self._compiled_step(groups), self._host_inputs(groups), groups)
-
-    def _launch(self, compiled, inputs, groups: list[tuple[list[GroupRow], GroupShape, bool]]) -> PendingStep:
+    def _launch(self, compiled, inputs, groups: list[_Group]) -> PendingStep:
         # The cache is donated and replaced: the warm-up's padding runs (on the compiling thread) and the engine's
         # steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
         with self._launching:
             outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
         return PendingStep(outputs, groups, inputs[3])
 
-    def _host_inputs(self, groups: list[tuple[list[GroupRow], GroupShape, bool]]):
+    def _host_inputs(self, groups: list[_Group]):
         """(step inputs, sampling arrays, token routes, logprob inputs), one of each per group."""
-        arrays = [self._host_arrays(rows, *group_shape, decode) for rows, group_shape, decode in groups]
+        arrays = [self._host_arrays(group) for group in groups]
         return tuple(tuple(a[i] for a in arrays) for i in range(4))
 
-    def _host_arrays(self, rows: list[GroupRow], bucket_rows: int, chunk: int, from_slot: bool):
-        max_pages = self.geometry.max_pages_per_seq
+    def _host_arrays(self, group: _Group):
+        max_pages, bucket_rows, chunk = self.geometry.max_pages_per_seq, group.shape.rows, group.shape.chunk
         tokens = np.zeros((bucket_rows, chunk), np.int32)
         page_table = np.zeros((bucket_rows, max_pages), np.int32)
         positions = np.zeros(bucket_rows, np.int32)
@@ -392,24 +374,26 @@ class ModelRunner:
         slots = np.zeros(bucket_rows, np.int32)
         store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
         asked = _logprob_inputs(bucket_rows, chunk, np.zeros)
-        for i, (row_tokens, position, request, keeps) in enumerate(rows):
+        for i, row in enumerate(group.rows):
+            request = row.request
             if len(request.pages) > max_pages:
                 raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
+            row_tokens = row.token_ids  # a decode row's token is on the device (feed_from_slot)
             tokens[i, : len(row_tokens)] = row_tokens
             page_table[i, : len(request.pages)] = request.pages
-            positions[i], lengths[i], slots[i] = position, len(row_tokens), request.slot
-            if keeps:
+            positions[i], lengths[i], slots[i] = row.start, row.length, request.slot
+            if row.samples_output:
                 store[i] = request.slot
-            # Only a token that is output has its logprobs taken (not the unused one after a mid-prompt chunk).
-            asked.sampled[i] = request.sampling.logprobs is not None and keeps
-            targets = _prompt_targets(request, position, len(row_tokens))
-            if targets:  # only prefill rows have prompt tokens after their positions
+            asked.sampled[i] = row.logprobs is not None
+            targets = row.prompt_logprob_targets
+            if targets:
                 asked.prompt[i] = True
                 asked.targets[i, : len(targets)] = targets
         # Each row samples the token after its last one, at that token's own position.
-        sampling = SamplingArrays.for_rows([r.sampling for _, _, r, _ in rows], positions + np.maximum(lengths, 1))
+        sampling = SamplingArrays.for_rows([row.request.sampling for row in group.rows],
+                                           positions + np.maximum(lengths, 1))
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
-        routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, from_slot), store_slot=store)
+        routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, group.decode), store_slot=store)
         return inputs, sampling, routes, asked
 
 
@@ -423,45 +407,27 @@ def _logprob_inputs(rows: int, chunk: int, make: Callable) -> LogprobInputs:
     return LogprobInputs(sampled=sampled, prompt=make((rows,), np.bool_), targets=make((rows, chunk), np.int32))
 
 
-def _prompt_targets(request: Request, position: int, length: int) -> list[int]:
-    """The prompt tokens whose logprobs a row computes: the one after each of its positions, for a prefill row of
-    a request that asked (the token after the prompt's last is sampled, not a prompt token)."""
-    if request.sampling.prompt_logprobs is None:
-        return []
-    return request.prompt_ids[position + 1: position + length + 1]
-
-
-@dataclass(frozen=True)
-class _HostGroup:
-    """One group's outputs on the host; logprobs are copied from the device only for rows that asked."""
-
-    tokens: np.ndarray
-    sampled: list[TokenLogprob | None]
-    prompt: list[list[TokenLogprob] | None]
-
-    @staticmethod
-    def fetch(out: GroupOutput, rows: list[GroupRow], asked: LogprobInputs) -> "_HostGroup":
-        tokens = np.asarray(out.tokens)[: len(rows)]
-        sampled: list[TokenLogprob | None] = [None] * len(rows)
-        prompt: list[list[TokenLogprob] | None] = [None] * len(rows)
-        if asked.sampled.any():
-            values = jax.device_get(out.sampled)
-            for i, (_, _, request, _) in enumerate(rows):
-                if asked.sampled[i]:
-                    sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
-                                         values.top[i:i + 1], request.sampling.logprobs)[0]
-        if asked.prompt is not None and asked.prompt.any():
-            values = jax.device_get(out.prompt)
-            for i, (row_tokens, position, request, _) in enumerate(rows):
-                targets = _prompt_targets(request, position, len(row_tokens))
-                if targets:
-                    n = len(targets)
-                    prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n],
-                                        request.sampling.prompt_logprobs)
-        return _HostGroup(tokens, sampled, prompt)
-
-
-_NO_ROWS = _HostGroup(np.zeros(0, np.int32), [], [])
+def _fetch(out: GroupOutput, rows: tuple[StepRow, ...], asked: LogprobInputs) -> tuple[RowOutput, ...]:
+    """One group's outputs on the host, row by row; logprobs are copied from the device only for rows that asked."""
+    tokens = np.asarray(out.tokens)[: len(rows)]
+    sampled: list[TokenLogprob | None] = [None] * len(rows)
+    prompt: list[list[TokenLogprob] | None] = [None] * len(rows)
+    if asked.sampled.any():
+        values = jax.device_get(out.sampled)
+        for i, row in enumerate(rows):
+            if row.logprobs is not None:
+                sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
+                                     values.top[i:i + 1], row.logprobs)[0]
+    if asked.prompt is not None and asked.prompt.any():
+        values = jax.device_get(out.prompt)
+        for i, row in enumerate(rows):
+            targets = row.prompt_logprob_targets
+            if targets:
+                n = len(targets)
+                prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n],
+                                    row.request.sampling.prompt_logprobs)
+    return tuple(RowOutput(int(token), logprob, prompt_logprobs)
+                 for token, logprob, prompt_logprobs in zip(tokens, sampled, prompt))
 
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:

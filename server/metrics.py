@@ -11,7 +11,10 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine import Engine
+from typing import Callable
+
+from jaxserve.engine import Engine, EngineStats
+from jaxserve.step import ForcedBy
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -25,20 +28,24 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 
-# engine.stats() key -> (metric name, help); gauges then counters.
-ENGINE_GAUGES = {
-    "running": ("num_requests_running", "Requests decoding or prefilling."),
-    "waiting": ("num_requests_waiting", "Requests waiting for admission."),
-    "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1)."),
+# metric name -> (help, its value in an EngineStats); gauges then counters.
+ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "num_requests_running": ("Requests admitted and unfinished: prefilling or decoding.", lambda s: s.running),
+    "num_requests_waiting": ("Requests waiting for admission.", lambda s: s.waiting),
+    "kv_cache_usage_perc": ("Fraction of KV cache pages in use (0 to 1).", lambda s: s.kv_usage),
 }
-ENGINE_COUNTERS = {
-    "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled."),
-    "generation_tokens": ("generation_tokens", "Tokens generated."),
-    "prefill_steps": ("prefill_steps", "Prefill steps run."),
-    "decode_steps": ("decode_steps", "Decode steps run."),
-    "forced_decode_steps": ("forced_decode_steps", "Decode steps a policy put ahead of waiting prefill work."),
-    "stall_decode_steps": ("stall_decode_steps", "Decode steps the --max-decode-stall-ms budget asked for."),
-    "mixed_steps": ("mixed_steps", "Prefill steps that also advanced every running request by one token."),
+ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "prompt_tokens": ("Prompt tokens prefilled.", lambda s: s.prompt_tokens),
+    "generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
+    "prefill_steps": ("Steps that prefilled (mixed steps included).", lambda s: s.steps.prefill),
+    "decode_steps": ("Decode-only steps.", lambda s: s.steps.decode),
+    "mixed_steps": ("Prefill steps that also advanced every decoding request by one token.", lambda s: s.steps.mixed),
+    "forced_decode_steps": ("Decode steps a policy put ahead of waiting prefill work.",
+                            lambda s: s.steps.forced_total),
+    "interleave_decode_steps": ("Decode steps --decode-interleave-every asked for.",
+                                lambda s: s.steps.forced[ForcedBy.INTERLEAVE]),
+    "stall_decode_steps": ("Decode steps the --max-decode-stall-ms budget asked for.",
+                           lambda s: s.steps.forced[ForcedBy.STALL]),
 }
 
 
@@ -50,13 +57,13 @@ class _EngineCollector:
     def collect(self):
         stats = self.engine.stats()
         for families, kind in ((ENGINE_GAUGES, GaugeMetricFamily), (ENGINE_COUNTERS, CounterMetricFamily)):
-            for key, (name, doc) in families.items():
+            for name, (doc, value) in families.items():
                 family = kind(PREFIX + name, doc, labels=["model_name"])
-                family.add_metric([self.model_name], stats[key])
+                family.add_metric([self.model_name], value(stats))
                 yield family
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        labels=["model_name", "finished_reason"])
-        for reason, count in sorted(stats["finished"].items()):
+        for reason, count in sorted(stats.finished.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
 

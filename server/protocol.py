@@ -55,6 +55,7 @@ class GenerationParams:
     logprobs_field: str = "logprobs"  # the name the client used for it (chat: top_logprobs)
     echo: bool = False  # completions: the prompt comes back in front of the text (with its logprobs if asked)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
+    priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -187,6 +188,7 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
         logprobs_field=logprobs_field,
         echo=echo,
         tokens_as_ids=fields.boolean("return_tokens_as_token_ids", False),
+        priority=fields.integer("priority", 0),
     )
 
 

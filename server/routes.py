@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -100,7 +100,17 @@ def _decode(body: bytes, parse: Callable[[Any], T]) -> T:
     return parse(raw)
 
 
-async def _parse(request: Request, parse: Callable[[Any], T]) -> tuple[ServerState, T]:
+class ParsedRequest(Protocol):
+    """What the endpoints' shared checks read of a validated request (CompletionRequest, ChatRequest)."""
+
+    @property
+    def params(self) -> GenerationParams: ...
+
+
+RequestT = TypeVar("RequestT", bound=ParsedRequest)
+
+
+async def _parse(request: Request, parse: Callable[[Any], RequestT]) -> tuple[ServerState, RequestT]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
     parsed = await json_body(request, parse)
@@ -157,7 +167,8 @@ def _submit(state: ServerState, fmt, prompt_ids: list[int], params: GenerationPa
         for choice in range(params.n):
             generations.append(Generation(state.engine, state.tokenizer, prompt_ids,
                                           params.sampling(max_tokens, choice), params.stop, fmt.request_id(choice),
-                                          state.metrics.timer(arrival), keep_markup=fmt.keeps_markup))
+                                          state.metrics.timer(arrival), keep_markup=fmt.keeps_markup,
+                                          priority=params.priority))
     except (QueueFull, EngineDraining, InvalidRequest) as error:
         for generation in generations:
             state.engine.abort(generation.handle.request_id)
@@ -170,7 +181,7 @@ def _submit(state: ServerState, fmt, prompt_ids: list[int], params: GenerationPa
     return generations
 
 
-async def _interleaved(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+async def _interleaved(generations: list[Generation]) -> AsyncGenerator[tuple[int, Delta], None]:
     """(choice, delta) from every generation as they come. Use under `contextlib.aclosing`: leaving early closes
     every generation, which aborts the requests still running."""
     queue: asyncio.Queue[tuple[int, Delta | Exception | None]] = asyncio.Queue()

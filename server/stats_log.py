@@ -7,23 +7,25 @@ import asyncio
 import logging
 import time
 
-from jaxserve.engine import Engine
+from jaxserve.engine import Engine, EngineStats
+from jaxserve.step import ForcedBy, StepKind
 
 log = logging.getLogger("jaxserve.stats")
 
 
-def stats_line(before: dict, after: dict, seconds: float) -> str | None:
+def stats_line(before: EngineStats, after: EngineStats, seconds: float) -> str | None:
     """The line for one interval between two `engine.stats()` snapshots, or None if nothing happened in it."""
-    delta = {key: after[key] - before[key] for key in
-             ("prompt_tokens", "generation_tokens", "prefill_steps", "decode_steps", "forced_decode_steps")}
-    if not any(delta.values()) and not after["running"] and not after["waiting"]:
+    steps = {kind: after.steps.by_kind[kind] - before.steps.by_kind[kind] for kind in StepKind}
+    forced = {policy: after.steps.forced[policy] - before.steps.forced[policy] for policy in ForcedBy}
+    prompt, generated = after.prompt_tokens - before.prompt_tokens, after.generation_tokens - before.generation_tokens
+    if not (prompt or generated or any(steps.values()) or after.running or after.waiting):
         return None
-    return (f"Avg prompt throughput: {delta['prompt_tokens'] / seconds:.1f} tok/s, "
-            f"Avg generation throughput: {delta['generation_tokens'] / seconds:.1f} tok/s, "
-            f"Running: {after['running']} reqs, Waiting: {after['waiting']} reqs, "
-            f"KV cache usage: {after['kv_usage']:.1%}, "
-            f"Steps: {delta['prefill_steps']} prefill, {delta['decode_steps']} decode "
-            f"({delta['forced_decode_steps']} interleaved)")
+    return (f"Avg prompt throughput: {prompt / seconds:.1f} tok/s, "
+            f"Avg generation throughput: {generated / seconds:.1f} tok/s, "
+            f"Running: {after.running} reqs ({after.prefilling} prefilling), Waiting: {after.waiting} reqs, "
+            f"KV cache usage: {after.kv_usage:.1%}, "
+            f"Steps: {steps[StepKind.PREFILL]} prefill, {steps[StepKind.MIXED]} mixed, {steps[StepKind.DECODE]} "
+            f"decode ({forced[ForcedBy.INTERLEAVE]} interleaved, {forced[ForcedBy.STALL]} for the stall budget)")
 
 
 async def log_stats_forever(engine: Engine, interval: float) -> None:

@@ -17,8 +17,9 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.cache import CacheGeometry
-from jaxserve.request import Batch, TokenLogprob
-from jaxserve.runner import Buckets, StepLimits, StepResult
+from jaxserve.request import TokenLogprob
+from jaxserve.runner import Buckets
+from jaxserve.step import RowOutput, StepKind, StepLimits, StepOutput, StepPlan
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = 2**31 - 1
@@ -72,11 +73,12 @@ class FakeRunner:
         # (request, every token its slot holds) -> the next token; by default the rolling hash
         self.model = model or (lambda request, written: next_token(written, vocab))
         self.warmups = 0
-        self.steps: list[Batch] = []
-        self.fail = None  # a callable(batch) -> Exception | None, to inject failures
+        self.steps: list[StepPlan] = []
+        self.fail = None  # a callable(plan) -> Exception | None, to inject failures
         self.lose_cache_on_failure = False
         self._limits = StepLimits(prefill_tokens=max(buckets.prefill_chunks), prefill_rows=max(buckets.prefill_rows),
-                                  decode_rows=max(buckets.decode_rows), mixed=buckets.mixed)
+                                  decode_rows=max(buckets.decode_rows),
+                                  mixed_decode_rows=buckets.mixed_decode_group.rows if buckets.mixed else 0)
         self.reset_cache()
 
     def warmup(self, shapes=None, show_progress: bool = False, stop=None) -> None:
@@ -98,55 +100,51 @@ class FakeRunner:
         self._undefined: set[int] = set()
         self._lost = False
 
-    def run(self, batch: Batch) -> StepResult:
-        return self.dispatch(batch).result()
+    def run(self, plan: StepPlan) -> StepOutput:
+        return self.dispatch(plan).result()
 
-    def dispatch(self, batch: Batch) -> "FakeStep":
+    def dispatch(self, plan: StepPlan) -> "FakeStep":
         """Computes at once; a failure injected by `fail` surfaces when the result is waited for, as a device error
-        would. Like the real runner, a decode row's input is the token its slot kept, at the position after the
-        tokens sampled for it so far."""
-        error = self.fail(batch) if self.fail is not None else None
+        would. Like the real runner, a decode row's input is the token its slot kept, at the row's position."""
+        error = self.fail(plan) if self.fail is not None else None
         if error is not None:
             self._lost = self.lose_cache_on_failure
-            self._undefined.update(r.slot for r in batch.requests)
+            self._undefined.update(r.slot for r in plan.requests)
             return FakeStep(error=error)
-        rows = [(c.token_ids, c.start, c.request, c.is_last) for c in batch.prefill]
-        rows += [([0 if r.slot in self._undefined else self._kept[r.slot]], r.decode_position, r, True)
-                 for r in batch.decode]
-        slots = [r.slot for _, _, r, _ in rows]
-        pages = [p for _, _, r, _ in rows for p in r.pages]
+        slots = [r.slot for r in plan.requests]
+        pages = [p for r in plan.requests for p in r.pages]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
         assert len(set(pages)) == len(pages), "two rows share a KV page"
         limits = self._limits  # what is "compiled" now
-        assert len(batch.prefill) <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
-        assert all(c.length <= limits.prefill_tokens for c in batch.prefill), "a chunk longer than compiled"
-        assert len(batch.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
-        assert limits.mixed or not (batch.prefill and batch.decode), "a mixed step before mixed shapes compiled"
+        assert len(plan.prefill) <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
+        assert all(row.length <= limits.prefill_tokens for row in plan.prefill), "a chunk longer than compiled"
+        assert len(plan.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
+        if plan.kind is StepKind.MIXED:
+            assert limits.mixed, "a mixed step before mixed shapes compiled"
+            assert plan.num_prefill_tokens + limits.mixed_decode_rows <= limits.prefill_tokens, \
+                "a mixed step whose chunk and decode rows exceed a pure chunk's tokens"
         out = []
-        for tokens, position, request, keeps in rows:
-            if position == 0:
+        for row in plan.rows:
+            request = row.request
+            if row.start == 0:
                 self._undefined.discard(request.slot)
             elif request.slot in self._undefined:
-                out.append(0)
+                out.append(RowOutput(0))
                 continue
-            written = [] if position == 0 else self._written[request.slot]
-            assert position == len(written), f"{request.request_id}: writes at {position}, slot holds {len(written)}"
-            written = written + list(tokens)
+            written = [] if row.start == 0 else self._written[request.slot]
+            assert row.start == len(written), f"{request.request_id}: writes at {row.start}, slot holds {len(written)}"
+            written = written + (row.token_ids or [self._kept[request.slot]])
             assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
             self._written[request.slot] = written
-            out.append(self.model(request, written))
-            if keeps:
-                self._kept[request.slot] = out[-1]
-        for request in batch.sampling_requests:
-            request.num_sampled += 1
-        self.steps.append(batch)
-        tokens = np.asarray(out, np.int32)
-        sampled = [certain(t, r.sampling.logprobs) for t, (_, _, r, _) in zip(out, rows)]
-        prompt = [None if c.request.sampling.prompt_logprobs is None else
-                  [certain(t, c.request.sampling.prompt_logprobs)
-                   for t in c.request.prompt_ids[c.start + 1:c.start + c.length + 1]] for c in batch.prefill]
-        split = len(batch.prefill)
-        return FakeStep(StepResult(tokens[:split], tokens[split:], sampled[:split], sampled[split:], prompt))
+            token = self.model(request, written)
+            if row.samples_output:
+                self._kept[request.slot] = token
+            prompt = None if request.sampling.prompt_logprobs is None or row.decode else \
+                [certain(t, request.sampling.prompt_logprobs) for t in row.prompt_logprob_targets]
+            out.append(RowOutput(token, certain(token, row.logprobs), prompt))
+        self.steps.append(plan)
+        split = len(plan.prefill)
+        return FakeStep(StepOutput(tuple(out[:split]), tuple(out[split:])))
 
 
 def certain(token: int, k: int | None) -> TokenLogprob | None:
@@ -155,10 +153,10 @@ def certain(token: int, k: int | None) -> TokenLogprob | None:
 
 
 class FakeStep:
-    def __init__(self, result: StepResult | None = None, error: Exception | None = None):
+    def __init__(self, result: StepOutput | None = None, error: Exception | None = None):
         self._result, self._error = result, error
 
-    def result(self) -> StepResult:
+    def result(self) -> StepOutput:
         if self._error is not None:
             raise self._error
         return self._result

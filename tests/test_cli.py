@@ -24,6 +24,7 @@ import pytest
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.cli.main import build_engine, engine_config, parse, serve, server_config
 from jaxserve.config import EngineConfig
+from jaxserve.scheduler import step_policies
 from jaxserve.server.config import ServerConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
@@ -50,6 +51,21 @@ def test_help_explains_decode_interleave_every():
     assert "(N+1) x t_chunk + t_decode" in text  # the stall bound
     assert "jaxserve generate" in text and "jaxserve convert" in text
     assert run_cli("--version").stdout.strip() == "jaxserve 0.1.0"
+    assert "--[no-]mixed-batches" in text or "--mixed-batches, --no-mixed-batches" in text
+    assert "--scheduling-policy {fcfs,priority}" in text
+
+
+@pytest.mark.parametrize("flags, policies", [
+    ([], ["MixedSteps"]),  # the default protects streams: mixed steps
+    (["--no-mixed-batches"], []),  # prefill-first (the benchmarks' baseline)
+    (["--decode-interleave-every", "4"], ["DecodeInterleavePolicy"]),
+    (["--max-decode-stall-ms", "50"], ["DecodeStallPolicy"]),
+    (["--decode-interleave-every", "4", "--mixed-batches"], ["DecodeInterleavePolicy", "MixedSteps"]),
+])
+def test_scheduling_flags_compose_in_one_place(flags, policies):
+    _, args = parse(["serve", *flags])
+    cfg = engine_config(args)
+    assert [type(p).__name__ for p in step_policies(cfg, page_size=16, min_chunk_tokens=16)] == policies
 
 
 def test_every_config_field_is_a_flag_with_the_same_default():
@@ -65,11 +81,14 @@ def test_every_config_field_is_a_flag_with_the_same_default():
 
 def test_flags_reach_the_engine():
     command, args = parse(["serve", *SMALL, "--decode-interleave-every", "3", "--max-queued-requests", "5",
-                           "--num-kv-pages", "40", "--api-key", "k", "--port", "0", "--seed", "9"])
+                           "--num-kv-pages", "40", "--api-key", "k", "--port", "0", "--seed", "9",
+                           "--scheduling-policy", "priority"])
     cfg, server = engine_config(args), server_config(args)
     assert command is serve and (server.api_key, server.port, cfg.seed) == ("k", 0, 9)
     engine, loaded = build_engine(cfg)  # not started: nothing is compiled
-    assert engine.scheduler.interleave_policy.every == 3
+    # The count keeps its own semantics: no mixed steps unless asked for too.
+    assert [(type(p).__name__, p.every) for p in engine.scheduler.policies] == [("DecodeInterleavePolicy", 3)]
+    assert type(engine.scheduler.prefill_manager.queue_order).__name__ == "Priority"
     assert engine.config.max_queued_requests == 5 and engine.max_model_len == 256
     assert (engine.geometry.num_slots, engine.geometry.num_pages, engine.geometry.page_size) == (4, 40, 16)
     assert engine.runner.buckets.prefill_chunks == (16, 64) and engine.runner.buckets.prefill_rows == (1,)
@@ -96,7 +115,7 @@ def test_generate_streams_one_prompt_to_the_terminal():
                      timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
-    # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 5 shapes in all).
+    # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 7 shapes in all).
     assert "compiled 2 step shapes in" in result.stdout
 
 
@@ -231,9 +250,10 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     try:
         ready = serve_process.wait_for_line("jaxserve ready on http://127.0.0.1:", 600)
         url = ready.split()[3]
-        # Ready after the two shapes that serve one request at a time; the other three compile while serving.
+        # Ready after the two shapes that serve one request at a time; the other five (decodes of 2 and 4 rows, the
+        # 64-token chunk, the two mixed steps) compile while serving.
         assert httpx.get(url + "/health").status_code == 200
-        serve_process.wait_for_line("compiled all 5 step shapes", 600)
+        serve_process.wait_for_line("compiled all 7 step shapes", 600)
         output = "".join(serve_process.output)
         assert ("KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 "
                 "tokens): 4" in output and "compiled 2 step shapes in" in output)

@@ -23,8 +23,9 @@ from jaxserve.engine import Engine, EngineDraining, QueueFull
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import InvalidRequest, SamplingParams
-from jaxserve.runner import Buckets, StepLimits, build_runner
+from jaxserve.runner import Buckets, build_runner
 from jaxserve.sharding import make_mesh, place
+from jaxserve.step import ForcedBy, StepKind, StepLimits
 
 CFG = preset("tiny", dtype="float32")
 CHUNK = 16
@@ -46,13 +47,14 @@ def fake_engine(eos=EOS, **overrides) -> Engine:
 def runner():
     mesh = make_mesh(1, 1, jax.devices()[:1])
     weights = place(init_weights(jax.random.key(5), CFG, std=0.15), abstract_weights(CFG), mesh)
-    runner = build_runner(engine_config(), CFG, weights, mesh)
+    runner = build_runner(engine_config(mixed_batches=False), CFG, weights, mesh)
     runner.warmup()
     return runner
 
 
 def make_engine(runner, **overrides) -> Engine:
-    return Engine(engine_config(**overrides), CFG, runner, EOS)
+    """An engine over the module's runner, which compiles no mixed steps (the mixed ones have their own runner)."""
+    return Engine(engine_config(**{"mixed_batches": False, **overrides}), CFG, runner, EOS)
 
 
 def greedy(max_tokens: int, **fields) -> SamplingParams:
@@ -74,16 +76,16 @@ def run(engine: Engine, *handles, timeout: float = 60):
 
 def assert_nothing_leaked(engine: Engine) -> None:
     stats = engine.stats()
-    assert stats["free_pages"] == engine.page_pool.size and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats.free_pages == engine.page_pool.size and stats.running == 0 and stats.waiting == 0
     assert engine.scheduler.prefill_manager.slots.num_free == engine.config.max_num_seqs
     assert not engine.scheduler.has_work
 
 
 def burst(engine: Engine, attacker: str) -> str:
-    """The engine's own step record from the attacker's first chunk to its last: P prefill, D decode."""
+    """The engine's own step record from the attacker's first chunk to its last: P prefill, D decode, M mixed."""
     record = list(engine.step_record)
-    prefills = [i for i, r in enumerate(record) if r.kind == "prefill" and attacker in r.request_ids]
-    return "".join(r.kind[0].upper() for r in record[prefills[0]:prefills[-1] + 1])
+    prefills = [i for i, r in enumerate(record) if r.kind is not StepKind.DECODE and attacker in r.request_ids]
+    return "".join(r.kind.value[0].upper() for r in record[prefills[0]:prefills[-1] + 1])
 
 
 ATTACKER_CHUNKS = 25  # not a multiple of 2, 3 or 8, so the last chunk is not itself followed by a due decode
@@ -91,7 +93,9 @@ ATTACKER_CHUNKS = 25  # not a multiple of 2, 3 or 8, so the last chunk is not it
 
 @pytest.mark.parametrize("every", [None, 2, 3, 8])
 def test_victim_decodes_during_a_long_prefill_only_with_the_flag(every):
-    engine = fake_engine(decode_interleave_every=every)
+    """--decode-interleave-every N keeps the seed's exact semantics (pure prefill steps, a decode after every N);
+    without it, --no-mixed-batches is prefill-first."""
+    engine = fake_engine(decode_interleave_every=every, mixed_batches=False if every is None else None)
     victim = engine.submit(prompt(5, 1), greedy(60), request_id="victim")
     # The first prefill step carries the victim's 5 tokens and the attacker's first 11: 1 + 24 full chunks.
     attacker = engine.submit(prompt(11 + 24 * CHUNK, 2), greedy(2), request_id="attacker")
@@ -106,8 +110,8 @@ def test_victim_decodes_during_a_long_prefill_only_with_the_flag(every):
         assert decodes >= chunks // every
         # Exactly where the policy puts them: one decode after every N prefill steps, none elsewhere.
         assert steps == ("P" * every + "D") * (chunks // every) + "P" * (chunks % every)
-        assert engine.stats()["forced_decode_steps"] == sum(r.forced_by == "interleave"
-                                                            for r in engine.step_record) >= decodes
+        assert engine.stats().steps.forced[ForcedBy.INTERLEAVE] == sum(
+            r.forced_by is ForcedBy.INTERLEAVE for r in engine.step_record) >= decodes
     assert victim_tokens == continuation(prompt(5, 1), 60, CFG.vocab_size)
     assert_nothing_leaked(engine)
 
@@ -128,7 +132,7 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
     loops give identical outputs), no token is delivered after a request's last, and every page and slot comes
     back."""
     rng = random.Random(1)
-    for flags in ({}, {"decode_interleave_every": 2}, {"mixed_batches": True}, {"max_decode_stall_ms": 1e-6}):
+    for flags in ({}, {"mixed_batches": False}, {"decode_interleave_every": 2}, {"max_decode_stall_ms": 1e-6}):
         engine = fake_engine(async_scheduling=async_scheduling, **flags)
         specs = []
         for i in range(24):
@@ -159,12 +163,13 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         assert doomed_reasons[:2] == ["abort", "abort"] and doomed_reasons[2] in ("abort", "length")
         delivered = sum(len(tokens) for tokens, _ in expected)
         # Nothing is counted past a request's end (a token computed for it by a step in flight is dropped).
-        assert engine.stats()["generation_tokens"] == delivered + sum(len(t) for t, _, _ in doomed_results)
-        sampled = collections.Counter(r.request_id for b in engine.runner.steps for r in b.sampling_requests)
+        assert engine.stats().generation_tokens == delivered + sum(len(t) for t, _, _ in doomed_results)
+        sampled = collections.Counter(row.request.request_id for b in engine.runner.steps for row in b.rows
+                                      if row.samples_output)
         computed_past_the_end = sum(sampled[f"r{i}"] - len(tokens) for i, (tokens, _) in enumerate(expected))
         # Only a step in flight computes past a stop (max_tokens is never overrun: it is known when scheduling).
         assert computed_past_the_end > 0 if async_scheduling else computed_past_the_end == 0, computed_past_the_end
-        assert sum(engine.stats()["finished"].values()) == 27
+        assert sum(engine.stats().finished.values()) == 27
         assert_nothing_leaked(engine)
 
 
@@ -206,9 +211,9 @@ def test_a_completed_prompt_decodes_in_the_very_next_step(async_scheduling):
     assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
     steps = engine.runner.steps
     for i in range(len(specs)):
-        last_chunk = next(k for k, b in enumerate(steps) if any(c.is_last and c.request.request_id == f"r{i}"
+        last_chunk = next(k for k, b in enumerate(steps) if any(c.samples_output and c.request.request_id == f"r{i}"
                                                                for c in b.prefill))
-        assert f"r{i}" in [r.request_id for r in steps[last_chunk + 1].decode], (i, last_chunk)
+        assert f"r{i}" in [r.request.request_id for r in steps[last_chunk + 1].decode], (i, last_chunk)
     assert_nothing_leaked(engine)
 
 
@@ -218,8 +223,8 @@ def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
     engine = fake_engine(max_num_seqs=4, mixed_batches=True, async_scheduling=True)
     full = engine.runner.limits()
     engine.runner._limits = StepLimits(prefill_tokens=min(engine.runner.buckets.prefill_chunks), prefill_rows=1,
-                                       decode_rows=1, mixed=False)
-    grown = {20: dataclasses.replace(full, prefill_rows=1, decode_rows=2, mixed=False), 60: full}
+                                       decode_rows=1)
+    grown = {20: dataclasses.replace(full, prefill_rows=1, decode_rows=2, mixed_decode_rows=0), 60: full}
 
     def compile_more(batch):
         engine.runner._limits = grown.get(len(engine.runner.steps), engine.runner._limits)
@@ -231,7 +236,7 @@ def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
     steps = engine.runner.steps
     assert max(len(b.decode) for b in steps[:20]) == 1 and max(c.length for b in steps[:20] for c in b.prefill) == 16
     assert max(len(b.decode) for b in steps[20:60]) == 2
-    assert max(len(b.decode) for b in steps[61:]) > 2 and any(b.phase == "mixed" for b in steps[61:])
+    assert max(len(b.decode) for b in steps[61:]) > 2 and any(b.kind is StepKind.MIXED for b in steps[61:])
     assert_nothing_leaked(engine)
 
 
@@ -280,15 +285,16 @@ def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving(async_sched
         engine.shutdown()
     assert bad[1] == good[1] == "error" and "injected failure" in bad[2] and bad[0] == []
     assert after[1] == "length" and after[0] == continuation(prompt(9, 4), 4, CFG.vocab_size)
-    assert engine.stats()["finished"] == {"error": 2, "length": 1}
+    assert engine.stats().finished == {"error": 2, "length": 1}
     assert_nothing_leaked(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_step_that_cannot_start_fails_after_the_step_before_it_delivered(async_scheduling):
     """Decode steps raise at dispatch. With a step in flight, the first decode is dispatched while the prompt's step
-    still runs; its failure must not overtake that step: the client gets the first token, then the error."""
-    engine = fake_engine(async_scheduling=async_scheduling)
+    still runs; its failure must not overtake that step: the client gets the first token, then the error. (Without
+    mixed steps, so the second prompt's chunk carries no decode row.)"""
+    engine = fake_engine(async_scheduling=async_scheduling, mixed_batches=False)
     real = engine.runner.dispatch
 
     def dispatch(batch):
@@ -366,7 +372,7 @@ def test_the_queue_bound_and_draining_refuse_with_their_own_errors():
             engine.submit([5], greedy(2))
     finally:
         engine.shutdown()
-    assert engine.stats()["finished"] == {"length": 2}
+    assert engine.stats().finished == {"length": 2}
     assert_nothing_leaked(engine)
 
 
@@ -393,7 +399,7 @@ def test_generation_stops_on_any_eos_id_and_on_stop_tokens_naming_them():
     assert results[3][:2] == (c1[:c1.index(stop_id) + 1], "stop")
     # vLLM's stop_reason: None for EOS, the id for a stop token.
     assert [h.last_event.stop_reason for h in handles] == [None, None, None, stop_id]
-    assert engine.stats()["finished"] == {"stop": 3, "length": 1}
+    assert engine.stats().finished == {"stop": 3, "length": 1}
 
 
 def test_the_log_shows_forced_decodes(caplog):
@@ -402,7 +408,7 @@ def test_the_log_shows_forced_decodes(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         run(engine, *handles)
     lines = [r.getMessage() for r in caplog.records]
-    assert sum(line.startswith("Prefill batch") for line in lines) == engine.stats()["prefill_steps"]
+    assert sum(line.startswith("Prefill batch") for line in lines) == engine.stats().steps.prefill
     assert any(line.startswith("Decode batch (interleaved after 2 prefill steps)") for line in lines)
 
 
@@ -420,7 +426,8 @@ def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefil
     steps = burst(engine, "attacker")
     assert steps == pattern  # a decode after every chunk, and the prompt still completes
     assert len(attacker_tokens) == 2
-    assert engine.stats()["stall_decode_steps"] == sum(r.forced_by == "stall" for r in engine.step_record) >= 8
+    assert engine.stats().steps.forced[ForcedBy.STALL] == sum(
+        r.forced_by is ForcedBy.STALL for r in engine.step_record) >= 8
 
 
 @pytest.fixture(scope="module")
@@ -442,7 +449,7 @@ def test_mixed_batches_advance_running_requests_every_step_with_unchanged_output
         alone = {name: engine.submit(ids, greedy(n)).wait(timeout=60)[0] for name, (ids, n) in specs.items()}
     finally:
         engine.shutdown()
-    assert "mixed" not in {r.kind for r in engine.step_record}  # alone, nobody rides along
+    assert StepKind.MIXED not in {r.kind for r in engine.step_record}  # alone, nobody rides along
 
     engine = Engine(MIXED, CFG, mixed_runner, EOS)
     handles = {name: engine.submit(ids, greedy(n), request_id=name) for name, (ids, n) in specs.items()}
@@ -452,15 +459,15 @@ def test_mixed_batches_advance_running_requests_every_step_with_unchanged_output
     finally:
         engine.shutdown()
     assert together == alone  # the synchronous loop alone, the overlapped one together
-    attacker_steps = [r for r in engine.step_record if "attacker" in r.request_ids and r.kind != "decode"]
+    attacker_steps = [r for r in engine.step_record if "attacker" in r.request_ids and r.kind is not StepKind.DECODE]
     # The victim prefilled alone (one prompt per step). Its first token is still on the device (in its slot) when the
     # attacker's first chunk is scheduled, and already feeds the victim's decode row there: every attacker chunk
-    # carries the victim's token, in a 16-token budget that the decode row shares (15 prompt tokens per step: 6 x 15
-    # + 10), and the outputs above show the token read from the slot is the right one.
-    assert [r.kind for r in attacker_steps] == ["mixed"] * 7
+    # carries the victim's token, in the 16 tokens of a pure chunk less the mixed step's 2 decode rows (padded):
+    # 14 prompt tokens per step, 7 x 14 + 2. The outputs above show the token read from the slot is the right one.
+    assert [r.kind for r in attacker_steps] == [StepKind.MIXED] * 8
     assert all("victim" in r.request_ids for r in attacker_steps)
-    assert [r.num_tokens for r in attacker_steps] == [16] * 6 + [11]
-    assert engine.stats()["mixed_steps"] == 7
+    assert [r.num_tokens for r in attacker_steps] == [15] * 7 + [3]
+    assert engine.stats().steps.mixed == 8
     assert_nothing_leaked(engine)
 
 
@@ -478,7 +485,7 @@ def test_a_prefill_only_request_returns_its_prompt_logprobs_once_and_frees_every
     assert [lp.token_id for lp in first.last_event.prompt_logprobs] == ids[1:]
     assert plain.last_event.prompt_logprobs is None and plain.last_event.logprobs is None
     assert plain_tokens == continuation(ids, 3, CFG.vocab_size)
-    assert engine.stats()["generation_tokens"] == 4  # the prefill-only request generated nothing
+    assert engine.stats().generation_tokens == 4  # the prefill-only request generated nothing
     assert_nothing_leaked(engine)
 
 

@@ -1,57 +1,55 @@
-"""DecodeInterleavePolicy on its own: the counter semantics of docs/scheduling.md."""
+"""DecodeInterleavePolicy on its own: the counter semantics of docs/scheduling.md, through the StepPolicy hooks."""
 
 import pytest
 
+from jaxserve.request import Request
 from jaxserve.scheduler import DecodeInterleavePolicy
+from jaxserve.step import ForcedBy, StepPlan, StepRow
+
+PREFILL = StepPlan(prefill=(StepRow.chunk(Request("p", [1, 2, 3]), 0, 2),))
+DECODE = StepPlan(decode=(StepRow.next_token(Request("d", [1])),))
+MIXED = StepPlan(prefill=PREFILL.prefill, decode=DECODE.decode)
 
 
-@pytest.mark.parametrize("every", [None, 0, -3])
-def test_disabled_never_wants_a_decode(every):
+def due(policy) -> bool:
+    return policy.prefill_token_limit(256) == 0
+
+
+@pytest.mark.parametrize("every", [0, -3])
+def test_a_count_that_asks_for_nothing_is_refused(every):
+    with pytest.raises(ValueError, match="decode_interleave_every"):
+        DecodeInterleavePolicy(every)
+
+
+@pytest.mark.parametrize("every, scheduled, expected", [
+    # after each scheduled step: is a decode due (0 tokens of prefill allowed)?
+    (3, [PREFILL, PREFILL, PREFILL], [False, False, True]),
+    (3, [PREFILL, PREFILL, PREFILL, DECODE], [False, False, True, False]),
+    (1, [PREFILL, DECODE, PREFILL], [True, False, True]),
+    (2, [PREFILL, MIXED, PREFILL, PREFILL], [False, False, False, True]),  # a mixed step decodes: it resets
+    (2, [PREFILL, PREFILL, PREFILL, PREFILL, PREFILL], [False, True, True, True, True]),  # latched until a decode
+])
+def test_truth_table(every, scheduled, expected):
     policy = DecodeInterleavePolicy(every)
-    assert not policy.enabled
-    for _ in range(20):
-        policy.note_prefill()
-    assert not policy.wants_decode()
-    assert policy.streak == 0  # a disabled policy is inert
+    assert not due(policy)  # starts with prefill
+    seen = []
+    for plan in scheduled:
+        policy.on_scheduled(plan)
+        seen.append(due(policy))
+    assert seen == expected
 
 
-def test_due_after_every_prefills_and_reset_by_a_decode():
-    policy = DecodeInterleavePolicy(3)
-    assert policy.enabled
-    wanted = []
-    for _ in range(3):
-        wanted.append(policy.wants_decode())
-        policy.note_prefill()
-    assert wanted == [False, False, False]
-    assert policy.streak == 3 and policy.wants_decode()
-    policy.note_decode()
-    assert policy.streak == 0 and not policy.wants_decode()
-
-
-def test_due_state_latches_until_a_decode():
+def test_not_due_leaves_the_budget_whole_and_names_itself_on_forced_decodes():
     policy = DecodeInterleavePolicy(2)
-    for _ in range(5):  # due after 2, then three more prefills because no decode was runnable
-        policy.note_prefill()
-    assert policy.streak == 5 and policy.wants_decode()
-    policy.note_decode()
-    assert policy.streak == 0 and not policy.wants_decode()
+    assert policy.prefill_token_limit(256) == 256 and policy.prefill_token_limit(64) == 64
+    assert policy.forced_by is ForcedBy.INTERLEAVE
+    assert not policy.decode_rides_prefill
 
 
-def test_every_one_is_due_after_a_single_prefill():
-    policy = DecodeInterleavePolicy(1)
-    assert not policy.wants_decode()  # starts with prefill
-    policy.note_prefill()
-    assert policy.wants_decode()
-
-
-def test_reset_clears_the_streak():
+def test_streak_counts_prefill_steps_and_is_read_only():
     policy = DecodeInterleavePolicy(2)
-    policy.note_prefill()
-    policy.note_prefill()
-    policy.reset()
-    assert policy.streak == 0 and not policy.wants_decode()
-
-
-def test_streak_is_read_only():
+    for _ in range(5):
+        policy.on_scheduled(PREFILL)
+    assert policy.streak == 5
     with pytest.raises(AttributeError):
-        DecodeInterleavePolicy(2).streak = 7
+        policy.streak = 7

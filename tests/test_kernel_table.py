@@ -20,6 +20,7 @@ from jaxserve.plan import AbstractRunner
 from jaxserve.presets import preset
 from jaxserve.runner import Buckets
 from jaxserve.sharding import make_mesh, shape_dtype_structs
+from jaxserve.step import GroupShape, StepShape
 
 REPO = Path(__file__).parent.parent
 PALLAS_OPS = ("grouped_matmul", "einsum", "sink_attention")
@@ -82,13 +83,13 @@ def test_a_decode_step_has_no_cond_or_switch(platform_kernels):
     cfg = preset("tiny", dtype="float32", hidden_size=128, moe_intermediate_size=64, head_dim=32)
     cfg = cfg.__class__(**{**cfg.__dict__, "linear_format": quant.FP8, "expert_format": quant.FP4})
     runner = _abstract_runner(cfg, rows=4, kernels=platform_kernels, max_len=512)
-    decode = _primitives(runner.jaxpr(((4, 1),)).jaxpr)
+    decode = _primitives(runner.jaxpr(StepShape(decode=GroupShape(4, 1))).jaxpr)
     assert {"cond", "switch"}.isdisjoint(decode), sorted(decode)
     assert "scan" in decode or "while" in decode  # the walk reached the layer stack's body
     if platform_kernels == "pallas":
         assert "pallas_call" in decode
     # Prefill steps keep prompt logprobs behind a branch (a chunk's worth of head matmuls): the walk sees it.
-    assert "cond" in _primitives(runner.jaxpr(((1, 16),)).jaxpr)
+    assert "cond" in _primitives(runner.jaxpr(StepShape(prefill=GroupShape(1, 16))).jaxpr)
 
 
 def test_a_flash_layer_decode_step_never_materialises_a_dequantized_expert_stack():
@@ -100,5 +101,5 @@ def test_a_flash_layer_decode_step_never_materialises_a_dequantized_expert_stack
     cfg = preset("flash", dtype="bfloat16", num_hidden_layers=4)
     expert_stack_bf16 = 3 * cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size * 2
     runner = _abstract_runner(cfg, rows=8, kernels="auto")
-    temp = runner.temp_bytes(((8, 1),))
+    temp = runner.temp_bytes(StepShape(decode=GroupShape(8, 1)))
     assert temp < 0.1 * expert_stack_bf16, f"{temp / 1e9:.2f} GB of temporaries"

@@ -76,7 +76,7 @@ def test_lm_eval_scores_match_the_reference_model(runner, loaded, tmp_path):  # 
     with serving(runner, loaded) as server:
         results, samples = run_lm_eval(server.url, tmp_path)
         wait_for(lambda: settled(server.engine), 5, "every page back")
-        finished = server.engine.stats()["finished"]
+        finished = server.engine.stats().finished
     elapsed = time.perf_counter() - started
     print(f"lm-eval against the server: {elapsed:.1f} s, {results}")
     tokenizer = loaded.tokenizer

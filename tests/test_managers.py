@@ -5,8 +5,10 @@ import random
 
 import pytest
 
-from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import DecodeInterleavePolicy, DecodeManager, Exhausted, IdAllocator, PrefillManager, Scheduler
+from jaxserve.request import LEGAL_TRANSITIONS, IllegalTransition, InvalidRequest, Request, RequestStatus, SamplingParams
+from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, Exhausted, FirstComeFirstServed, IdAllocator,
+                                MixedSteps, PrefillManager, Priority, Scheduler)
+from jaxserve.step import StepKind
 
 PAGE = 4  # tokens per KV page in these tests
 
@@ -16,13 +18,22 @@ def req(rid, prompt_len, max_tokens=4):
 
 
 def chunks(prefill):
-    """(request, start, length) of each chunk of a prefill manager's step, or of a Batch's prefill part."""
+    """(request, start, length) of each chunk of a prefill manager's step, or of a StepPlan's prefill part."""
     return [(c.request.request_id, c.start, c.length) for c in getattr(prefill, "prefill", prefill)]
 
 
-def manager(num_pages=64, budget=8, rows=4, slots=4):
+def manager(num_pages=64, budget=8, rows=4, slots=4, order=None):
     pool = IdAllocator(num_pages, "KV pages")
-    return PrefillManager(pool, PAGE, budget, rows, IdAllocator(slots, "slots")), pool
+    return PrefillManager(pool, PAGE, budget, rows, IdAllocator(slots, "slots"), order), pool
+
+
+def next_chunks(pm):
+    """The prefill manager's next step within its configured knobs (what the Scheduler asks without other limits)."""
+    return pm.schedule_next_chunks(pm.max_prefill_tokens, pm.max_prefill_rows, pm.slots.size)
+
+
+def next_rows(dm):
+    return tuple(row.request for row in dm.schedule_next_rows(dm.max_num_seqs))
 
 
 # --- request records -----------------------------------------------------------------------------------------
@@ -78,15 +89,15 @@ def test_long_prompt_is_split_into_budget_sized_chunks():
     a = req("a", 20, max_tokens=4)
     pm.add(a)
     assert a.status is RequestStatus.WAITING and pm.num_waiting == 1
-    b1 = pm.schedule_next_chunks()
+    b1 = next_chunks(pm)
     assert chunks(b1) == [("a", 0, 8)]
     assert a.status is RequestStatus.PREFILLING and a.num_prefilled == 8 and pm.num_waiting == 0
     assert len(a.pages) == 6 and pool.num_used == 6  # all of ceil((20 + 4) / 4) reserved at admission
-    b2, b3 = pm.schedule_next_chunks(), pm.schedule_next_chunks()
+    b2, b3 = next_chunks(pm), next_chunks(pm)
     assert chunks(b2) == [("a", 8, 8)] and chunks(b3) == [("a", 16, 4)]
-    assert [c.is_last for c in b1 + b2 + b3] == [False, False, True]
+    assert [c.samples_output for c in b1 + b2 + b3] == [False, False, True]
     assert b3[0].token_ids == a.prompt_ids[16:20]
-    assert pm.schedule_next_chunks() == () and not pm.has_work
+    assert next_chunks(pm) == () and not pm.has_work
     assert pool.num_used == 6  # pages stay with the request until it finishes
 
 
@@ -94,17 +105,17 @@ def test_in_progress_prompt_continues_first_then_fifo_fills_the_budget():
     pm, _ = manager(budget=8, slots=8)
     for rid, n in [("a", 3), ("b", 3), ("c", 5), ("d", 2), ("e", 9)]:
         pm.add(req(rid, n))
-    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 2)]
-    assert chunks(pm.schedule_next_chunks()) == [("c", 2, 3), ("d", 0, 2), ("e", 0, 3)]
-    assert chunks(pm.schedule_next_chunks()) == [("e", 3, 6)]
+    assert chunks(next_chunks(pm)) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 2)]
+    assert chunks(next_chunks(pm)) == [("c", 2, 3), ("d", 0, 2), ("e", 0, 3)]
+    assert chunks(next_chunks(pm)) == [("e", 3, 6)]
 
 
 def test_row_limit_caps_chunks_per_batch():
     pm, _ = manager(budget=100, rows=2)
     for rid in "abc":
         pm.add(req(rid, 2))
-    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 2), ("b", 0, 2)]
-    assert chunks(pm.schedule_next_chunks()) == [("c", 0, 2)]
+    assert chunks(next_chunks(pm)) == [("a", 0, 2), ("b", 0, 2)]
+    assert chunks(next_chunks(pm)) == [("c", 0, 2)]
 
 
 def test_admission_stops_fifo_when_pages_run_out():
@@ -112,14 +123,14 @@ def test_admission_stops_fifo_when_pages_run_out():
     a, b, c = req("a", 8, max_tokens=8), req("b", 16, max_tokens=16), req("c", 2, max_tokens=2)  # 4, 8, 1 pages
     for r in (a, b, c):
         pm.add(r)
-    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 8)]
+    assert chunks(next_chunks(pm)) == [("a", 0, 8)]
     # b needs 8 pages, 6 are free; c would fit but must not overtake b.
-    assert pm.schedule_next_chunks() == ()
+    assert next_chunks(pm) == ()
     assert (b.status, c.status, pm.num_waiting, pool.num_free) == (RequestStatus.WAITING, RequestStatus.WAITING, 2, 6)
     pm.remove(a)  # a finished
     pm.release(a)
     assert pool.num_free == 10 and a.pages == [] and a.slot is None
-    assert chunks(pm.schedule_next_chunks()) == [("b", 0, 16), ("c", 0, 2)]
+    assert chunks(next_chunks(pm)) == [("b", 0, 16), ("c", 0, 2)]
     assert pool.num_free == 1
 
 
@@ -128,11 +139,11 @@ def test_admission_stops_fifo_when_slots_run_out():
     a, b = req("a", 3), req("b", 3)
     pm.add(a)
     pm.add(b)
-    assert chunks(pm.schedule_next_chunks()) == [("a", 0, 3)]
-    assert pm.schedule_next_chunks() == () and b.status is RequestStatus.WAITING and b.pages == []
+    assert chunks(next_chunks(pm)) == [("a", 0, 3)]
+    assert next_chunks(pm) == () and b.status is RequestStatus.WAITING and b.pages == []
     pm.remove(a)
     pm.release(a)
-    assert chunks(pm.schedule_next_chunks()) == [("b", 0, 3)] and b.slot == 0
+    assert chunks(next_chunks(pm)) == [("b", 0, 3)] and b.slot == 0
 
 
 def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once():
@@ -143,10 +154,11 @@ def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once
     scheduler.add_request(b)
     assert chunks(scheduler.schedule()) == [("a", 0, 8)]  # a in progress, b waiting
     scheduler.finish(b, "abort")
-    assert b.status is RequestStatus.FINISHED and b.finish_reason == "abort"
+    assert b.status is RequestStatus.ABORTED and b.finish_reason == "abort" and b.finished
     scheduler.finish(a, "abort")
     assert (pool.num_free, pm.slots.num_free, a.pages, a.slot) == (20, 2, [], None)
-    scheduler.finish(a, "abort")  # again: nothing is freed twice
+    with pytest.raises(IllegalTransition, match="aborted -> aborted"):
+        scheduler.finish(a, "abort")  # again: a bug, refused before anything is freed twice
     assert pool.num_free == 20 and scheduler.schedule() is None and not pm.has_work
 
 
@@ -154,39 +166,40 @@ def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once
 
 def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
     dm = DecodeManager(max_num_seqs=2)
-    assert dm.schedule_next_rows() == () and not dm.has_work
+    assert next_rows(dm) == () and not dm.has_work
     a, b, c = req("a", 1), req("b", 1), req("c", 1)
     for r in (a, b, c):
+        r.status = RequestStatus.PREFILLING  # as the prefill manager leaves it
         dm.add(r)
-    assert a.status is RequestStatus.RUNNING and dm.running == [a, b, c]
-    assert dm.schedule_next_rows() == (a, b)
+    assert a.status is RequestStatus.DECODING and dm.running == [a, b, c]
+    assert next_rows(dm) == (a, b)
     dm.remove(a)
     dm.remove(a)  # absent: no-op
-    assert dm.schedule_next_rows() == (b, c)
+    assert next_rows(dm) == (b, c)
     with pytest.raises(ValueError, match="already decoding"):
         dm.add(b)
 
 
 # --- hand-off through the Scheduler --------------------------------------------------------------------------
 
-def test_completed_prompts_decode_in_the_next_step_even_before_their_batch_ran():
+def test_completed_prompts_decode_in_the_next_step_even_before_their_step_ran():
     pm, pool = manager(budget=12)
     scheduler = Scheduler(pm, DecodeManager(4))
     a, b, c = req("a", 4), req("b", 4), req("c", 4, max_tokens=1)
     for r in (a, b, c):
         scheduler.add_request(r)
-    batch = scheduler.schedule()
-    assert batch.completed == [a, b, c]
-    for r in batch.completed:
-        r.num_sampled += 1  # what dispatching the batch records: each samples its first token
-    # The batch is in flight: its first tokens are still on the device, which is where decode rows read them from.
+    plan = scheduler.schedule()
+    assert plan.completed == [a, b, c]
+    assert [r.num_sampled for r in (a, b, c)] == [1, 1, 1]  # scheduling records the first token each samples
+    # The step is in flight: its first tokens are still on the device, which is where decode rows read them from.
     # c's only token is the one being sampled: it gets no row.
-    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.RUNNING)
-    assert scheduler.schedule().decode == (a, b)
+    assert (a.status, b.status) == (RequestStatus.DECODING, RequestStatus.DECODING)
+    decode = scheduler.schedule().decode
+    assert [(row.request, row.start) for row in decode] == [(a, 4), (b, 4)]  # after the prompt's 4 tokens
     scheduler.finish(b, "abort")  # aborted while its last chunk was in flight
-    scheduler.on_batch_done(batch)
+    scheduler.on_step_done(plan, 0.01)
     scheduler.finish(c, "length")
-    assert scheduler.schedule().decode == (a,)
+    assert [(row.request, row.start) for row in scheduler.schedule().decode] == [(a, 5)]
     scheduler.finish(a, "length")
     assert a.finish_reason == "length" and pool.num_free == 64 and not scheduler.has_work
 
@@ -195,7 +208,7 @@ def test_random_workload_returns_every_page_and_slot():
     rng = random.Random(0)
     pool, slots = IdAllocator(40, "KV pages"), IdAllocator(3, "slots")
     pm = PrefillManager(pool, PAGE, max_prefill_tokens=16, max_prefill_rows=2, slots=slots)
-    scheduler = Scheduler(pm, DecodeManager(3), DecodeInterleavePolicy(2))
+    scheduler = Scheduler(pm, DecodeManager(3), [DecodeInterleavePolicy(2)])
     requests = [req(f"r{i}", rng.randint(1, 60), max_tokens=rng.randint(1, 30)) for i in range(60)]
     for r in requests:
         scheduler.add_request(r)
@@ -205,46 +218,120 @@ def test_random_workload_returns_every_page_and_slot():
         if batch is None:
             break
         # Deliver: one sampled token per completed prompt or decoding request, then stop checks.
-        produced = batch.completed + list(batch.decode)
+        produced = batch.completed + [row.request for row in batch.decode]
         for r in produced:
             r.output_ids.append(0)
             if len(r.output_ids) == r.sampling.max_tokens:
                 scheduler.finish(r, "length")
         for r in list(live):
-            if r.status is not RequestStatus.FINISHED and rng.random() < 0.01:
+            if not r.finished and rng.random() < 0.01:
                 scheduler.finish(r, "abort")
-        scheduler.on_batch_done(batch)
-        live = [r for r in live if r.status is not RequestStatus.FINISHED]
+        scheduler.on_step_done(batch, 0.01)
+        live = [r for r in live if not r.finished]
         assert pool.num_used == sum(len(r.pages) for r in live)
         assert 3 - slots.num_free == sum(r.slot is not None for r in live)
     assert not scheduler.has_work and live == []
     assert pool.num_free == 40 and slots.num_free == 3
     finished = [r for r in requests if r.finish_reason == "length"]
     assert finished and all(len(r.output_ids) == r.sampling.max_tokens for r in finished)
-    assert scheduler.decode_steps > 0 and scheduler.prefill_steps > 0
+    assert scheduler.counts.decode > 0 and scheduler.counts.prefill > 0
 
 
 # --- mixed batches ---------------------------------------------------------------------------------------------
 
-def test_mixed_batches_carry_every_running_request_inside_the_token_budget():
+def test_mixed_steps_carry_every_running_request_inside_a_pure_chunks_token_budget():
     prefill, _ = manager(budget=8)
-    scheduler = Scheduler(prefill, DecodeManager(4), DecodeInterleavePolicy(3), mixed_batches=True)
+    scheduler = Scheduler(prefill, DecodeManager(4), [DecodeInterleavePolicy(3), MixedSteps()])
     a, b = req("a", 3, max_tokens=50), req("b", 3, max_tokens=50)
     scheduler.add_request(a)
     scheduler.add_request(b)
     first = scheduler.schedule()  # nothing is running yet: a plain prefill step
-    assert first.phase == "prefill" and chunks(first) == [("a", 0, 3), ("b", 0, 3)]
-    scheduler.on_batch_done(first)
+    assert first.kind is StepKind.PREFILL and chunks(first) == [("a", 0, 3), ("b", 0, 3)]
+    scheduler.on_step_done(first, 0.01)
     c = req("c", 20)
     scheduler.add_request(c)
     steps = []
     while c.remaining_prompt:
-        batch = scheduler.schedule()
-        assert batch.phase == "mixed" and batch.decode == (a, b)
-        assert batch.num_tokens <= 8  # prefill tokens + one per running request
-        steps.append(chunks(batch))
-        scheduler.on_batch_done(batch)
-    assert steps == [[("c", 0, 6)], [("c", 6, 6)], [("c", 12, 6)], [("c", 18, 2)]]
+        plan = scheduler.schedule()
+        assert plan.kind is StepKind.MIXED and [row.request for row in plan.decode] == [a, b]
+        # The chunk leaves room for the mixed step's decode group (max_num_seqs = 4 rows, padded): 8 - 4 tokens.
+        assert plan.num_prefill_tokens <= 8 - 4
+        steps.append(chunks(plan))
+        scheduler.on_step_done(plan, 0.01)
+    assert steps == [[("c", 0, 4)], [("c", 4, 4)], [("c", 8, 4)], [("c", 12, 4)], [("c", 16, 4)]]
     # The count policy never forces a separate decode: every step already advanced the running requests.
-    assert (scheduler.prefill_steps, scheduler.mixed_steps, scheduler.decode_steps) == (5, 4, 0)
-    assert scheduler.schedule().phase == "decode"  # no prefill left: plain decode of a, b and c
+    assert (scheduler.counts.prefill, scheduler.counts.mixed, scheduler.counts.decode) == (6, 5, 0)
+    assert scheduler.schedule().kind is StepKind.DECODE  # no prefill left: plain decode of a, b and c
+
+
+# --- the lifecycle -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("start", list(RequestStatus))
+@pytest.mark.parametrize("end", list(RequestStatus))
+def test_every_move_follows_the_one_table(start, end):
+    legal = {(RequestStatus.WAITING, RequestStatus.PREFILLING), (RequestStatus.PREFILLING, RequestStatus.DECODING)}
+    legal |= {(s, e) for s in (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING)
+              for e in (RequestStatus.FINISHED, RequestStatus.ABORTED)}
+    assert (end in LEGAL_TRANSITIONS[start]) == ((start, end) in legal)
+    r = req("a", 2)
+    r.status = start  # set up the state under test directly
+    if (start, end) in legal:
+        r.move_to(end)
+        assert r.status is end and r.finished == (end in (RequestStatus.FINISHED, RequestStatus.ABORTED))
+    else:
+        with pytest.raises(IllegalTransition, match=f"{start.value} -> {end.value}"):
+            r.move_to(end)
+        assert r.status is start
+
+
+def test_a_request_is_added_to_the_queue_only_while_waiting():
+    pm, _ = manager()
+    a = req("a", 2)
+    pm.add(a)
+    next_chunks(pm)
+    with pytest.raises(ValueError, match="is prefilling, not waiting"):
+        pm.add(a)
+
+
+# --- queue orders ------------------------------------------------------------------------------------------------
+
+def prioritized(rid, priority):
+    r = req(rid, 4)
+    r.priority = priority
+    return r
+
+
+@pytest.mark.parametrize("order, arrivals, expected", [
+    # (request id, priority) in arrival order -> admission order, one request per step (a 4-token budget)
+    (FirstComeFirstServed(), [("a", 0), ("b", 0), ("c", 0)], "abc"),
+    (FirstComeFirstServed(), [("a", 5), ("b", -1), ("c", 0)], "abc"),  # fcfs ignores priorities
+    (Priority(), [("a", 0), ("b", 0), ("c", 0)], "abc"),  # equals: first come, first served
+    (Priority(), [("a", 0), ("b", -1), ("c", 0)], "bac"),  # lower first
+    (Priority(), [("a", 2), ("b", 1), ("c", 1), ("d", -3)], "dbca"),
+])
+def test_queue_order_truth_table(order, arrivals, expected):
+    pm, _ = manager(budget=4, rows=1, order=order)
+    for rid, priority in arrivals:
+        pm.add(prioritized(rid, priority))
+    admitted = "".join(next_chunks(pm)[0].request.request_id for _ in arrivals)
+    assert admitted == expected
+
+
+def test_priority_orders_waiting_requests_only_never_the_admitted_one():
+    pm, _ = manager(budget=4, rows=1, order=Priority())
+    long = prioritized("long", 5)
+    long.prompt_ids = list(range(12))  # three chunks
+    pm.add(long)
+    assert chunks(next_chunks(pm)) == [("long", 0, 4)]
+    pm.add(prioritized("urgent", -10))  # arrives while `long` is part-way: it waits for it (no preemption)
+    assert chunks(next_chunks(pm)) == [("long", 4, 4)]
+    assert chunks(next_chunks(pm)) == [("long", 8, 4)]
+    assert chunks(next_chunks(pm)) == [("urgent", 0, 4)]
+
+
+def test_fcfs_refuses_a_priority_naming_the_flag_and_priority_takes_any():
+    with pytest.raises(InvalidRequest, match="--scheduling-policy priority") as refused:
+        FirstComeFirstServed().check_priority(-1)
+    assert refused.value.param == "priority"
+    FirstComeFirstServed().check_priority(0)
+    Priority().check_priority(-(2**40))

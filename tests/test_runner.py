@@ -11,9 +11,10 @@ from harness import chunk_schedule, prefill_then_decode, run_schedule
 from jaxserve.cache import CacheGeometry
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
-from jaxserve.request import Batch, PrefillChunk, Request, SamplingParams
-from jaxserve.runner import Buckets, CompileCounter, ModelRunner, StepLimits, step_limits
+from jaxserve.request import Request, SamplingParams
+from jaxserve.runner import Buckets, CompileCounter, ModelRunner, step_limits
 from jaxserve.sharding import make_mesh, place
+from jaxserve.step import GroupShape, StepKind, StepLimits, StepPlan, StepRow, StepShape
 
 CFG = preset("tiny", dtype="float32")
 
@@ -57,60 +58,80 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     runner = ModelRunner(CFG, place(weights, abstract_weights(CFG), mesh), geometry, mesh,
                          Buckets(prefill_rows=(1, 2), prefill_chunks=(16, 32), decode_rows=(1, 2, 4)))
     runner.warmup()
-    assert set(runner.times.compile_s) == {((r, c),) for r, c in [(1, 16), (1, 32), (2, 16), (2, 32), (1, 1), (2, 1), (4, 1)]}
+    assert set(runner.times.compile_s) == {prefill(r, c) for r, c in [(1, 16), (1, 32), (2, 16), (2, 32)]} | {
+        decode(r) for r in (1, 2, 4)}
     before = counter.count
     greedy = SamplingParams(temperature=0.0)
     requests = [Request(f"r{i}", p.tolist(), greedy, slot=i, pages=list(range(6 * i, 6 * i + 6)))
                 for i, p in enumerate(prompts)]
     a, b, c = requests
 
-    def prefill(*chunks):
-        result = runner.run(Batch(prefill=tuple(PrefillChunk(r, start, n) for r, start, n in chunks)))
-        assert result.decode_tokens.shape == (0,)
-        return result.prefill_tokens
+    def run_prefill(*chunks):
+        rows = tuple(StepRow.chunk(r, start, n) for r, start, n in chunks)
+        result = runner.run(StepPlan(prefill=rows))
+        assert result.decode == ()
+        for row in rows:  # what scheduling records
+            row.request.num_sampled += row.samples_output
+        return [out.token_id for out in result.prefill]
 
     # A varied workload: one and two rows, both chunk buckets, decode batches of 1, 2 and 3 rows.
-    first = prefill((a, 0, 30))
-    second = prefill((a, 30, 7), (b, 0, 9))
-    third = prefill((b, 9, 13), (c, 0, 30))
+    first = run_prefill((a, 0, 30))
+    second = run_prefill((a, 30, 7), (b, 0, 9))
+    third = run_prefill((b, 9, 13), (c, 0, 30))
     for request, token in ((a, second[0]), (b, third[0]), (c, third[1])):
-        request.output_ids.append(int(token))
+        request.output_ids.append(token)
     for active in ([a], [a, b], [a, b, c], [c]):
-        result = runner.run(Batch(decode=tuple(active)))
-        out = result.decode_tokens
-        assert result.prefill_tokens.shape == (0,) and out.shape == (len(active),)
-        for request, token in zip(active, out):
-            request.output_ids.append(int(token))
+        result = runner.run(StepPlan.decode_of(active))
+        assert result.prefill == () and len(result.decode) == len(active)
+        for request, out in zip(active, result.decode):
+            request.output_ids.append(out.token_id)
+            request.num_sampled += 1
     assert counter.count == before, "a call after warm-up compiled"
-    assert first.shape == (1,) and 0 <= int(first[0]) < CFG.vocab_size
+    assert len(first) == 1 and 0 <= first[0] < CFG.vocab_size
     too_long = Request("long", [1] * 33, greedy, slot=3, pages=[18])
-    with pytest.raises(ValueError, match="no compiled prefill shape holds them"):
-        runner.run(Batch(prefill=(PrefillChunk(too_long, 0, 33),)))
+    with pytest.raises(ValueError, match="no compiled prefill step holds them"):
+        runner.run(StepPlan(prefill=(StepRow.chunk(too_long, 0, 33),)))
+
+
+def prefill(rows: int, chunk: int) -> StepShape:
+    return StepShape(prefill=GroupShape(rows, chunk))
+
+
+def decode(rows: int) -> StepShape:
+    return StepShape(decode=GroupShape(rows, 1))
+
+
+def mixed(rows: int, chunk: int, decode_rows: int) -> StepShape:
+    return StepShape(GroupShape(rows, chunk), GroupShape(decode_rows, 1))
 
 
 def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_prefill_shape():
     buckets = Buckets.for_limits(max_prefill_rows=2, chunked_prefill_size=256, max_num_seqs=8, mixed=True)
     shapes = buckets.shapes()
-    assert shapes[:2] == buckets.first_shapes() == [((1, 16),), ((1, 1),)]
+    assert shapes[:2] == buckets.first_shapes() == [prefill(1, 16), decode(1)]
     assert len(shapes) == len(set(shapes)) == 6 + 4 + 6  # prefill, decode, mixed (every decode row in each)
-    assert {s for s in shapes if len(s) == 2} == {(p, (8, 1)) for p in [(r, c) for r in (1, 2) for c in (16, 64, 256)]}
-    assert buckets.prompt_shapes(40) == [((1, 64),), ((1, 1),)] and buckets.prompt_shapes(999)[0] == ((1, 256),)
+    # A mixed step holds a pure chunk's tokens: its chunk is shortened by its decode rows (all 8, padded).
+    assert {s for s in shapes if s.kind is StepKind.MIXED} == {mixed(r, c - 8, 8) for r in (1, 2) for c in (16, 64, 256)}
+    assert buckets.prompt_shapes(40) == [prefill(1, 64), decode(1)] and buckets.prompt_shapes(999)[0] == prefill(1, 256)
+    # A chunk no longer than the decode rows has no mixed form.
+    narrow = Buckets.for_limits(max_prefill_rows=1, chunked_prefill_size=64, max_num_seqs=16, mixed=True)
+    assert {s for s in narrow.shapes() if s.kind is StepKind.MIXED} == {mixed(1, 48, 16)}
 
 
 def test_step_limits_grow_with_the_compiled_shapes():
     buckets = Buckets.for_limits(max_prefill_rows=2, chunked_prefill_size=256, max_num_seqs=8, mixed=True)
     compiled = set()
     assert step_limits(compiled, buckets) is None
-    compiled |= {((1, 16),)}
+    compiled |= {prefill(1, 16)}
     assert step_limits(compiled, buckets) is None  # no decode shape yet
-    compiled |= {((1, 1),)}
-    assert step_limits(compiled, buckets) == StepLimits(16, 1, 1, False)
-    compiled |= {((2, 1),), ((4, 1),), ((1, 64),), ((2, 16),)}
+    compiled |= {decode(1)}
+    assert step_limits(compiled, buckets) == StepLimits(16, 1, 1)
+    compiled |= {decode(2), decode(4), prefill(1, 64), prefill(2, 16)}
     # Two rows only where a two-row shape holds the longest chunk one row may have.
-    assert step_limits(compiled, buckets) == StepLimits(64, 1, 4, False)
-    compiled |= {((2, 64),)}
-    assert step_limits(compiled, buckets) == StepLimits(64, 2, 4, False)
-    compiled |= {(p, (8, 1)) for p in [(1, 16), (1, 64), (2, 16)]}
+    assert step_limits(compiled, buckets) == StepLimits(64, 1, 4)
+    compiled |= {prefill(2, 64)}
+    assert step_limits(compiled, buckets) == StepLimits(64, 2, 4)
+    compiled |= {mixed(r, c - 8, 8) for r, c in [(1, 16), (1, 64), (2, 16)]}
     assert not step_limits(compiled, buckets).mixed  # (2, 64) has no mixed form yet
-    compiled |= {((2, 64), (8, 1))}
-    assert step_limits(compiled, buckets).mixed
+    compiled |= {mixed(2, 56, 8)}
+    assert step_limits(compiled, buckets) == StepLimits(64, 2, 4, mixed_decode_rows=8)

@@ -9,6 +9,7 @@ at the same time, so each test keeps all but one of them idle (the runner's cach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -36,7 +37,7 @@ from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
 
-# Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so its
+# Small on purpose: 2 prefill + 3 decode + 2 mixed shapes to compile. tests/test_cli.py serves with the same flags, so its
 # subprocess finds these shapes in the persistent compilation cache.
 CONFIG = EngineConfig(dtype="float32", max_num_seqs=4, chunked_prefill_size=64, max_prefill_rows=1, page_size=16,
                       max_model_len=256, max_queued_requests=64, decode_log_interval=1000)
@@ -153,7 +154,7 @@ def sse_payloads(lines) -> list:
 
 def settled(engine: Engine) -> bool:
     stats = engine.stats()
-    return stats["running"] == 0 and stats["waiting"] == 0 and stats["free_pages"] == stats["total_pages"]
+    return stats.running == 0 and stats.waiting == 0 and stats.free_pages == stats.total_pages
 
 
 # ---- the openai client ---------------------------------------------------------------------------------------------
@@ -560,25 +561,25 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_done(server, http, 
 
 def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(server, http, slow_decode):
     engine = server.engine
-    free_before, aborted_before = engine.stats()["free_pages"], engine.stats()["finished"].get("abort", 0)
+    free_before, aborted_before = engine.stats().free_pages, engine.stats().finished.get("abort", 0)
     body = {"prompt": list(range(2, 40)), "max_tokens": 200, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert engine.stats()["free_pages"] < free_before
+        assert engine.stats().free_pages < free_before
     # Leaving the `with` closed the connection after one chunk of 200.
-    wait_for(lambda: engine.stats()["finished"].get("abort", 0) == aborted_before + 1 and settled(engine),
+    wait_for(lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
              SETTLE_S, "the abort and the pages")
-    assert engine.stats()["free_pages"] == free_before
+    assert engine.stats().free_pages == free_before
 
 
 def test_a_non_streaming_client_that_times_out_aborts_its_request(server, slow_decode):
     engine = server.engine
-    aborted_before = engine.stats()["finished"].get("abort", 0)
+    aborted_before = engine.stats().finished.get("abort", 0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.5,
                    json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
-    wait_for(lambda: engine.stats()["finished"].get("abort", 0) == aborted_before + 1 and settled(engine),
+    wait_for(lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
              SETTLE_S, "the abort and the pages")
 
 
@@ -647,3 +648,49 @@ def test_load_with_random_disconnects(server):
     assert len(results["statuses"]) == LOAD_REQUESTS and results["disconnects"] > 0
     assert results["tokens"] and all(n == LOAD_MAX_TOKENS for n in results["tokens"])
     assert results["health"] and set(results["health"]) == {200}
+
+
+# ---- priority scheduling ---------------------------------------------------------------------------------------
+
+def test_a_priority_without_the_flag_is_a_400_naming_it(http):
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": 0}).status_code == 200
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        response = http.post(path, json={**body, "max_tokens": 1, "priority": -1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+
+
+def test_priority_scheduling_admits_a_lower_priority_first_through_http(runner, loaded, monkeypatch):
+    """One running request at a time; four of priority 0 arrive, then one of priority -1: it starts (its first token)
+    before the three of priority 0 still waiting, which keep their arrival order."""
+    gate, at_gate = threading.Event(), threading.Event()
+    before_each_decode(runner, monkeypatch, lambda: (at_gate.set(), gate.wait(30)))
+    first_token: dict[str, float] = {}
+
+    def read(name, response):
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                first_token.setdefault(name, time.perf_counter())
+
+    with serving(runner, loaded, max_num_seqs=1, scheduling_policy="priority") as served, \
+            httpx.Client(base_url=served.url, timeout=60) as http, contextlib.ExitStack() as streams:
+        def send(name, priority, max_tokens):
+            body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                    "priority": priority}
+            response = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
+            assert response.status_code == 200
+            return threading.Thread(target=read, args=(name, response))
+
+        readers = [send("running", 0, 8)]
+        assert at_gate.wait(30), "the first request never reached its first decode step"
+        # The engine waits at the gate: the next four are queued in the order they are sent.
+        readers += [send(name, 0, 4) for name in ("b", "c", "d")] + [send("urgent", -1, 4)]
+        for reader in readers:
+            reader.start()
+        gate.set()
+        for reader in readers:
+            reader.join(60)
+    order = sorted(first_token, key=first_token.get)
+    assert order == ["running", "urgent", "b", "c", "d"], order

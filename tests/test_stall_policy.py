@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.request import PrefillChunk, Request
-from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler
+from jaxserve.config import EngineConfig
+from jaxserve.request import Request
+from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler, step_policies
+from jaxserve.step import ForcedBy, StepKind, StepRow
 
 
 class FakeClock:
@@ -17,33 +19,35 @@ class FakeClock:
 
 
 class StubPrefill:
-    max_prefill_tokens = 256
+    max_prefill_tokens, max_prefill_rows = 256, 1
 
     def __init__(self):
         self.budgets = []
 
-    def schedule_next_chunks(self, token_budget=None):
+    def schedule_next_chunks(self, token_budget, max_rows, max_active):
         self.budgets.append(token_budget)
-        return (PrefillChunk(Request("p", [1, 2]), 0, 1),)
+        return (StepRow.chunk(Request("p", [1, 2]), 0, 1),)
 
 
 class StubDecode:
+    max_num_seqs = 4
+
     def __init__(self, runnable=True):
         self.runnable = runnable
         self.calls = 0
 
     has_work = property(lambda self: self.runnable)
 
-    def schedule_next_rows(self):
+    def schedule_next_rows(self, max_rows):
         self.calls += 1
-        return (Request("d", [1]),) if self.runnable else ()
+        return (StepRow.next_token(Request("d", [1])),) if self.runnable else ()
 
 
 def make(stall_ms, every=None, adaptive=True, decode_runnable=True):
     clock = FakeClock()
     stall = DecodeStallPolicy(stall_ms, page_size=16, min_chunk_tokens=64, adaptive_chunks=adaptive, clock=clock)
     prefill, decode = StubPrefill(), StubDecode(decode_runnable)
-    scheduler = Scheduler(prefill, decode, DecodeInterleavePolicy(every), stall)
+    scheduler = Scheduler(prefill, decode, ([] if every is None else [DecodeInterleavePolicy(every)]) + [stall])
     return scheduler, stall, prefill, decode, clock
 
 
@@ -52,8 +56,8 @@ def warm(stall, per_token_s=0.001, decode_s=0.010):
     stall.observe_decode(decode_s)
 
 
-def letter(batch):
-    return {None: "-", "prefill": "P", "decode": "D"}[batch and batch.phase]
+def letter(plan):
+    return "-" if plan is None else {StepKind.PREFILL: "P", StepKind.DECODE: "D"}[plan.kind]
 
 
 def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
@@ -61,24 +65,24 @@ def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
     warm(stall)
     stall.note_decoded()  # decodes wait from t=0
     # 100 ms budget - 10 ms decode = 90 tokens at 1 ms each -> 80 page-aligned.
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 80
     stall.observe_prefill(80, 0.080)  # that step ran (still 1 ms per token)
     # With a step in flight until t=50 ms only 40 tokens fit -> 32 aligned, under the 64-token floor: decode.
     stall.note_inflight(0.050)
     batch = scheduler.schedule()
-    assert letter(batch) == "D" and batch.forced_by == "stall"
-    assert scheduler.stall_decode_steps == scheduler.forced_decode_steps == 1
+    assert letter(batch) == "D" and batch.forced_by is ForcedBy.STALL
+    assert scheduler.counts.forced[ForcedBy.STALL] == scheduler.counts.forced_total == 1
 
 
 def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
     scheduler, stall, prefill, _, clock = make(400, adaptive=False)
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256  # 256 + 10 ms < 400 ms
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 256  # 256 + 10 ms < 400 ms
     clock.now = 0.2  # 200 ms already waited: a 256 ms step would break the budget
-    assert letter(scheduler._schedule_next_batch()) == "D"
+    assert letter(scheduler.schedule()) == "D"
     stall.note_decoded()  # the decode ran: the clock restarts, and the next step prefills at full size
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 256
 
 
 def test_a_budget_tighter_than_any_step_slows_prefill_but_never_stops_it():
@@ -88,10 +92,10 @@ def test_a_budget_tighter_than_any_step_slows_prefill_but_never_stops_it():
     stall.note_decoded()  # ... and has run
     pattern = ""
     for _ in range(8):
-        batch = scheduler._schedule_next_batch()
+        batch = scheduler.schedule()
         pattern += letter(batch)
         clock.now += 0.05
-        if batch.phase == "decode":
+        if batch.kind is StepKind.DECODE:
             stall.note_decoded()
         else:
             stall.observe_prefill(prefill.budgets[-1], 0.064)
@@ -109,11 +113,11 @@ def test_with_a_step_in_flight_the_floor_still_follows_every_decode():
     for _ in range(8):
         if inflight is not None:
             stall.note_inflight(clock.now + 0.05)
-        batch = scheduler._schedule_next_batch()
+        batch = scheduler.schedule()
         pattern += letter(batch)
         clock.now += 0.05
         if inflight is not None:  # the step before this one ends only now
-            if inflight.phase == "decode":
+            if inflight.kind is StepKind.DECODE:
                 stall.note_decoded()
             else:
                 stall.observe_prefill(64, 0.064)
@@ -125,19 +129,19 @@ def test_fresh_arrivals_are_exempt():
     scheduler, stall, prefill, _, clock = make(100)
     warm(stall)
     clock.now = 30.0  # a long prefill ran while nobody was decoding
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 256
     stall.note_runnable()  # the first token just arrived: its stall clock starts now, not at its arrival
     stall.observe_prefill(100, 0.1)
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 80
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 80
     clock.now = 30.05
     stall.note_runnable()  # a second newcomer does not restart the first one's clock
-    assert letter(scheduler._schedule_next_batch()) == "D"
+    assert letter(scheduler.schedule()) == "D"
 
 
 def test_before_any_measurement_prefill_proceeds():
     scheduler, stall, prefill, _, _ = make(1)
     stall.note_decoded()
-    assert letter(scheduler._schedule_next_batch()) == "P" and prefill.budgets[-1] == 256
+    assert letter(scheduler.schedule()) == "P" and prefill.budgets[-1] == 256
 
 
 def test_composes_with_the_count_policy_whichever_is_due_first():
@@ -146,25 +150,28 @@ def test_composes_with_the_count_policy_whichever_is_due_first():
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
     assert "".join(letter(scheduler.schedule()) for _ in range(8)) == "PPPDPPPD"
-    assert scheduler.forced_decode_steps == 2 and scheduler.stall_decode_steps == 0
+    assert scheduler.counts.forced_total == 2 and scheduler.counts.forced[ForcedBy.STALL] == 0
     # A tight budget fires before the count does.
     scheduler, stall, _, _, clock = make(100, every=8, adaptive=False)
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
     clock.now = 0.05
     batch = scheduler.schedule()
-    assert letter(batch) == "D" and batch.forced_by == "stall"
+    assert letter(batch) == "D" and batch.forced_by is ForcedBy.STALL
 
 
 @pytest.mark.parametrize("stall_ms", [None, 0, -5])
-def test_disabled_budget_changes_nothing(stall_ms):
-    scheduler, stall, prefill, decode, clock = make(stall_ms, every=3)
-    assert scheduler.stall_policy is None
-    stall.note_decoded()
-    warm(stall)  # a prefill step ran since the last decode
-    clock.now = 1e6
-    assert "".join(letter(scheduler._schedule_next_batch()) for _ in range(9)) == "PPPDPPPDP"
-    assert prefill.budgets == [None] * 7
+def test_a_budget_that_asks_for_nothing_makes_no_policy(stall_ms):
+    cfg = EngineConfig(max_decode_stall_ms=stall_ms, decode_interleave_every=3)
+    policies = step_policies(cfg, page_size=16, min_chunk_tokens=64)
+    assert [type(p) for p in policies] == [DecodeInterleavePolicy]
+    prefill = StubPrefill()
+    scheduler = Scheduler(prefill, StubDecode(), policies)
+    assert "".join(letter(scheduler.schedule()) for _ in range(9)) == "PPPDPPPDP"
+    assert prefill.budgets == [256] * 7
+    if stall_ms is not None:
+        with pytest.raises(ValueError, match="max_decode_stall_ms"):
+            DecodeStallPolicy(stall_ms)
 
 
 def test_due_but_nothing_to_decode_prefills_at_full_budget():
@@ -172,5 +179,5 @@ def test_due_but_nothing_to_decode_prefills_at_full_budget():
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
     clock.now = 5.0
-    assert letter(scheduler._schedule_next_batch()) == "P"
-    assert decode.calls == 1 and prefill.budgets[-1] is None  # no slot spent idle to keep the promise
+    assert letter(scheduler.schedule()) == "P"
+    assert decode.calls == 1 and prefill.budgets[-1] == 256  # no slot spent idle to keep the promise

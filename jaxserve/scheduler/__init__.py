@@ -1,11 +1,16 @@
-"""Host-side scheduling: the prefill and decode managers, the page and slot allocator, the policies, the decision."""
+"""Host-side scheduling: the prefill and decode managers, the page and slot allocator, the step policies and the
+queue orders, the decision, and the one place flags become a scheduler."""
 
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
+from jaxserve.scheduler.compose import build_scheduler, queue_order, step_policies
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.interleave import DecodeInterleavePolicy
+from jaxserve.scheduler.policy import MixedSteps, StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.scheduler.queue_order import QUEUE_ORDERS, FirstComeFirstServed, Priority, QueueOrder
+from jaxserve.scheduler.scheduler import Scheduler, StepCounts
 from jaxserve.scheduler.stall import DecodeStallPolicy
 
-__all__ = ["DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "Exhausted", "IdAllocator",
-           "PrefillManager", "Scheduler"]
+__all__ = ["QUEUE_ORDERS", "DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "Exhausted",
+           "FirstComeFirstServed", "IdAllocator", "MixedSteps", "PrefillManager", "Priority", "QueueOrder",
+           "Scheduler", "StepCounts", "StepPolicy", "build_scheduler", "queue_order", "step_policies"]

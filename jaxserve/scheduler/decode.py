@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.request import Request, RequestStatus
+from jaxserve.step import StepRow
 
 
 class DecodeManager:
@@ -10,7 +11,7 @@ class DecodeManager:
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be positive")
         self.max_num_seqs = max_num_seqs
-        # Insertion order is arrival order: prefill admits FIFO and hands requests over in batch order.
+        # Insertion order is the order prompts completed.
         self._running: dict[str, Request] = {}
 
     @property
@@ -24,7 +25,7 @@ class DecodeManager:
     def add(self, request: Request) -> None:
         if request.request_id in self._running:
             raise ValueError(f"request {request.request_id!r} is already decoding")
-        request.status = RequestStatus.RUNNING
+        request.move_to(RequestStatus.DECODING)
         self._running[request.request_id] = request
 
     def remove(self, request: Request) -> None:
@@ -32,7 +33,8 @@ class DecodeManager:
         if self._running.get(request.request_id) is request:
             del self._running[request.request_id]
 
-    def schedule_next_rows(self) -> tuple[Request, ...]:
-        """The requests the next decode step advances (oldest first); empty when none is decoding. A request whose
-        last token (max_tokens) is already being sampled by a step in flight gets no further row."""
-        return tuple([r for r in self._running.values() if r.num_sampled < r.sampling.max_tokens][:self.max_num_seqs])
+    def schedule_next_rows(self, max_rows: int) -> tuple[StepRow, ...]:
+        """The decode rows of the next step (oldest first, at most `max_rows`); empty when none is decoding. A
+        request whose last token (max_tokens) is already being sampled by a step in flight gets no further row."""
+        due = [r for r in self._running.values() if r.num_sampled < r.sampling.max_tokens][:max_rows]
+        return tuple(StepRow.next_token(request) for request in due)

@@ -1,23 +1,28 @@
-"""The prefill manager: a FIFO queue of prompts, admitted against KV pages and slots, cut into chunks.
+"""The prefill manager: the waiting queue (in the queue order's order), admission against KV pages and slots, and
+the cut of prompts into chunks.
 
 Admission reserves every page a request can ever need (`prompt_len + max_tokens` tokens) plus a slot, so a
-running request never has to wait for memory and nothing is ever preempted. A request whose prefill has been
-fully scheduled leaves this manager; the Scheduler hands it to the decode manager as that batch is scheduled
-(`Scheduler.schedule`).
+running request never has to wait for memory and nothing is ever preempted. Admitted requests are continued before
+anyone new is admitted, in admission order; a request whose prefill has been fully scheduled leaves this manager
+(the Scheduler hands it to the decode manager as that step is scheduled).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 
 from jaxserve.cache import pages_needed
-from jaxserve.request import PrefillChunk, Request, RequestStatus
+from jaxserve.request import Request, RequestStatus
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
+from jaxserve.scheduler.queue_order import FirstComeFirstServed, QueueOrder
+from jaxserve.step import StepRow
 
 
 class PrefillManager:
     def __init__(self, page_pool: IdAllocator, page_size: int, max_prefill_tokens: int, max_prefill_rows: int,
-                 slots: IdAllocator):
+                 slots: IdAllocator, queue_order: QueueOrder | None = None):
         for name, value in (("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens),
                             ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
@@ -27,48 +32,55 @@ class PrefillManager:
         self.max_prefill_tokens = max_prefill_tokens  # token budget of one step (--chunked-prefill-size)
         self.max_prefill_rows = max_prefill_rows  # chunks (requests) in one step
         self.slots = slots
-        self.max_active = slots.size  # admitted, unfinished requests (lowered while big decode steps are missing)
-        # Arrival order. Only the last chunk of a batch can be partial, so a request whose prompt is part-way
-        # done is always at the head: continuing it first and FIFO admission are the same walk.
-        self._queue: deque[Request] = deque()
+        self.queue_order = queue_order or FirstComeFirstServed()
+        self._admitted: deque[Request] = deque()  # PREFILLING, prompt not fully scheduled yet; admission order
+        self._waiting: list[tuple[tuple[int, ...], int, Request]] = []  # (order key, arrival, request), sorted
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
-        return sum(r.status is RequestStatus.WAITING for r in self._queue)
+        return len(self._waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queue)
+        return bool(self._admitted or self._waiting)
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every request here: admitted ones first, then the waiting ones in the order they will be admitted."""
+        return list(self._admitted) + [request for _, _, request in self._waiting]
 
     def add(self, request: Request) -> None:
-        """Queue `request`, which Engine.check_admission accepted: it fits the pool once it is empty, so it never
-        waits at the head forever."""
-        request.status = RequestStatus.WAITING
-        self._queue.append(request)
+        """Queue `request` (WAITING), which Engine.check_admission accepted: it fits the pool once it is empty, so
+        it never waits at the head forever."""
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
+        bisect.insort(self._waiting, (self.queue_order.key(request), next(self._arrivals), request),
+                      key=lambda entry: entry[:2])
 
-    def schedule_next_chunks(self, token_budget: int | None = None) -> tuple[PrefillChunk, ...]:
-        """The next prefill step's chunks (empty: nothing to prefill). Scheduling is the commitment:
-        `num_prefilled` advances now.
-
-        `token_budget` lowers this step's budget below max_prefill_tokens (adaptive chunking)."""
-        chunks: list[PrefillChunk] = []
-        budget = min(self.max_prefill_tokens, token_budget or self.max_prefill_tokens)
-        while self._queue and budget > 0 and len(chunks) < self.max_prefill_rows:
-            request = self._queue[0]
-            if request.status is RequestStatus.WAITING and not self._admit(request):
-                break  # FIFO: nobody overtakes a head that does not fit yet
+    def schedule_next_chunks(self, token_budget: int, max_rows: int, max_active: int) -> tuple[StepRow, ...]:
+        """The next step's prefill rows, at most `token_budget` tokens in at most `max_rows` rows, admitting no more
+        than `max_active` requests in all (empty: nothing to prefill). Scheduling is the commitment: `num_prefilled`
+        advances now. Only the last row of a step can be partial, so at most one admitted request is part-way."""
+        rows: list[StepRow] = []
+        budget = token_budget
+        while budget > 0 and len(rows) < max_rows:
+            if not self._admitted and not (self._waiting and self._admit(self._waiting[0][2], max_active)):
+                break  # nothing admitted to continue, and nobody overtakes a head that does not fit yet
+            request = self._admitted[0]
             length = min(request.remaining_prompt, budget)
-            chunks.append(PrefillChunk(request, request.num_prefilled, length))
+            rows.append(StepRow.chunk(request, request.num_prefilled, length))
             request.num_prefilled += length
             budget -= length
             if request.prefill_done:
-                self._queue.popleft()
-        return tuple(chunks)
+                self._admitted.popleft()
+        return tuple(rows)
 
     def remove(self, request: Request) -> None:
         """Forget `request` wherever it is in its life (release() gives back its pages and slot)."""
-        if request in self._queue:
-            self._queue.remove(request)
+        if request in self._admitted:
+            self._admitted.remove(request)
+        self._waiting = [entry for entry in self._waiting if entry[2] is not request]
 
     def release(self, request: Request) -> None:
         """Give back `request`'s pages and slot, each exactly once."""
@@ -79,13 +91,15 @@ class PrefillManager:
             self.slots.free([request.slot])
             request.slot = None
 
-    def _admit(self, request: Request) -> bool:
-        if self.slots.num_used >= self.max_active:  # max_active <= the slots there are
+    def _admit(self, request: Request, max_active: int) -> bool:
+        if self.slots.num_used >= max_active:
             return False
         try:
             request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
         except Exhausted:
             return False
         request.slot, = self.slots.allocate(1)
-        request.status = RequestStatus.PREFILLING
+        request.move_to(RequestStatus.PREFILLING)
+        self._waiting.pop(0)
+        self._admitted.append(request)
         return True

@@ -14,11 +14,18 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from jaxserve.scheduler.policy import StepPolicy
+from jaxserve.step import ForcedBy, StepPlan
 
-class DecodeStallPolicy:
-    def __init__(self, max_stall_ms: float | None, *, page_size: int = 1, min_chunk_tokens: int = 64,
+
+class DecodeStallPolicy(StepPolicy):
+    forced_by = ForcedBy.STALL
+
+    def __init__(self, max_stall_ms: float, *, page_size: int = 1, min_chunk_tokens: int = 64,
                  adaptive_chunks: bool = True, clock: Callable[[], float] = time.monotonic, smoothing: float = 0.3):
-        self.budget_s = max_stall_ms / 1000.0 if max_stall_ms is not None and max_stall_ms > 0 else None
+        if max_stall_ms <= 0:
+            raise ValueError(f"max_decode_stall_ms={max_stall_ms}: must be positive (unset: no stall budget)")
+        self.budget_s = max_stall_ms / 1000.0
         self.page_size = page_size
         self.min_chunk_tokens = max(min_chunk_tokens, page_size)
         self.adaptive_chunks = adaptive_chunks
@@ -32,9 +39,30 @@ class DecodeStallPolicy:
         # must slow prefill down, never stop it (a request that never prefills never starts).
         self.prefill_owed = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.budget_s is not None
+    # ---- the StepPolicy hooks -------------------------------------------------------------------------------
+    def on_scheduled(self, plan: StepPlan) -> None:
+        self.note_scheduled(decodes=bool(plan.decode))
+
+    def on_inflight(self, plan: StepPlan | None, device_start: float | None) -> None:
+        if plan is None or device_start is None:
+            self.note_inflight(None)
+        else:
+            self.note_inflight(device_start + self.predicted_seconds(plan.num_tokens, bool(plan.prefill)))
+
+    def on_step_done(self, plan: StepPlan, seconds: float, decoding: bool) -> None:
+        if plan.prefill:
+            self.observe_prefill(plan.num_tokens, seconds)
+        else:
+            self.observe_decode(seconds)
+        if not decoding:
+            self.note_idle()
+        elif plan.decode:
+            self.note_decoded()
+        elif any(not request.finished for request in plan.completed):  # a first token: its clock starts
+            self.note_runnable()
+
+    def on_nothing_decoding(self) -> None:
+        self.note_idle()
 
     # ---- observations --------------------------------------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -73,10 +101,10 @@ class DecodeStallPolicy:
         self.inflight_until = predicted_end
 
     # ---- decisions -----------------------------------------------------------------------------------------
-    def prefill_token_limit(self, budget_tokens: int) -> int | None:
+    def prefill_token_limit(self, budget_tokens: int) -> int:
         """How many prefill tokens the next step may carry: `budget_tokens` when nobody waits or nothing is
         known yet, fewer to fit the stall budget, or 0 when a decode must come first."""
-        if not self.enabled or self.waiting_since is None or self.prefill_s_per_token is None:
+        if self.waiting_since is None or self.prefill_s_per_token is None:
             return budget_tokens
         now = self.clock()
         start = max(now, self.inflight_until or now)  # the next step starts after the one in flight
