@@ -299,6 +299,7 @@ class Engine:
         self.scheduler.prefill_manager.queue_order.check_priority(priority)
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
+        self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias])
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt: must not be empty (there is no position to sample from)")
         limit, prompt_len, completion = self.context_limit, len(prompt_ids), sampling.max_tokens
@@ -318,8 +319,8 @@ class Engine:
         sampling = sampling or SamplingParams()
         self.check_admission(prompt_ids, sampling, priority)
         request_id = request_id or f"req-{next(self._ids)}"
-        if sampling.seed is None:
-            sampling = dataclasses.replace(sampling, seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
+        seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) if sampling.seed is None else sampling.seed
+        sampling = dataclasses.replace(sampling, seed=seed, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         request = Request(request_id, [int(t) for t in prompt_ids], sampling, priority=priority)
         handle = RequestHandle(request_id, request.prompt_ids)
         with self._admission:
@@ -461,7 +462,7 @@ class Engine:
     def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
-        reason, stop_reason = self._stop_reason(request, token)
+        reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids))
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
@@ -470,17 +471,6 @@ class Engine:
         else:
             self._finish(request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs,
                          prompt_logprobs=prompt_logprobs)
-
-    def _stop_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
-        """(finish reason, stop token) after `token`; EOS is reported without a stop token, as vLLM does."""
-        s = request.sampling
-        if not s.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if token in s.stop_token_ids:
-            return "stop", token
-        if len(request.output_ids) >= s.max_tokens:  # admission kept prompt + max_tokens within the context
-            return "length", None
-        return None, None
 
     @staticmethod
     def _prompt_logprobs(request: Request) -> tuple[TokenLogprob, ...] | None:

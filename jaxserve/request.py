@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 # The most alternatives a request may ask for at each position (`logprobs` / `prompt_logprobs`): every step
 # computes this many on the device when any row asks, whatever each row wants (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most (token, bias) pairs a row hands the sampler in a step (SamplingParams.logit_bias_at): every step carries
+# this many per row to the device, used or not.
+MAX_LOGIT_BIAS = 64
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 class InvalidRequest(ValueError):
@@ -39,7 +43,11 @@ class SamplingParams:
     `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
     is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
     `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
-    prompt token after the first (None: not computed)."""
+    prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
+    logits before sampling (OpenAI's; logprobs still describe the raw distribution).
+
+    It also owns the rules its fields imply: when a token ends the request (`stop_reason`) and what the sampler adds
+    to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at submission."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -50,10 +58,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        # Accept any iterable (e.g. a JSON list) but store a tuple, so the params stay hashable.
+        # Accept any iterable (e.g. a JSON list, a dict of biases) but store tuples, so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        low, high = LOGIT_BIAS_RANGE
         checks = {
             "max_tokens": (self.max_tokens >= 0, "must be >= 0"),
             "temperature": (self.temperature >= 0, "must be >= 0"),
@@ -64,10 +78,28 @@ class SamplingParams:
                          f"must be in [0, {MAX_LOGPROBS}]"),
             "prompt_logprobs": (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                                 f"must be in [0, {MAX_LOGPROBS}]"),
+            "logit_bias": (all(low <= b <= high for _, b in self.logit_bias)
+                           and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                           f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
                 raise InvalidRequest(name, f"{name}={getattr(self, name)!r}: {rule}")
+
+    def stop_reason(self, token: int, num_generated: int) -> tuple[str | None, int | None]:
+        """(finish reason, stop token) once `token` made `num_generated` output tokens, or (None, None) to go on. EOS
+        is reported without a stop token, as vLLM does."""
+        if not self.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if token in self.stop_token_ids:
+            return "stop", token
+        if num_generated >= self.max_tokens:  # admission kept prompt + max_tokens within the context
+            return "length", None
+        return None, None
+
+    def logit_bias_at(self, num_generated: int) -> tuple[tuple[int, float], ...]:
+        """What the sampler adds to the logits of the token sampled after `num_generated` output tokens."""
+        return self.logit_bias
 
 
 class RequestStatus(enum.Enum):

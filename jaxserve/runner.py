@@ -31,7 +31,7 @@ from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.progress import progress
-from jaxserve.request import TokenLogprob
+from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
 from jaxserve.sampling import SamplingArrays, sample
 from jaxserve.sharding import shardings_for
 from jaxserve.step import (GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow,
@@ -236,7 +236,8 @@ class ModelRunner:
                             page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32))
         sampling = SamplingArrays(temperature=arr((rows,), jnp.float32), top_k=arr((rows,), jnp.int32),
                                   top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
-                                  position=arr((rows,), jnp.int32))
+                                  position=arr((rows,), jnp.int32), bias_ids=arr((rows, MAX_LOGIT_BIAS), jnp.int32),
+                                  bias=arr((rows, MAX_LOGIT_BIAS), jnp.float32))
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
         asked = _logprob_inputs(rows, chunk, arr)
         return inputs, sampling, routes, asked
@@ -389,9 +390,7 @@ class ModelRunner:
             if targets:
                 asked.prompt[i] = True
                 asked.targets[i, : len(targets)] = targets
-        # Each row samples the token after its last one, at that token's own position.
-        sampling = SamplingArrays.for_rows([row.request.sampling for row in group.rows],
-                                           positions + np.maximum(lengths, 1))
+        sampling = SamplingArrays.for_rows(group.rows, bucket_rows)
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
         routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, group.decode), store_slot=store)
         return inputs, sampling, routes, asked

@@ -1,4 +1,4 @@
-"""Token sampling on device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on device: logit biases, greedy, temperature, top-k, top-p, per-request seeds.
 
 Each row's randomness comes from its own (seed, position) pair, so a request's tokens do not depend on which
 other requests share its batch, nor on the batch size or row order.
@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.request import SamplingParams
+from jaxserve.request import MAX_LOGIT_BIAS
+from jaxserve.step import StepRow
 
 F32 = jnp.float32
+NO_TOKEN = np.iinfo(np.int32).max  # a bias entry past any vocabulary: dropped
 
 
 @jax.tree_util.register_dataclass
@@ -26,18 +28,31 @@ class SamplingArrays:
     top_p: jax.Array  # [b] f32 in (0, 1]
     seed: jax.Array  # [b] uint32
     position: jax.Array  # [b] int32, the position of the token being sampled (its key's second half)
+    bias_ids: jax.Array  # [b, MAX_LOGIT_BIAS] int32: tokens whose logits get `bias` (NO_TOKEN: unused entry)
+    bias: jax.Array  # [b, MAX_LOGIT_BIAS] f32
 
     @staticmethod
-    def for_rows(params: Sequence[SamplingParams], positions: np.ndarray) -> "SamplingArrays":
-        """Host arrays for a bucket of `len(positions)` rows; rows past `params` are padding and sample greedily
-        (their token is dropped). `positions[i]`: the position of the token row i samples."""
-        pad = len(positions) - len(params)
+    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> "SamplingArrays":
+        """Host arrays for a bucket of `bucket_rows` rows; rows past `rows` are padding and sample greedily (their
+        token is dropped). Each row samples the token at position start + length, the request's output token number
+        start + length - prompt_len (its logit bias follows from that)."""
+        params = [row.request.sampling for row in rows]
+        positions = [row.start + row.length for row in rows]
+        pad = bucket_rows - len(rows)
+        bias_ids = np.full((bucket_rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
+        bias = np.zeros((bucket_rows, MAX_LOGIT_BIAS), np.float32)
+        for i, (row, p, position) in enumerate(zip(rows, params, positions)):
+            entries = p.logit_bias_at(position - row.request.prompt_len)
+            bias_ids[i, :len(entries)] = [token for token, _ in entries]
+            bias[i, :len(entries)] = [value for _, value in entries]
         return SamplingArrays(
             temperature=np.asarray([p.temperature for p in params] + [0.0] * pad, np.float32),
             top_k=np.asarray([p.top_k for p in params] + [-1] * pad, np.int32),
             top_p=np.asarray([p.top_p for p in params] + [1.0] * pad, np.float32),
             seed=np.asarray([p.seed or 0 for p in params] + [0] * pad, np.uint32),
-            position=np.asarray(positions, np.int32),
+            position=np.asarray(positions + [1] * pad, np.int32),
+            bias_ids=bias_ids,
+            bias=bias,
         )
 
 
@@ -63,6 +78,8 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     that filters nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token
     still does not depend on its batch."""
     logits = logits.astype(F32)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, params.bias_ids].add(params.bias, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
     filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)

@@ -29,7 +29,6 @@ SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to 
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "min_tokens": (0,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
-    "logit_bias": ({},),
 }
 
 
@@ -56,6 +55,7 @@ class GenerationParams:
     echo: bool = False  # completions: the prompt comes back in front of the text (with its logprobs if asked)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
     priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -64,7 +64,7 @@ class GenerationParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, seed=seed, stop_token_ids=self.stop_token_ids,
-                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=self.logit_bias,
                                   prompt_logprobs=self.logprobs if self.echo else None)
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
@@ -189,6 +189,7 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
         echo=echo,
         tokens_as_ids=fields.boolean("return_tokens_as_token_ids", False),
         priority=fields.integer("priority", 0),
+        logit_bias=_logit_bias(fields.object("logit_bias")),
     )
 
 
@@ -214,6 +215,18 @@ def _token_ids(name: str, ids: Any, allow_empty: bool = False) -> list[int]:
         if not _is_int(token):
             raise bad_request(name, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
     return ids
+
+
+def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` (keys are strings in JSON); the range is SamplingParams' rule."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise bad_request("logit_bias", f"logit_bias: keys must be token ids, got {_show(key)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request("logit_bias", f"logit_bias[{key}]: must be a number, got {_show(value)}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:

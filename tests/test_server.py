@@ -308,6 +308,29 @@ def test_stop_token_ids(http):
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
 
 
+def test_logit_bias_moves_the_sampled_token_in_both_apis(http, loaded):
+    _, ids = greedy_text(http)
+    favoured = (ids[0] + 1) % loaded.config.vocab_size
+    body = {"prompt": [7, 8, 9], "max_tokens": 1, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    first = http.post("/v1/completions", json={**body, "logit_bias": {str(ids[0]): -100}}).json()["choices"][0]
+    assert first["token_ids"][0] != ids[0]
+    first = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}}).json()["choices"][0]
+    assert first["token_ids"] == [favoured]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True}
+    plain = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["token_ids"]
+    biased = http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(favoured): 100}}).json()
+    assert biased["choices"][0]["token_ids"] == [favoured] != plain
+
+
+@pytest.mark.parametrize("bias, what", [({"5": 101}, "must be in [-100, 100]"), ({"x": 1}, "keys must be token ids"),
+                                        ({"5": "high"}, "must be a number"), ({"99999": 1}, "outside the vocabulary")])
+def test_a_bad_logit_bias_is_a_400_naming_it(http, bias, what):
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logit_bias": bias})
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias"), response.text
+    assert what in response.json()["error"]["message"]
+
+
 def test_unknown_and_no_op_fields_are_accepted(http):
     response = http.post("/v1/completions", json={
         "model": MODEL, "prompt": "Hi", "max_tokens": 2, "best_of": 1, "n": 1, "logprobs": None,
