@@ -19,10 +19,9 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import jax
 
@@ -30,148 +29,47 @@ from jaxserve.cache import storage_dtype
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES, SUPPORTED_DTYPES,
-                             EngineConfig, ModelConfig, parse_bytes)
+from jaxserve.config import (COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE, QUANTIZATION_MODES,
+                             SUPPORTED_DTYPES, EngineConfig, Flag, ModelConfig)
 from jaxserve.engine import Engine
 from jaxserve.generation import Generation
-from jaxserve.kernels.table import KERNEL_CHOICES
 from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
-from jaxserve.server.config import ServerConfig
+from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
 from jaxserve.sharding import make_mesh
 
 log = logging.getLogger("jaxserve.cli")
 
-COMPILE_CACHE_ENV = "JAXSERVE_COMPILE_CACHE"  # a folder, or "" to switch the persistent cache off
-DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
-DEFAULT_SERVED_NAME = "jaxserve-default"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-
-INTERLEAVE_HELP = (
-    "After N consecutive prefill steps, take one decode step (when a request is decoding) before prefilling "
-    "further. Smaller N: running requests wait less for their next token, but new prompts take longer to reach "
-    "their first token; larger N: the reverse. Under asynchronous dispatch the longest wait for the next token "
-    "of a running request is about (N+1) x t_chunk + t_decode (t_chunk: one prefill step of "
-    "--chunked-prefill-size tokens, t_decode: one decode step). Setting it turns the default mixed steps off "
-    "(see --mixed-batches). Unset or 0: no count.")
-
-
-STALL_HELP = (
-    "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its "
-    "next token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next "
-    "chunk (page-aligned, with a floor) or takes a decode step when the next prefill step would break the "
-    "budget. Requests still waiting for their first token are not held back. Composes with "
-    "--decode-interleave-every (whichever is due first wins).")
-
-
-MIXED_HELP = (
-    "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that "
-    "many tokens so the step costs what a pure chunk does: running requests advance every step, so their longest "
-    "wait is about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those "
-    "keep their own semantics over pure prefill steps; add --mixed-batches to combine). --no-mixed-batches without "
-    "either: prefill-first")
-
-
-@dataclass(frozen=True)
-class Flag:
-    config: type  # the dataclass the flag fills: EngineConfig, or ServerConfig (flags of `serve` only)
-    field: str  # its field, which is also the flag's name (--max-num-seqs: max_num_seqs)
-    type: Callable
-    help: str
-    choices: tuple | None = None
-    metavar: str | None = None  # default: N for integers, SECONDS for floats
-
-
 DEFAULT_METAVARS: dict[Callable, str] = {int: "N", float: "SECONDS"}
 
 
-FLAGS = (
-    Flag(EngineConfig, "model", str, "checkpoint folder (safetensors, or an orbax conversion); default: the "
-                                     "embedded tiny DeepSeek-V4", metavar="PATH"),
-    Flag(ServerConfig, "served_model_name", str, f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or "
-                                                 "the --model folder's name)", metavar="NAME"),
-    Flag(EngineConfig, "dtype", str, "weights and activations", choices=SUPPORTED_DTYPES),
-    Flag(EngineConfig, "quantization", str, "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 "
-                                            "projections and FP4 experts stay FP8 / FP4 on the devices, with their "
-                                            "block scales, and are decoded inside each matmul); none: dequantize "
-                                            "them to --dtype at load", choices=QUANTIZATION_MODES),
-    Flag(EngineConfig, "kv_cache_dtype", str, "how the KV cache stores the window and compressed entries: auto: "
-                                              "--dtype; fp8: e4m3 with a power-of-two scale per 64 dims, the RoPE "
-                                              "dims in bfloat16, indexer keys e4m3 with a float32 scale each (about "
-                                              "0.56x bfloat16's bytes per token)", choices=KV_CACHE_DTYPES),
-    Flag(EngineConfig, "kernels", str, "which implementation runs the kernel-worthy operations (grouped expert "
-                                       "matmul, FP8 block-scaled matmul, sparse attention): reference: the pure-JAX "
-                                       "references; pallas: the Pallas kernels (interpreted on CPU: for tests); "
-                                       "auto: Pallas where it compiles for the devices (GPUs), the references "
-                                       "elsewhere", choices=KERNEL_CHOICES),
-    Flag(EngineConfig, "device_memory", parse_bytes, "memory of one device (80GiB, 141GB, 24e9) to check the model "
-                                                     "against before loading it, of which JAX's share is usable "
-                                                     "($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: "
-                                                     "what the device reports; none on CPU: no check)",
-         metavar="BYTES"),
-    Flag(EngineConfig, "seed", int, "base of the per-request sampling seeds of requests that bring none"),
-    Flag(EngineConfig, "tensor_parallel_size", int, "devices that split attention heads and the vocabulary"),
-    Flag(EngineConfig, "expert_parallel_size", int, "devices that split the routed experts (with the tensor axis)"),
-    Flag(EngineConfig, "max_num_seqs", int, "requests running at once (KV slots), also the largest decode batch"),
-    Flag(EngineConfig, "max_model_len", int, "prompt + completion tokens of one request (default: the model's, at "
-                                             "most 16384)"),
-    Flag(EngineConfig, "chunked_prefill_size", int, "prompt tokens in one prefill step"),
-    Flag(EngineConfig, "max_prefill_rows", int, "prompts in one prefill step"),
-    Flag(EngineConfig, "num_kv_pages", int, "KV cache pages (default: enough for --max-num-seqs requests of "
-                                            "--max-model-len)"),
-    Flag(EngineConfig, "page_size", int, "tokens per KV page; a multiple of every compress rate of the model"),
-    Flag(EngineConfig, "max_queued_requests", int, "requests waiting for admission; more are refused (HTTP 429)"),
-    Flag(EngineConfig, "decode_interleave_every", int, INTERLEAVE_HELP),
-    Flag(EngineConfig, "max_decode_stall_ms", float, STALL_HELP, metavar="MS"),
-    Flag(EngineConfig, "mixed_batches", bool, MIXED_HELP),
-    Flag(EngineConfig, "scheduling_policy", str, "the order waiting requests are admitted in: fcfs: first come, "
-                                                 "first served; priority: by each request's `priority` field, lower "
-                                                 "first (first come, first served among equals; requests already "
-                                                 "running are never preempted)", choices=SCHEDULING_POLICIES),
-    Flag(EngineConfig, "compilation_cache_dir", str, f"XLA's persistent compilation cache (default: "
-                                                     f"${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an "
-                                                     "empty string turns it off)", metavar="DIR"),
-    Flag(EngineConfig, "async_scheduling", bool, "keep one step in flight: the host schedules and dispatches the "
-                                                 "next step while the device runs this one, and reads this one's "
-                                                 "tokens meanwhile (as vLLM's --async-scheduling)"),
-    Flag(EngineConfig, "decode_log_interval", int, "log one decode step in this many"),
-    Flag(ServerConfig, "log_stats_interval", float, "seconds between throughput lines while busy; <= 0: never"),
-    Flag(ServerConfig, "host", str, "address to listen on", metavar="HOST"),
-    Flag(ServerConfig, "port", int, "port to listen on (0: any free port)"),
-    Flag(ServerConfig, "api_key", str, "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay "
-                                       "open)", metavar="KEY"),
-    Flag(ServerConfig, "shutdown_timeout", float, "seconds running requests get to finish after SIGTERM"),
-    Flag(ServerConfig, "max_request_bytes", int, "larger request bodies are refused with HTTP 413, unread",
-         metavar="BYTES"),
-    Flag(ServerConfig, "access_log", bool, "log one line per request (client, method, path, status, prompt and "
-                                           "completion tokens, seconds)"),
-)
+def config_flags(config: type) -> list[tuple[str, Any, Flag]]:
+    """(field name, default, flag) of every field of `config` (EngineConfig or ServerConfig) that declares a flag."""
+    return [(f.name, f.default, f.metadata["flag"]) for f in dataclasses.fields(config) if "flag" in f.metadata]
 
 
 def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
     """The flags of EngineConfig, and with `server` those of ServerConfig too."""
-    for flag in FLAGS:
-        if flag.config is ServerConfig and not server:
-            continue
-        default = {f.name: f.default for f in dataclasses.fields(flag.config)}[flag.field]
-        name = "--" + flag.field.replace("_", "-")
-        if flag.type is bool:
-            parser.add_argument(name, dest=flag.field, action=argparse.BooleanOptionalAction, default=default,
-                                help=flag.help + ("" if default is None else " (default: %(default)s)"))
-            continue
-        metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
-        parser.add_argument(name, dest=flag.field, type=flag.type, default=default,
-                            choices=flag.choices, metavar=metavar,
-                            help=flag.help + (" (default: %(default)s)" if default is not None else ""))
+    for config in (EngineConfig, ServerConfig) if server else (EngineConfig,):
+        for field, default, flag in config_flags(config):
+            name = "--" + field.replace("_", "-")
+            if flag.type is bool:
+                parser.add_argument(name, dest=field, action=argparse.BooleanOptionalAction, default=default,
+                                    help=flag.help + ("" if default is None else " (default: %(default)s)"))
+                continue
+            metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
+            parser.add_argument(name, dest=field, type=flag.type, default=default, choices=flag.choices,
+                                metavar=metavar,
+                                help=flag.help + (" (default: %(default)s)" if default is not None else ""))
 
 
 def filled(config: type, args: argparse.Namespace):
     """The `config` (EngineConfig or ServerConfig) the parsed flags describe; fields without a flag in this command
     keep their default."""
-    return config(**{flag.field: getattr(args, flag.field) for flag in FLAGS
-                     if flag.config is config and hasattr(args, flag.field)})
+    return config(**{field: getattr(args, field) for field, _, _ in config_flags(config) if hasattr(args, field)})
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

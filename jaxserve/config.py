@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
 from jaxserve.kernels.quant import FP4, FP8
-from jaxserve.kernels.table import check_choice
+from jaxserve.kernels.table import KERNEL_CHOICES, check_choice
 
 SWA, CSA, HCA = "swa", "csa", "hca"
 # HF layer_types names and the legacy compress_ratios values, mapped to our layer kinds.
@@ -442,36 +442,121 @@ def check_kv_cache_dtype(value: str) -> None:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Every engine knob, one field per CLI flag (the HTTP server's are jaxserve.server.config's ServerConfig)."""
+class Flag:
+    """A config field's command-line flag (named after the field: max_num_seqs is --max-num-seqs): what parses a
+    value, its help, and optionally its choices and metavar (default: N for integers, SECONDS for floats)."""
 
-    model: str | None = None  # checkpoint folder (safetensors or orbax); None: the embedded default
-    dtype: str = "bfloat16"
-    quantization: str = "auto"  # QUANTIZATION_MODES
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    kernels: str = "auto"  # jaxserve.kernels.table.KERNEL_CHOICES
-    device_memory: int | None = None  # bytes per device for the fit check; None: what the device reports, if anything
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    # Defaults sized so the embedded default starts quickly on a small CPU: every prefill rows x chunk and decode
-    # rows bucket they imply is compiled at start (here 2 x 3 prefill + 4 decode shapes).
-    max_num_seqs: int = 8  # running requests (KV slots), also the largest decode batch
-    max_model_len: int | None = None  # prompt + completion tokens; None: what the KV pool and the model allow
-    chunked_prefill_size: int = 256  # token budget of one prefill step
-    max_prefill_rows: int = 2  # prompts in one prefill step
-    num_kv_pages: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
-    page_size: int = 128  # tokens per KV page (a multiple of every compress rate)
-    max_queued_requests: int = 256  # requests waiting for admission; more are refused (HTTP 429)
-    decode_interleave_every: int | None = None  # after N consecutive prefill steps, one decode step
-    max_decode_stall_ms: float | None = None  # a runnable decode never waits longer (shrinking chunks to fit)
-    # Prefill steps also carry one token of every decoding request, under the pure chunk's token budget. None (the
-    # default): on unless an interleave count or a stall budget is set, which keep their own semantics (mixed_steps).
-    mixed_batches: bool | None = None
-    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES: the order waiting requests are admitted in
-    async_scheduling: bool = True  # dispatch step N+1 while step N runs (one step in flight)
-    compilation_cache_dir: str | None = None  # None: $JAXSERVE_COMPILE_CACHE or ~/.cache/jaxserve/xla; "": off
-    decode_log_interval: int = 50
+    type: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+def flag(type: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None,
+         metavar: str | None = None) -> dict[str, Flag]:
+    """A dataclass field's metadata declaring its flag: `jaxserve.cli` gives every such field one."""
+    return {"flag": Flag(type, help, choices, metavar)}
+
+
+COMPILE_CACHE_ENV = "JAXSERVE_COMPILE_CACHE"  # a folder, or "" to switch the persistent cache off
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
+
+INTERLEAVE_HELP = (
+    "After N consecutive prefill steps, take one decode step (when a request is decoding) before prefilling further. "
+    "Smaller N: running requests wait less for their next token, but new prompts take longer to reach their first "
+    "token; larger N: the reverse. Under asynchronous dispatch the longest wait for the next token of a running "
+    "request is about (N+1) x t_chunk + t_decode (t_chunk: one prefill step of --chunked-prefill-size tokens, "
+    "t_decode: one decode step). Setting it turns the default mixed steps off (see --mixed-batches). Unset or 0: no "
+    "count.")
+
+STALL_HELP = (
+    "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its next "
+    "token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next chunk "
+    "(page-aligned, with a floor) or takes a decode step when the next prefill step would break the budget. Requests "
+    "still waiting for their first token are not held back. Composes with --decode-interleave-every (whichever is due"
+    " first wins).")
+
+MIXED_HELP = (
+    "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that many "
+    "tokens so the step costs what a pure chunk does: running requests advance every step, so their longest wait is "
+    "about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those keep their "
+    "own semantics over pure prefill steps; add --mixed-batches to combine). --no-mixed-batches without either: "
+    "prefill-first")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine knob, one field per CLI flag, each declared in its field's metadata (`flag`); the HTTP server's
+    are jaxserve.server.config's ServerConfig."""
+
+    model: str | None = field(default=None, metadata=flag(str,
+        "checkpoint folder (safetensors, or an orbax conversion); default: the embedded tiny DeepSeek-V4",
+        metavar="PATH"))
+    dtype: str = field(default="bfloat16", metadata=flag(str, "weights and activations", choices=SUPPORTED_DTYPES))
+    quantization: str = field(default="auto", metadata=flag(str,
+        "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 projections and FP4 experts stay FP8 / "
+        "FP4 on the devices, with their block scales, and are decoded inside each matmul); none: dequantize them to "
+        "--dtype at load",
+        choices=QUANTIZATION_MODES))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(str,
+        "how the KV cache stores the window and compressed entries: auto: --dtype; fp8: e4m3 with a power-of-two scale"
+        " per 64 dims, the RoPE dims in bfloat16, indexer keys e4m3 with a float32 scale each (about 0.56x bfloat16's "
+        "bytes per token)",
+        choices=KV_CACHE_DTYPES))
+    kernels: str = field(default="auto", metadata=flag(str,
+        "which implementation runs the kernel-worthy operations (grouped expert matmul, FP8 block-scaled matmul, "
+        "sparse attention): reference: the pure-JAX references; pallas: the Pallas kernels (interpreted on CPU: for "
+        "tests); auto: Pallas where it compiles for the devices (GPUs), the references elsewhere",
+        choices=KERNEL_CHOICES))
+    device_memory: int | None = field(default=None, metadata=flag(parse_bytes,
+        "memory of one device (80GiB, 141GB, 24e9) to check the model against before loading it, of which JAX's share "
+        "is usable ($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: what the device reports; none on CPU: no "
+        "check)",
+        metavar="BYTES"))
+    seed: int = field(default=0, metadata=flag(int,
+        "base of the per-request sampling seeds of requests that bring none"
+    ))
+    tensor_parallel_size: int = field(default=1, metadata=flag(int,
+        "devices that split attention heads and the vocabulary"
+    ))
+    expert_parallel_size: int = field(default=1, metadata=flag(int,
+        "devices that split the routed experts (with the tensor axis)"
+    ))
+    # Defaults sized so the embedded default starts quickly on a small CPU: every step shape the buckets imply is
+    # compiled at start (2 x 3 prefill, 4 decode and 2 x 2 mixed shapes).
+    max_num_seqs: int = field(default=8, metadata=flag(int,
+        "requests running at once (KV slots), also the largest decode batch"
+    ))
+    max_model_len: int | None = field(default=None, metadata=flag(int,
+        "prompt + completion tokens of one request (default: the model's, at most 16384)"
+    ))
+    chunked_prefill_size: int = field(default=256, metadata=flag(int, "prompt tokens in one prefill step"))
+    max_prefill_rows: int = field(default=2, metadata=flag(int, "prompts in one prefill step"))
+    num_kv_pages: int | None = field(default=None, metadata=flag(int,
+        "KV cache pages (default: enough for --max-num-seqs requests of --max-model-len)"
+    ))
+    page_size: int = field(default=128, metadata=flag(int,
+        "tokens per KV page; a multiple of every compress rate of the model"
+    ))
+    max_queued_requests: int = field(default=256, metadata=flag(int,
+        "requests waiting for admission; more are refused (HTTP 429)"
+    ))
+    decode_interleave_every: int | None = field(default=None, metadata=flag(int, INTERLEAVE_HELP))
+    max_decode_stall_ms: float | None = field(default=None, metadata=flag(float, STALL_HELP, metavar="MS"))
+    mixed_batches: bool | None = field(default=None, metadata=flag(bool, MIXED_HELP))
+    scheduling_policy: str = field(default="fcfs", metadata=flag(str,
+        "the order waiting requests are admitted in: fcfs: first come, first served; priority: by each request's "
+        "`priority` field, lower first (first come, first served among equals; requests already running are never "
+        "preempted)",
+        choices=SCHEDULING_POLICIES))
+    compilation_cache_dir: str | None = field(default=None, metadata=flag(str,
+        f"XLA's persistent compilation cache (default: ${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an empty "
+        "string turns it off)", metavar="DIR"))
+    async_scheduling: bool = field(default=True, metadata=flag(bool,
+        "keep one step in flight: the host schedules and dispatches the next step while the device runs this one, and "
+        "reads this one's tokens meanwhile (as vLLM's --async-scheduling)"
+    ))
+    decode_log_interval: int = field(default=50, metadata=flag(int, "log one decode step in this many"))
 
     def __post_init__(self):
         positive = ("max_num_seqs", "chunked_prefill_size", "max_prefill_rows", "page_size", "max_queued_requests",

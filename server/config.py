@@ -3,9 +3,11 @@ EngineConfig."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from jaxserve.config import ConfigError
+from jaxserve.config import ConfigError, flag
+
+DEFAULT_SERVED_NAME = "jaxserve-default"
 
 # A 16K-token prompt is ~100 KB as text and ~120 KB as a JSON list of ids; 4 MiB leaves room for a million-token
 # text prompt while refusing the runaway bodies that would pin a worker tokenizing them.
@@ -14,14 +16,28 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # None: the --model folder's name, or jaxserve-default
-    api_key: str | None = None  # Bearer key required on /v1/*; None: open
-    shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
-    log_stats_interval: float = 5.0  # seconds between throughput lines while busy; <= 0: never
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies are refused with 413 unread
-    access_log: bool = True  # one line per request: method, path, status, tokens, seconds
+    """One field per CLI flag of `jaxserve serve`, declared in its metadata (jaxserve.config.flag)."""
+
+    served_model_name: str | None = field(default=None, metadata=flag(str,
+        f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or the --model folder's name)",
+        metavar="NAME"))
+    log_stats_interval: float = field(default=5.0, metadata=flag(float,
+        "seconds between throughput lines while busy; <= 0: never"
+    ))
+    host: str = field(default="127.0.0.1", metadata=flag(str, "address to listen on", metavar="HOST"))
+    port: int = field(default=8000, metadata=flag(int, "port to listen on (0: any free port)"))
+    api_key: str | None = field(default=None, metadata=flag(str,
+        "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)",
+        metavar="KEY"))
+    shutdown_timeout: float = field(default=30.0, metadata=flag(float,
+        "seconds running requests get to finish after SIGTERM"
+    ))
+    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata=flag(int,
+        "larger request bodies are refused with HTTP 413, unread",
+        metavar="BYTES"))
+    access_log: bool = field(default=True, metadata=flag(bool,
+        "log one line per request (client, method, path, status, prompt and completion tokens, seconds)"
+    ))
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:

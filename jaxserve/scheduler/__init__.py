@@ -2,10 +2,10 @@
 queue orders, the decision, and the one place flags become a scheduler."""
 
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
-from jaxserve.scheduler.compose import build_scheduler, queue_order, step_policies
+from jaxserve.scheduler.compose import build_scheduler
 from jaxserve.scheduler.decode import DecodeManager
-from jaxserve.scheduler.interleave import DecodeInterleavePolicy
-from jaxserve.scheduler.policy import MixedSteps, StepPolicy
+from jaxserve.scheduler.policies import DecodeInterleavePolicy, MixedSteps, step_policies
+from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.queue_order import QUEUE_ORDERS, FirstComeFirstServed, Priority, QueueOrder
 from jaxserve.scheduler.scheduler import Scheduler, StepCounts
@@ -13,4 +13,4 @@ from jaxserve.scheduler.stall import DecodeStallPolicy
 
 __all__ = ["QUEUE_ORDERS", "DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "Exhausted",
            "FirstComeFirstServed", "IdAllocator", "MixedSteps", "PrefillManager", "Priority", "QueueOrder",
-           "Scheduler", "StepCounts", "StepPolicy", "build_scheduler", "queue_order", "step_policies"]
+           "Scheduler", "StepCounts", "StepPolicy", "build_scheduler", "step_policies"]

@@ -1,4 +1,5 @@
-"""The step-policy interface: one rule about which step comes next (docs/scheduling.md).
+"""The step-policy interface: one rule about which step comes next (docs/scheduling.md; the policies are in
+scheduler/policies.py and scheduler/stall.py).
 
 The Scheduler asks each of its policies, in order, before every step and tells each what it scheduled and how
 that step went. A scheduler with no policy is prefill-first; policies compose (whichever is due first wins).
@@ -36,12 +37,3 @@ class StepPolicy:
 
     def on_nothing_decoding(self) -> None:
         """The last decoding request finished."""
-
-
-class MixedSteps(StepPolicy):
-    """`--mixed-batches`: every prefill step also carries one token of every decoding request, under the pure
-    chunk's token budget (the runner's compiled mixed shapes hold chunk + decode rows in a pure chunk's tokens)."""
-
-    @property
-    def decode_rides_prefill(self) -> bool:
-        return True
