@@ -66,6 +66,7 @@ class Generation:
         """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser);
         `priority`: see Engine.submit."""
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority)
+        self._sampling = sampling
         self.num_generated = 0
         self._engine = engine
         self._detokenizer = tokenizer.detokenizer(keep_markup=keep_markup)
@@ -107,7 +108,8 @@ class Generation:
         text = "".join(self._detokenizer.step(t) for t in event.token_ids)
         if event.finished:
             text += self._detokenizer.flush()
-        text, stop = self._stops.feed(text)
+        # Stop strings are looked for only once the request may stop (min_tokens).
+        text, stop = self._stops.feed(text) if self._sampling.may_stop(self.num_generated) else (text, None)
         if stop is not None:
             finish_reason, stop_reason, self._stop_string = "stop", stop, stop
         else:

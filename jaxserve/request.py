@@ -44,10 +44,12 @@ class SamplingParams:
     is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
     `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
     prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
-    logits before sampling (OpenAI's; logprobs still describe the raw distribution).
+    logits before sampling (OpenAI's; logprobs still describe the raw distribution). `min_tokens` (vLLM's): neither
+    EOS, nor a stop token, nor a stop string ends the request before it has this many tokens; EOS and the stop
+    token ids are not sampled until then.
 
-    It also owns the rules its fields imply: when a token ends the request (`stop_reason`) and what the sampler adds
-    to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at submission."""
+    It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
+    sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at submission."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -59,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -81,25 +84,40 @@ class SamplingParams:
             "logit_bias": (all(low <= b <= high for _, b in self.logit_bias)
                            and len(self.logit_bias) <= MAX_LOGIT_BIAS,
                            f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens"),
+            "min_tokens": (0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
                 raise InvalidRequest(name, f"{name}={getattr(self, name)!r}: {rule}")
+        if len(self.logit_bias_at(0)) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("min_tokens", f"min_tokens={self.min_tokens}: holds back the EOS and stop token ids, "
+                                               f"which with logit_bias make more than {MAX_LOGIT_BIAS} tokens")
+
+    def may_stop(self, num_generated: int) -> bool:
+        """Whether EOS, a stop token or a stop string may end the request once it has `num_generated` tokens (the
+        engine asks for tokens, the text side for stop strings; max_tokens always ends it)."""
+        return num_generated >= self.min_tokens
 
     def stop_reason(self, token: int, num_generated: int) -> tuple[str | None, int | None]:
         """(finish reason, stop token) once `token` made `num_generated` output tokens, or (None, None) to go on. EOS
         is reported without a stop token, as vLLM does."""
-        if not self.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if token in self.stop_token_ids:
-            return "stop", token
+        if self.may_stop(num_generated):
+            if not self.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in self.stop_token_ids:
+                return "stop", token
         if num_generated >= self.max_tokens:  # admission kept prompt + max_tokens within the context
             return "length", None
         return None, None
 
     def logit_bias_at(self, num_generated: int) -> tuple[tuple[int, float], ...]:
-        """What the sampler adds to the logits of the token sampled after `num_generated` output tokens."""
-        return self.logit_bias
+        """What the sampler adds to the logits of the token sampled after `num_generated` output tokens: the request's
+        logit_bias, and until min_tokens are out, -inf on the EOS ids (unless ignore_eos) and the stop token ids."""
+        if num_generated >= self.min_tokens:
+            return self.logit_bias
+        held = set(self.stop_token_ids) | (set() if self.ignore_eos else set(self.eos_token_ids))
+        kept = tuple((token, bias) for token, bias in self.logit_bias if token not in held)
+        return kept + tuple((token, float("-inf")) for token in sorted(held))
 
 
 class RequestStatus(enum.Enum):

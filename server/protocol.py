@@ -27,7 +27,7 @@ SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to 
 
 # Accepted only at the value that asks for nothing (None always is): the benchmark tools send e.g. best_of=1.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "min_tokens": (0,),
+    "best_of": (1,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
 }
 
@@ -56,6 +56,7 @@ class GenerationParams:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
     priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
+    min_tokens: int = 0  # vLLM's
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -65,6 +66,7 @@ class GenerationParams:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, seed=seed, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=self.logit_bias,
+                                  min_tokens=self.min_tokens,
                                   prompt_logprobs=self.logprobs if self.echo else None)
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
@@ -190,6 +192,7 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
         tokens_as_ids=fields.boolean("return_tokens_as_token_ids", False),
         priority=fields.integer("priority", 0),
         logit_bias=_logit_bias(fields.object("logit_bias")),
+        min_tokens=fields.integer("min_tokens", 0),
     )
 
 

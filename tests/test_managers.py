@@ -335,3 +335,31 @@ def test_fcfs_refuses_a_priority_naming_the_flag_and_priority_takes_any():
     assert refused.value.param == "priority"
     FirstComeFirstServed().check_priority(0)
     Priority().check_priority(-(2**40))
+
+
+# --- the rules SamplingParams owns -------------------------------------------------------------------------------
+
+def test_stop_rules_and_the_bias_follow_min_tokens():
+    p = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(7,), eos_token_ids=(1, 2), logit_bias={5: 2.0, 7: 1.0})
+    assert [p.may_stop(n) for n in range(5)] == [False, False, False, True, True]
+    assert p.stop_reason(1, 2) == (None, None) and p.stop_reason(7, 2) == (None, None)  # held back
+    assert p.stop_reason(1, 3) == ("stop", None) and p.stop_reason(7, 3) == ("stop", 7)
+    assert p.stop_reason(9, 8) == ("length", None)
+    minus = float("-inf")
+    assert p.logit_bias_at(2) == ((5, 2.0), (1, minus), (2, minus), (7, minus))  # the bias on 7 is overridden
+    assert p.logit_bias_at(3) == ((5, 2.0), (7, 1.0))
+    ignoring = SamplingParams(max_tokens=8, min_tokens=3, eos_token_ids=(1,), ignore_eos=True)
+    assert ignoring.logit_bias_at(0) == () and ignoring.stop_reason(1, 5) == (None, None)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1, "stop_token_ids": tuple(range(60)), "eos_token_ids": tuple(range(60, 65))}, "min_tokens"),
+    ({"logit_bias": {3: 100.5}}, "logit_bias"),
+    ({"logit_bias": {t: 1.0 for t in range(65)}}, "logit_bias"),
+])
+def test_sampling_rules_refuse_what_they_cannot_do_naming_the_field(fields, param):
+    with pytest.raises(InvalidRequest) as refused:
+        SamplingParams(**fields)
+    assert refused.value.param == param

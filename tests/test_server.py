@@ -331,6 +331,36 @@ def test_a_bad_logit_bias_is_a_400_naming_it(http, bias, what):
     assert what in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [7, 8, 9]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_min_tokens_holds_back_stop_tokens_in_both_apis(http, path, body):
+    body = {**body, "temperature": 0, "max_tokens": 6, "return_token_ids": True}
+    first = http.post(path, json=body).json()["choices"][0]["token_ids"][0]
+    stopped = http.post(path, json={**body, "stop_token_ids": [first]}).json()["choices"][0]
+    assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+    held = http.post(path, json={**body, "stop_token_ids": [first], "min_tokens": 3}).json()["choices"][0]
+    # Not sampled before 3 tokens (so the greedy stream takes another way), able to stop from the 4th on.
+    assert first not in held["token_ids"][:3] and len(held["token_ids"]) >= 4
+    assert held["finish_reason"] == "length" or held["token_ids"][-1] == first
+
+
+def test_min_tokens_holds_back_stop_strings(http):
+    text, ids = greedy_text(http, max_tokens=6)
+    stop = text[:2]
+    body = {"prompt": [7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == ""
+    held = http.post("/v1/completions", json={**body, "min_tokens": 6}).json()["choices"][0]
+    assert held["text"] == text and held["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("min_tokens", [-1, 7])
+def test_min_tokens_out_of_range_is_a_400(http, min_tokens):
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 6, "min_tokens": min_tokens})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens", response.text
+
+
 def test_unknown_and_no_op_fields_are_accepted(http):
     response = http.post("/v1/completions", json={
         "model": MODEL, "prompt": "Hi", "max_tokens": 2, "best_of": 1, "n": 1, "logprobs": None,
