@@ -32,7 +32,7 @@ PACE_CALLS = 8  # device pace: calls queued before one wait, so their launches o
 
 def decode_profile(engine) -> tuple[float, float, int]:
     """(median period between decode step ends, decode tokens per second, decode steps) from the step record."""
-    from jaxserve.step import StepKind
+    from jaxserve.request.step import StepKind
 
     decodes = [r for r in engine.step_record if r.kind is StepKind.DECODE]
     ends = [r.ended for r in decodes]
@@ -61,7 +61,7 @@ def run_once(runner, model_cfg, eos, cfg, batch: int, tokens: int) -> dict:
 def device_step(runner, batch: int, back_to_back: int, repeats: int = 25) -> float:
     """Median seconds per call of the compiled decode step alone, for `batch` rows, `back_to_back` calls a wait."""
     from jaxserve.request import Request, SamplingParams
-    from jaxserve.step import StepPlan
+    from jaxserve.request.step import StepPlan
 
     requests = [Request(f"d{i}", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=i, num_sampled=1,
                         pages=list(range(i * runner.geometry.max_pages_per_seq,
@@ -83,7 +83,7 @@ def main() -> int:
     from jaxserve.checkpoints.load import load_model
     from jaxserve.config import EngineConfig
     from jaxserve.runner import build_runner
-    from jaxserve.sharding import make_mesh
+    from jaxserve.model.sharding import make_mesh
 
     mesh = make_mesh(1, 1)
     loaded = load_model(None, mesh, dtype="float32")

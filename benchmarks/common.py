@@ -140,7 +140,7 @@ def op_time_by_scope(events: list[dict[str, Any]], hlo_text: str, calls: int, de
 
 def geometry(cfg, slots: int, max_tokens: int, spare_pages: int = 1):
     """Pages of lcm(compress rates) tokens; room for `max_tokens` per slot, every slot's pages disjoint."""
-    from jaxserve.cache import CacheGeometry, pages_needed
+    from jaxserve.model.cache import CacheGeometry, pages_needed
 
     rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
     page_size = math.lcm(*rates)
@@ -165,7 +165,7 @@ def slot_request(geo, slot: int, prompt, output=()) -> "Request":
 
 def prefill_step(runner, request, start: int, length: int) -> int:
     """Run one chunk of `request`'s prompt; the token sampled after it."""
-    from jaxserve.step import StepPlan, StepRow
+    from jaxserve.request.step import StepPlan, StepRow
 
     row = StepRow.chunk(request, start, length)
     token = runner.run(StepPlan(prefill=(row,))).prefill[0].token_id
@@ -175,7 +175,7 @@ def prefill_step(runner, request, start: int, length: int) -> int:
 
 def decode_step(runner, requests) -> None:
     """One decode step over `requests`; each gets its next token appended."""
-    from jaxserve.step import StepPlan
+    from jaxserve.request.step import StepPlan
 
     for request, out in zip(requests, runner.run(StepPlan.decode_of(requests)).decode):
         request.output_ids.append(out.token_id)
@@ -195,7 +195,7 @@ def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode
     """A ModelRunner with `weights` placed on `mesh`, every bucket compiled; returns (runner, compile seconds)."""
     from jaxserve.model.weights import abstract_weights
     from jaxserve.runner import Buckets, ModelRunner
-    from jaxserve.sharding import place
+    from jaxserve.model.sharding import place
 
     placed = place(weights, abstract_weights(cfg), mesh)
     runner = ModelRunner(cfg, placed, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=prefill_chunks,

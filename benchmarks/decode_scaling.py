@@ -63,7 +63,7 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
 
     from jaxserve.model.weights import init_weights
     from jaxserve.presets import preset
-    from jaxserve.sharding import make_mesh
+    from jaxserve.model.sharding import make_mesh
 
     cfg = preset("small", dtype="float32")
     weights = init_weights(jax.random.key(0), cfg)

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import COMPILE_CACHE, markdown_table
-from jaxserve.cache import CacheGeometry, abstract_cache, kv_geometry
+from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
 from jaxserve.checkpoints.load import load_model
 from jaxserve.config import CSA, HCA, SWA, EngineConfig, ModelConfig, to_hf_dict
 from jaxserve.engine import Engine
@@ -88,9 +88,9 @@ from jaxserve.model.segments import LayerKind, layer_segments
 from jaxserve.model.weights import ArrayInfo, abstract_weights, is_info, is_weight, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
-from jaxserve.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
+from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
-from jaxserve.sharding import make_mesh, shardings_for
+from jaxserve.model.sharding import make_mesh, shardings_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"

@@ -1,5 +1,5 @@
 """Issue 3: KV-cache bytes the runner allocates for DeepSeek-V4-Flash (bf16), from the abstract cache description
-(jaxserve.cache.abstract_cache / cache_nbytes): shapes only, nothing is allocated. Compared with the hand arithmetic of the model card.
+(jaxserve.model.cache.abstract_cache / cache_nbytes): shapes only, nothing is allocated. Compared with the hand arithmetic of the model card.
 
 - per token: the paged pools (compressed entries, and the indexer's keys on CSA layers), which grow with context;
 - per slot (per concurrent sequence), fixed: the sliding-window ring of every layer, plus the compressor state
@@ -25,7 +25,7 @@ def yes_no(ok: bool) -> str:
 def layer_breakdown(cfg, geo) -> list[dict]:
     """Per layer: kind, and bytes of each part of its abstract cache (window, pools, compressor states); a stack
     of `repeats` layers holds each layer's share."""
-    from jaxserve.cache import abstract_cache
+    from jaxserve.model.cache import abstract_cache
     from jaxserve.model.segments import layer_segments
     from jaxserve.model.weights import weights_nbytes  # bytes of every ArrayInfo in an abstract (sub)tree
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from common import geometry
-    from jaxserve.cache import bytes_per_token, cache_nbytes
+    from jaxserve.model.cache import bytes_per_token, cache_nbytes
     from jaxserve.presets import preset
 
     cfg = preset(args.preset, dtype=args.dtype)

@@ -93,7 +93,7 @@ def profile_step(cfg, weights, chunk: int, position: int, calls: int) -> str:
     import jax.numpy as jnp
 
     from common import op_time_by_scope, trace_calls
-    from jaxserve.cache import init_cache
+    from jaxserve.model.cache import init_cache
     from jaxserve.model.forward import logits_all
     from jaxserve.model.inputs import StepInputs
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxserve.checkpoints.deepseek import load_weights
     from jaxserve.config import config_from_dict
     from jaxserve.presets import preset_dict
-    from jaxserve.sharding import make_mesh
+    from jaxserve.model.sharding import make_mesh
     from reference import build_reference
 
     threads = cpu_cores()

@@ -21,9 +21,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.plan import make_plan, usable_memory  # noqa: E402
+from jaxserve.runner.plan import make_plan, usable_memory  # noqa: E402
 from jaxserve.presets import preset  # noqa: E402
-from jaxserve.sharding import make_mesh  # noqa: E402
+from jaxserve.model.sharding import make_mesh  # noqa: E402
 
 NODES = [("8 x H200", 141e9), ("8 x H100", 80e9), ("8 x RTX 4090", 24e9)]
 MESHES = [(8, 1), (4, 2)]

@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache import kv_geometry
+from jaxserve.model.cache import kv_geometry
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.moe import grouped_matmul
 from jaxserve.kernels.quant import FP4, FP8, dequantize, einsum, quantize
 from jaxserve.model.weights import init_weights, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
-from jaxserve.step import StepPlan
+from jaxserve.request.step import StepPlan
 from jaxserve.runner import Buckets, ModelRunner
-from jaxserve.sharding import make_mesh
+from jaxserve.model.sharding import make_mesh
 
 RESULTS = Path(__file__).parent / "results"
 

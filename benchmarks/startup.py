@@ -46,7 +46,7 @@ def compile_decode_step(layers: int) -> float:
     from jaxserve.model.weights import abstract_weights
     from jaxserve.presets import preset
     from jaxserve.runner import Buckets, ModelRunner
-    from jaxserve.sharding import make_mesh, shape_dtype_structs
+    from jaxserve.model.sharding import make_mesh, shape_dtype_structs
 
     from common import geometry
 

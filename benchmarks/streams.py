@@ -41,7 +41,7 @@ from common import RESULTS, markdown_table, write_results
 from interleave import PREFILL_LINE, Server, fmt, median, pct, split_cpus, stream
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.text.tokenizer import load_tokenizer
 
 # Each row's scheduling flags; everything else about the servers is the same.
 ROWS = {

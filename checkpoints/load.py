@@ -12,8 +12,8 @@ from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.weights import Weights, abstract_weights
-from jaxserve.sharding import shardings_for
-from jaxserve.tokenizer import Tokenizer, TokenIdOnly, load_tokenizer
+from jaxserve.model.sharding import shardings_for
+from jaxserve.text.tokenizer import Tokenizer, TokenIdOnly, load_tokenizer
 
 
 @dataclass

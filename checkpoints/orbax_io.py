@@ -31,8 +31,8 @@ from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.checkpoints.writer import write_config
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
-from jaxserve.progress import progress
-from jaxserve.sharding import shape_dtype_structs, shardings_for
+from jaxserve.runner.progress import progress
+from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 
 MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1

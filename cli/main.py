@@ -25,19 +25,19 @@ from typing import Any, Callable, NoReturn
 
 import jax
 
-from jaxserve.cache import storage_dtype
+from jaxserve.model.cache import storage_dtype
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
 from jaxserve.config import (COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE, QUANTIZATION_MODES,
                              SUPPORTED_DTYPES, EngineConfig, Flag, ModelConfig)
 from jaxserve.engine import Engine
-from jaxserve.generation import Generation
-from jaxserve.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
+from jaxserve.text.generation import Generation
+from jaxserve.runner.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
-from jaxserve.sharding import make_mesh
+from jaxserve.model.sharding import make_mesh
 
 log = logging.getLogger("jaxserve.cli")
 

@@ -30,7 +30,7 @@ SUPPORTED_DTYPES = ("bfloat16", "float32")
 # the devices), `none` dequantizes them to --dtype at load.
 QUANTIZATION_MODES = ("auto", "none")
 # --kv-cache-dtype (as vLLM's): how the window rings, compressed entries and indexer keys are stored; `auto` is the
-# model's dtype, `fp8` e4m3 codes with block scales (jaxserve.cache).
+# model's dtype, `fp8` e4m3 codes with block scales (jaxserve.model.cache).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 FP8_WEIGHT_BLOCK = [128, 128]  # the only quantization_config.weight_block_size the release (and we) use
 _EXPERT_DTYPES = {"fp4": FP4, "fp8": FP8}

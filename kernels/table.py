@@ -9,7 +9,7 @@ else in jaxserve tests the backend or picks an implementation. `--kernels`:
   every reference).
 
 Operations without a Pallas kernel yet run their reference under every choice: the lightning indexer's scoring
-and top-k (`kernels.indexer`), FP8 KV storage (`kernels.kv_quant`, reached through `jaxserve.cache`), and the paged
+and top-k (`kernels.indexer`), FP8 KV storage (`kernels.kv_quant`, reached through `jaxserve.model.cache`), and the paged
 reads of compressed entries, which the model gathers before `sink_attention` sees them.
 """
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from jaxserve.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
-from jaxserve.generation import Delta, Output
+from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
+from jaxserve.text.generation import Delta, Output
 from jaxserve.request import TokenLogprob
-from jaxserve.tokenizer import token_id_text
+from jaxserve.text.tokenizer import token_id_text
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from typing import Callable
 
 from jaxserve.engine import Engine, EngineStats
-from jaxserve.step import ForcedBy
+from jaxserve.request.step import ForcedBy
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

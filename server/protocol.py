@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.chat import ChatOptions, ChatTemplateError, chat_options
+from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
 from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
 

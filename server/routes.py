@@ -19,14 +19,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
-from jaxserve.chat import ChatTemplateError
+from jaxserve.text.chat import ChatTemplateError
 from jaxserve.request import InvalidRequest
-from jaxserve.tokenizer import TokenizerError
+from jaxserve.text.tokenizer import TokenizerError
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat
-from jaxserve.generation import Delta, Generation, Output
+from jaxserve.text.generation import Delta, Generation, Output
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState

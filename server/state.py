@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from jaxserve.engine import Engine
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.tokenizer import TokenIdOnly, Tokenizer
+from jaxserve.text.tokenizer import TokenIdOnly, Tokenizer
 
 
 @dataclass

@@ -8,7 +8,7 @@ import logging
 import time
 
 from jaxserve.engine import Engine, EngineStats
-from jaxserve.step import ForcedBy, StepKind
+from jaxserve.request.step import ForcedBy, StepKind
 
 log = logging.getLogger("jaxserve.stats")
 

@@ -19,7 +19,7 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import parse_chat
 from jaxserve.server.routes import chat_prompt_ids, json_body
 from jaxserve.server.state import ServerState
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -16,10 +16,10 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.cache import CacheGeometry
+from jaxserve.model.cache import CacheGeometry
 from jaxserve.request import TokenLogprob
 from jaxserve.runner import Buckets
-from jaxserve.step import RowOutput, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.step import RowOutput, StepKind, StepLimits, StepOutput, StepPlan
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = 2**31 - 1

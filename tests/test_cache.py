@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, cache_nbytes
+from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, cache_nbytes
 from jaxserve.presets import preset
 
 

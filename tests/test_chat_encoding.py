@@ -1,4 +1,4 @@
-"""DeepSeek-V4's chat encoding and output parsing (jaxserve.chat), against the release's `encoding_dsv4.py` format:
+"""DeepSeek-V4's chat encoding and output parsing (jaxserve.text.chat), against the release's `encoding_dsv4.py` format:
 the expected prompts and model outputs below are written out by hand from that encoder's templates, not produced
 by the code under test. Streaming is checked by feeding each output split at every character and every byte."""
 
@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from jaxserve.chat import ChatOptions, ChatTemplateError, chat_options, parse_output, render_prompt
-from jaxserve.chat.output import ChatOutputParser, ParsedDelta
+from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options, parse_output, render_prompt
+from jaxserve.text.chat.output import ChatOutputParser, ParsedDelta
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.text.tokenizer import load_tokenizer
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 THINK, END_THINK = "<think>", "</think>"

@@ -12,14 +12,14 @@ import openai
 import pytest
 
 from fake_runner import FakeRunner, ScriptedModel
-from jaxserve.cache import kv_geometry
-from jaxserve.chat import chat_options, render_prompt
+from jaxserve.model.cache import kv_geometry
+from jaxserve.text.chat import chat_options, render_prompt
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
 from jaxserve.runner import Buckets
 from jaxserve.server import create_app
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.text.tokenizer import load_tokenizer
 from test_chat_encoding import CALLS, CALLS_DSML, TOOLS
 from test_server import serve_app
 

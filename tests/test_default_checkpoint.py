@@ -12,7 +12,7 @@ from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.make_default import SPECIAL_TOKENS, generate
 from harness import run_schedule
 from jaxserve.config import CSA, HCA, SWA, load_config
-from jaxserve.tokenizer import Tokenizer, load_tokenizer
+from jaxserve.text.tokenizer import Tokenizer, load_tokenizer
 
 FOLDER = default_checkpoint_path()
 

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from fake_runner import FakeRunner, continuation
-from jaxserve.cache import kv_geometry
+from jaxserve.model.cache import kv_geometry
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine, EngineDraining, QueueFull
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.runner import Buckets, build_runner
-from jaxserve.sharding import make_mesh, place
-from jaxserve.step import ForcedBy, StepKind, StepLimits
+from jaxserve.model.sharding import make_mesh, place
+from jaxserve.request.step import ForcedBy, StepKind, StepLimits
 
 CFG = preset("tiny", dtype="float32")
 CHUNK = 16

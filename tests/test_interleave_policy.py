@@ -4,7 +4,7 @@ import pytest
 
 from jaxserve.request import Request
 from jaxserve.scheduler import DecodeInterleavePolicy
-from jaxserve.step import ForcedBy, StepPlan, StepRow
+from jaxserve.request.step import ForcedBy, StepPlan, StepRow
 
 PREFILL = StepPlan(prefill=(StepRow.chunk(Request("p", [1, 2, 3]), 0, 2),))
 DECODE = StepPlan(decode=(StepRow.next_token(Request("d", [1])),))

@@ -12,15 +12,15 @@ import jax
 from jax.extend.core import jaxprs_in_params
 import pytest
 
-from jaxserve.cache import CacheGeometry
+from jaxserve.model.cache import CacheGeometry
 from jaxserve.kernels import attention, indexer, moe, quant
 from jaxserve.kernels.table import KERNEL_CHOICES, kernels_for
 from jaxserve.model.weights import abstract_weights
-from jaxserve.plan import AbstractRunner
+from jaxserve.runner.plan import AbstractRunner
 from jaxserve.presets import preset
 from jaxserve.runner import Buckets
-from jaxserve.sharding import make_mesh, shape_dtype_structs
-from jaxserve.step import GroupShape, StepShape
+from jaxserve.model.sharding import make_mesh, shape_dtype_structs
+from jaxserve.request.step import GroupShape, StepShape
 
 REPO = Path(__file__).parent.parent
 PALLAS_OPS = ("grouped_matmul", "einsum", "sink_attention")

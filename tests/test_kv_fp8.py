@@ -1,5 +1,5 @@
 """The FP8 KV cache (`--kv-cache-dtype fp8`): the block quantization of jaxserve.kernels.kv_quant (its error bound,
-power-of-two scales, RoPE dims kept exactly, each scale on its own block), the layout jaxserve.cache builds from
+power-of-two scales, RoPE dims kept exactly, each scale on its own block), the layout jaxserve.model.cache builds from
 the knob, and the tiny model with FP8 KV: logits near bfloat16 KV's, the real Engine's greedy tokens those of the
 forward it runs, and, once the model is sure of its continuations, the same greedy tokens as bfloat16 KV. (Bytes per token: tests/test_cache.py; the plan: tests/test_plan.py.)"""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from harness import memorizing_weights, prefill_then_decode, run_schedule
-from jaxserve.cache import CacheGeometry, abstract_cache, kv_geometry
+from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.kernels.kv_quant import Fp8KV, dequantize_kv, quantize_kv
@@ -21,7 +21,7 @@ from jaxserve.model.weights import abstract_weights, init_weights, is_info
 from jaxserve.presets import preset
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
-from jaxserve.sharding import make_mesh, place
+from jaxserve.model.sharding import make_mesh, place
 
 E4M3_REL = 2.0 ** -4  # half an ulp of a 3-bit mantissa, relative to the value
 E4M3_SUBNORMAL_ABS = 2.0 ** -10  # half the subnormal step (2^-9), relative to the block's scale

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxserve.cache import CacheGeometry, abstract_cache, cache_nbytes
+from jaxserve.model.cache import CacheGeometry, abstract_cache, cache_nbytes
 from jaxserve.model.weights import is_info
 from jaxserve.presets import preset
 

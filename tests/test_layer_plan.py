@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.cache import abstract_cache
+from jaxserve.model.cache import abstract_cache
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import convert_checkpoint, restore_weights
 from jaxserve.checkpoints.writer import write_checkpoint
@@ -19,7 +19,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.segments import LayerKind, Segment, layer_segments
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
 from jaxserve.presets import preset
-from jaxserve.sharding import make_mesh, shape_dtype_structs, shardings_for
+from jaxserve.model.sharding import make_mesh, shape_dtype_structs, shardings_for
 
 _SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 SWA_HASH, CSA_HASH = LayerKind(SWA, True), LayerKind(CSA, True)

@@ -16,6 +16,13 @@ FORBIDDEN = {
     "jaxserve": ("jaxserve.server", "jaxserve.checkpoints", "jaxserve.cli"),  # the core
     "checkpoints": ("jaxserve.server", "jaxserve.cli"),
     "server": ("jaxserve.checkpoints", "jaxserve.cli"),
+    # Inside the core, the rooms along a request's way (text -> engine -> scheduler, runner -> model -> kernels, all
+    # passing the records of jaxserve/request): none imports a room before it on the way.
+    "jaxserve/engine": ("jaxserve.text",),
+    "jaxserve/scheduler": ("jaxserve.text", "jaxserve.engine", "jaxserve.runner"),
+    "jaxserve/runner": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler"),
+    "jaxserve/model": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler", "jaxserve.runner", "jaxserve.request"),
+    "jaxserve/request": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler", "jaxserve.runner", "jaxserve.model"),
 }
 # The folders as the import system would also find them from the repository root.
 TOP_LEVEL_ALIASES = {"server": "jaxserve.server", "checkpoints": "jaxserve.checkpoints", "cli": "jaxserve.cli",

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-import jaxserve.logprobs as logprobs_module
+import jaxserve.runner.logprobs as logprobs_module
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.logprobs import prompt_logprobs, sampled_logprobs
+from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from jaxserve.request import MAX_LOGPROBS
 from reference import load_reference, reference_greedy, reference_logprobs
 from test_server import CONFIG, MODEL, loaded, runner, serving, settled, sse_payloads, wait_for  # noqa: F401

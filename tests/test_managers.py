@@ -8,7 +8,7 @@ import pytest
 from jaxserve.request import LEGAL_TRANSITIONS, IllegalTransition, InvalidRequest, Request, RequestStatus, SamplingParams
 from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, Exhausted, FirstComeFirstServed, IdAllocator,
                                 MixedSteps, PrefillManager, Priority, Scheduler)
-from jaxserve.step import StepKind
+from jaxserve.request.step import StepKind
 
 PAGE = 4  # tokens per KV page in these tests
 

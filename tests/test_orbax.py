@@ -20,8 +20,8 @@ from jaxserve.checkpoints.writer import write_checkpoint
 from harness import prefill_then_decode, run_schedule
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
 from jaxserve.presets import preset
-from jaxserve.sharding import make_mesh, shardings_for
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.model.sharding import make_mesh, shardings_for
+from jaxserve.text.tokenizer import Tokenizer
 
 CFG = preset("tiny", dtype="float32")
 

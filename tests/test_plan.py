@@ -15,10 +15,10 @@ from jaxserve.cli.main import main
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.quant import FP4
 from jaxserve.model.weights import init_weights
-from jaxserve.cache import bytes_per_token
-from jaxserve.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
+from jaxserve.model.cache import bytes_per_token
+from jaxserve.runner.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
 from jaxserve.presets import preset
-from jaxserve.sharding import make_mesh, place
+from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights
 
 FLASH = preset("flash", dtype="bfloat16")

@@ -27,7 +27,7 @@ from jaxserve.runner import build_runner
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
-from jaxserve.sharding import ShardingError, make_mesh, shardings_for
+from jaxserve.model.sharding import ShardingError, make_mesh, shardings_for
 from harness import prefill_then_decode, run_schedule
 
 # head_dim 64 and o_lora 128: wq_b's 128-row blocks cover 2 of the 4 heads, wo_a's 2 heads of a group; hidden 160:

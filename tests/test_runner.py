@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from harness import chunk_schedule, prefill_then_decode, run_schedule
-from jaxserve.cache import CacheGeometry
+from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
 from jaxserve.runner import Buckets, CompileCounter, ModelRunner, step_limits
-from jaxserve.sharding import make_mesh, place
-from jaxserve.step import GroupShape, StepKind, StepLimits, StepPlan, StepRow, StepShape
+from jaxserve.model.sharding import make_mesh, place
+from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepPlan, StepRow, StepShape
 
 CFG = preset("tiny", dtype="float32")
 

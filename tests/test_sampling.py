@@ -7,8 +7,8 @@ import jax
 import numpy as np
 
 from jaxserve.request import Request, SamplingParams
-from jaxserve.sampling import SamplingArrays, sample
-from jaxserve.step import StepRow
+from jaxserve.runner.sampling import SamplingArrays, sample
+from jaxserve.request.step import StepRow
 
 sample_jit = jax.jit(sample)
 

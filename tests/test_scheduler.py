@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.request import Request
 from jaxserve.scheduler import DecodeInterleavePolicy, MixedSteps, Scheduler
-from jaxserve.step import ForcedBy, StepKind, StepRow
+from jaxserve.request.step import ForcedBy, StepKind, StepRow
 
 
 class StubManager:

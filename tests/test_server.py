@@ -31,8 +31,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
-from jaxserve.sharding import make_mesh
-from jaxserve.tokenizer import TokenIdOnly
+from jaxserve.model.sharding import make_mesh
+from jaxserve.text.tokenizer import TokenIdOnly
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind

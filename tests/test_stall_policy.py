@@ -7,7 +7,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
 from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler, step_policies
-from jaxserve.step import ForcedBy, StepKind, StepRow
+from jaxserve.request.step import ForcedBy, StepKind, StepRow
 
 
 class FakeClock:

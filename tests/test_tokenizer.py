@@ -1,4 +1,4 @@
-"""jaxserve.tokenizer: encode/decode over tokenizer.json, BOS/EOS ids from the checkpoint's json files, streaming
+"""jaxserve.text.tokenizer: encode/decode over tokenizer.json, BOS/EOS ids from the checkpoint's json files, streaming
 detokenization that never splits a character, token-id-only mode, and DeepSeek-V4's chat encoding."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.chat import ChatOptions, ChatTemplateError, render_prompt
-from jaxserve.tokenizer import NoTokenizerError, Tokenizer, TokenIdOnly, TokenizerError, load_tokenizer
+from jaxserve.text.chat import ChatOptions, ChatTemplateError, render_prompt
+from jaxserve.text.tokenizer import NoTokenizerError, Tokenizer, TokenIdOnly, TokenizerError, load_tokenizer
 
 THINKING = ChatOptions(thinking=True)
 
@@ -92,7 +92,7 @@ def test_incremental_detokenizer_flushes_an_unfinished_character(folder):
 
 def test_token_id_only_mode(folder, caplog):
     (folder / "tokenizer.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="jaxserve.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.text.tokenizer"):
         tok = load_tokenizer(folder)
     assert isinstance(tok, TokenIdOnly) and not tok.has_text
     assert [r.getMessage() for r in caplog.records] == [
@@ -149,6 +149,6 @@ def test_a_tokenizer_without_the_chat_tokens_has_no_chat_template(tmp_path):
 
 
 def test_jaxserve_never_imports_torch_or_transformers():
-    code = ("import sys, jaxserve.tokenizer, jaxserve.config, jaxserve.model.forward, jaxserve.checkpoints.deepseek, "
+    code = ("import sys, jaxserve.text.tokenizer, jaxserve.config, jaxserve.model.forward, jaxserve.checkpoints.deepseek, "
             "jaxserve.checkpoints.writer; bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})

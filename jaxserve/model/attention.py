@@ -2,7 +2,7 @@
 layer, plus dense HCA entries or indexer-selected CSA entries, attention sinks, inverse RoPE on the output,
 grouped low-rank output projection. Reads and writes the layer's KV state in place: the cache arrays hold every
 layer of a stack (leading `layers` axis), and `layer` picks this one, so a scan over the stack never copies it.
-Stored K=V vectors and indexer keys go through jaxserve.cache's read_kv / write_kv, whatever their storage dtype.
+Stored K=V vectors and indexer keys go through jaxserve.model.cache's read_kv / write_kv, whatever their storage dtype.
 
 Letters: b rows, t chunk time, h heads, k head dim, r q-lora rank, s keys, e compressed entries,
 g output groups, j heads within a group, o o-lora rank.
@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
+from jaxserve.model.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache import CompressorState
+from jaxserve.model.cache import CompressorState
 from jaxserve.model.layers import apply_rope, rms_norm
 from jaxserve.model.weights import Compressor
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.cache import LayerCache
+from jaxserve.model.cache import LayerCache
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import attention_block
 from jaxserve.model.inputs import StepInputs

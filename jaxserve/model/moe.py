@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import MoE, RoutedExperts
-from jaxserve.sharding import expert_axes, logical_spec
+from jaxserve.model.sharding import expert_axes, logical_spec
 from jaxserve.kernels.table import Kernels
 
 F32 = jnp.float32

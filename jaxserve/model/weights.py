@@ -37,7 +37,7 @@ class ArrayInfo:
 
     shape: tuple[int, ...]
     dtype: Any
-    axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes by jaxserve.sharding
+    axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes by jaxserve.model.sharding
     init: str = "normal"  # normal | ones | zeros | small | expert_ids
 
     def __post_init__(self):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.request import Request, RequestStatus
-from jaxserve.step import StepRow
+from jaxserve.request.step import StepRow
 
 
 class DecodeManager:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.stall import DecodeStallPolicy
-from jaxserve.step import ForcedBy, StepPlan
+from jaxserve.request.step import ForcedBy, StepPlan
 
 
 class DecodeInterleavePolicy(StepPolicy):

@@ -7,7 +7,7 @@ that step went. A scheduler with no policy is prefill-first; policies compose (w
 
 from __future__ import annotations
 
-from jaxserve.step import ForcedBy, StepPlan
+from jaxserve.request.step import ForcedBy, StepPlan
 
 
 class StepPolicy:

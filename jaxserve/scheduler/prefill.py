@@ -13,11 +13,11 @@ import bisect
 import itertools
 from collections import deque
 
-from jaxserve.cache import pages_needed
+from jaxserve.model.cache import pages_needed
 from jaxserve.request import Request, RequestStatus
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 from jaxserve.scheduler.queue_order import FirstComeFirstServed, QueueOrder
-from jaxserve.step import StepRow
+from jaxserve.request.step import StepRow
 
 
 class PrefillManager:

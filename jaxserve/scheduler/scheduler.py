@@ -21,7 +21,7 @@ from jaxserve.request import Request
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.step import ForcedBy, StepKind, StepLimits, StepPlan
+from jaxserve.request.step import ForcedBy, StepKind, StepLimits, StepPlan
 
 
 @dataclasses.dataclass

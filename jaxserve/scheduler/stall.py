@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from jaxserve.scheduler.policy import StepPolicy
-from jaxserve.step import ForcedBy, StepPlan
+from jaxserve.request.step import ForcedBy, StepPlan
 
 
 class DecodeStallPolicy(StepPolicy):

@@ -4,7 +4,7 @@
   that knows the BOS/EOS ids but refuses text (the server then takes prompts as token ids only).
 - BOS/EOS ids come from `generation_config.json`, `config.json` and `tokenizer_config.json`; EOS is their union.
 - `IncrementalDetokenizer`: per request, token ids in, only complete text out (never half a UTF-8 character).
-- `Tokenizer.apply_chat_template`: the ids of DeepSeek-V4's chat encoding (jaxserve.chat.encoding).
+- `Tokenizer.apply_chat_template`: the ids of DeepSeek-V4's chat encoding (jaxserve.text.chat.encoding).
 - `Tokenizer.detokenizer(keep_markup=True)`: output text for the chat output parser, with the reasoning and
   tool-call markup kept even where the tokenizer marks those tokens special (BOS, EOS and the rest still dropped).
 """
@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Iterable, Literal
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
+from jaxserve.text.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
 
-log = logging.getLogger("jaxserve.tokenizer")
+log = logging.getLogger("jaxserve.text.tokenizer")
 
 
 

@@ -2,7 +2,7 @@
 
 Both are the same pure function `(weights, cache, slot tokens, inputs, sampling, routes, logprob inputs) ->
 (outputs, cache, slot tokens)` with the cache and the slot tokens donated (outputs: the sampled token ids and the
-logprobs rows asked for, see jaxserve.logprobs), compiled ahead of time for a small set of shape buckets (rows x
+logprobs rows asked for, see jaxserve.runner.logprobs), compiled ahead of time for a small set of shape buckets (rows x
 chunk length for prefill, rows for decode). A call whose shape is not a bucket is an error, never a silent
 recompile.
 
@@ -24,17 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
+from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kernels.table import kernels_for
-from jaxserve.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.progress import progress
+from jaxserve.runner.progress import progress
 from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
-from jaxserve.sampling import SamplingArrays, sample
-from jaxserve.sharding import shardings_for
-from jaxserve.step import (GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow,
+from jaxserve.runner.sampling import SamplingArrays, sample
+from jaxserve.model.sharding import shardings_for
+from jaxserve.request.step import (GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow,
                            StepShape)
 
 log = logging.getLogger("jaxserve.runner")

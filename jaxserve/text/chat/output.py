@@ -22,7 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from jaxserve.chat.encoding import (DSML, INVOKE_CLOSE, PARAMETER_CLOSE, THINK_END, THINK_START, TOOL_CALLS_CLOSE,
+from jaxserve.text.chat.encoding import (DSML, INVOKE_CLOSE, PARAMETER_CLOSE, THINK_END, THINK_START, TOOL_CALLS_CLOSE,
                                     TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, ChatOptions, to_json)
 
 

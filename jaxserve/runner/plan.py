@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
-from jaxserve.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
+from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.runner import Buckets, ModelRunner
-from jaxserve.sharding import shape_dtype_structs, shardings_for
-from jaxserve.step import GroupShape, StepShape
+from jaxserve.model.sharding import shape_dtype_structs, shardings_for
+from jaxserve.request.step import GroupShape, StepShape
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the

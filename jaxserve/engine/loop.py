@@ -21,12 +21,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Protocol
 
-from jaxserve.cache import CacheGeometry, resolve_max_model_len
+from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
 from jaxserve.runner import Buckets
 from jaxserve.scheduler import IdAllocator, StepCounts, build_scheduler
-from jaxserve.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 
 log = logging.getLogger("jaxserve.engine")
 

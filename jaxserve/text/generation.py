@@ -15,7 +15,7 @@ from typing import AsyncGenerator, Protocol
 
 from jaxserve.engine import Engine, TokenEvent
 from jaxserve.request import SamplingParams, TokenLogprob
-from jaxserve.stop_strings import StopStrings
+from jaxserve.text.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)

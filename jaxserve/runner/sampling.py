@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.request import MAX_LOGIT_BIAS
-from jaxserve.step import StepRow
+from jaxserve.request.step import StepRow
 
 F32 = jnp.float32
 NO_TOKEN = np.iinfo(np.int32).max  # a bias entry past any vocabulary: dropped
