@@ -63,10 +63,17 @@ def device_step(runner, batch: int, back_to_back: int, repeats: int = 25) -> flo
     from jaxserve.request import Request, SamplingParams
     from jaxserve.request.step import StepPlan
 
-    requests = [Request(f"d{i}", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=i, num_sampled=1,
-                        pages=list(range(i * runner.geometry.max_pages_per_seq,
-                                         (i + 1) * runner.geometry.max_pages_per_seq)))
-                for i in range(batch)]
+    requests = [
+        Request(
+            f"d{i}",
+            [5, 6, 7, 8],
+            SamplingParams(temperature=0.0),
+            slot=i,
+            num_sampled=1,
+            pages=list(range(i * runner.geometry.max_pages_per_seq, (i + 1) * runner.geometry.max_pages_per_seq)),
+        )
+        for i in range(batch)
+    ]
     return statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats, back_to_back))
 
 
@@ -82,17 +89,26 @@ def main() -> int:
 
     from jaxserve.checkpoints.load import load_model
     from jaxserve.config import EngineConfig
-    from jaxserve.runner import build_runner
     from jaxserve.model.sharding import make_mesh
+    from jaxserve.runner import build_runner
 
     mesh = make_mesh(1, 1)
     loaded = load_model(None, mesh, dtype="float32")
-    base = EngineConfig(dtype="float32", max_num_seqs=8, chunked_prefill_size=64, max_prefill_rows=8,
-                        page_size=16, max_model_len=512, decode_log_interval=10**9)
+    base = EngineConfig(
+        dtype="float32",
+        max_num_seqs=8,
+        chunked_prefill_size=64,
+        max_prefill_rows=8,
+        page_size=16,
+        max_model_len=512,
+        decode_log_interval=10**9,
+    )
     runner = build_runner(base, loaded.config, loaded.weights, mesh)
     runner.warmup()
-    modes = {"sync": dataclasses.replace(base, async_scheduling=False),
-             "async": dataclasses.replace(base, async_scheduling=True)}
+    modes = {
+        "sync": dataclasses.replace(base, async_scheduling=False),
+        "async": dataclasses.replace(base, async_scheduling=True),
+    }
     runs: dict[tuple[str, int], list[dict]] = {(m, b): [] for m in modes for b in (1, 8)}
     devices: dict[int, list[float]] = {1: [], 8: []}
     paces: dict[int, list[float]] = {1: [], 8: []}
@@ -100,46 +116,92 @@ def main() -> int:
         order = list(modes) if r % 2 == 0 else list(modes)[::-1]
         for batch in (1, 8):
             for mode in order:
-                runs[(mode, batch)].append(run_once(runner, loaded.config, loaded.tokenizer.eos_ids, modes[mode],
-                                                    batch, args.tokens))
+                runs[(mode, batch)].append(
+                    run_once(runner, loaded.config, loaded.tokenizer.eos_ids, modes[mode], batch, args.tokens)
+                )
             devices[batch].append(device_step(runner, batch, 1))
             paces[batch].append(device_step(runner, batch, PACE_CALLS))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{m} b{b} {runs[(m, b)][-1]['tok_s']:.0f} tok/s" for m, b in runs), flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{m} b{b} {runs[(m, b)][-1]['tok_s']:.0f} tok/s" for m, b in runs),
+            flush=True,
+        )
 
-    rows, data = [], {"machine": machine_info(), "backend": jax.default_backend(), "rounds": args.rounds,
-                      "tokens_per_request": args.tokens, "results": {}}
+    rows, data = (
+        [],
+        {
+            "machine": machine_info(),
+            "backend": jax.default_backend(),
+            "rounds": args.rounds,
+            "tokens_per_request": args.tokens,
+            "results": {},
+        },
+    )
     for (mode, batch), results in runs.items():
         device, pace = statistics.median(devices[batch]), statistics.median(paces[batch])
         shares = [(x["period_s"] - device) / x["period_s"] for x in results]
         idle = [(x["period_s"] - pace) / x["period_s"] for x in results]
         tok_s = [x["tok_s"] for x in results]
-        entry = {"device_step_ms": 1e3 * device, "device_pace_ms": 1e3 * pace,
-                 "period_ms": 1e3 * statistics.median(x["period_s"] for x in results),
-                 "host_share": statistics.median(shares), "host_share_range": [min(shares), max(shares)],
-                 "idle_share": statistics.median(idle), "idle_share_range": [min(idle), max(idle)],
-                 "tok_s": statistics.median(tok_s), "tok_s_range": [min(tok_s), max(tok_s)]}
+        entry = {
+            "device_step_ms": 1e3 * device,
+            "device_pace_ms": 1e3 * pace,
+            "period_ms": 1e3 * statistics.median(x["period_s"] for x in results),
+            "host_share": statistics.median(shares),
+            "host_share_range": [min(shares), max(shares)],
+            "idle_share": statistics.median(idle),
+            "idle_share_range": [min(idle), max(idle)],
+            "tok_s": statistics.median(tok_s),
+            "tok_s_range": [min(tok_s), max(tok_s)],
+        }
         data["results"][f"{mode}_b{batch}"] = entry
-        rows.append([mode, batch, f"{entry['device_step_ms']:.2f}", f"{entry['device_pace_ms']:.2f}",
-                     f"{entry['period_ms']:.2f}", f"{entry['host_share']:.1%} ({min(shares):.1%} .. {max(shares):.1%})",
-                     f"{entry['idle_share']:.1%} ({min(idle):.1%} .. {max(idle):.1%})",
-                     f"{entry['tok_s']:.0f} ({min(tok_s):.0f} .. {max(tok_s):.0f})"])
+        rows.append(
+            [
+                mode,
+                batch,
+                f"{entry['device_step_ms']:.2f}",
+                f"{entry['device_pace_ms']:.2f}",
+                f"{entry['period_ms']:.2f}",
+                f"{entry['host_share']:.1%} ({min(shares):.1%} .. {max(shares):.1%})",
+                f"{entry['idle_share']:.1%} ({min(idle):.1%} .. {max(idle):.1%})",
+                f"{entry['tok_s']:.0f} ({min(tok_s):.0f} .. {max(tok_s):.0f})",
+            ]
+        )
     # Paired by round: each async run against the sync run of the same round and batch.
     checks = []
     for batch in (1, 8):
         ratios = [a["tok_s"] / s["tok_s"] for a, s in zip(runs[("async", batch)], runs[("sync", batch)])]
-        data["results"][f"speedup_b{batch}"] = {"median": statistics.median(ratios), "range": [min(ratios),
-                                                                                              max(ratios)]}
-        checks.append(f"batch {batch}: async / sync tokens per second {statistics.median(ratios):.2f}x "
-                      f"(rounds {min(ratios):.2f} .. {max(ratios):.2f})")
+        data["results"][f"speedup_b{batch}"] = {
+            "median": statistics.median(ratios),
+            "range": [min(ratios), max(ratios)],
+        }
+        checks.append(
+            f"batch {batch}: async / sync tokens per second {statistics.median(ratios):.2f}x "
+            f"(rounds {min(ratios):.2f} .. {max(ratios):.2f})"
+        )
     share = {b: data["results"][f"async_b{b}"]["host_share"] for b in (1, 8)}
     speedup = data["results"]["speedup_b8"]["median"]
-    checks += [f"{'ok  ' if share[b] <= GOAL_HOST_SHARE else 'FAIL'} async host share at batch {b}: {share[b]:.1%} "
-               f"(<= {GOAL_HOST_SHARE:.0%})" for b in (1, 8)]
-    checks.append(f"{'ok  ' if speedup >= GOAL_SPEEDUP_B8 else 'FAIL'} batch 8 async / sync: {speedup:.2f}x "
-                  f"(>= {GOAL_SPEEDUP_B8})")
-    table = markdown_table(["loop", "batch", "device step ms", "device pace ms", "loop period ms",
-                            "host share (range)", "device idle share (range)", "tok/s (range)"], rows)
+    checks += [
+        f"{'ok  ' if share[b] <= GOAL_HOST_SHARE else 'FAIL'} async host share at batch {b}: {share[b]:.1%} "
+        f"(<= {GOAL_HOST_SHARE:.0%})"
+        for b in (1, 8)
+    ]
+    checks.append(
+        f"{'ok  ' if speedup >= GOAL_SPEEDUP_B8 else 'FAIL'} batch 8 async / sync: {speedup:.2f}x "
+        f"(>= {GOAL_SPEEDUP_B8})"
+    )
+    table = markdown_table(
+        [
+            "loop",
+            "batch",
+            "device step ms",
+            "device pace ms",
+            "loop period ms",
+            "host share (range)",
+            "device idle share (range)",
+            "tok/s (range)",
+        ],
+        rows,
+    )
     markdown = table + "\n\n" + "\n".join(f"- {c}" for c in checks)
     print(markdown)
     backend = jax.default_backend()

@@ -8,15 +8,18 @@ process, alternating them, and reports medians and ratios, with the load average
 from __future__ import annotations
 
 import argparse
-
 import json
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # jaxserve is imported lazily: these helpers must load before configure_jax() sets JAX up
+    from jaxserve.request import Request
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -53,11 +56,16 @@ def load_average() -> float:
 def machine_info() -> dict[str, Any]:
     import jax
 
-    return {"cpu_cores": cpu_cores(), "jax": jax.__version__, "jax_devices": len(jax.devices()),
-            "load_average_1min_at_start": load_average()}
+    return {
+        "cpu_cores": cpu_cores(),
+        "jax": jax.__version__,
+        "jax_devices": len(jax.devices()),
+        "load_average_1min_at_start": load_average(),
+    }
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
+
 
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds one call of `fn` takes (fn must block until its result is ready)."""
@@ -71,7 +79,7 @@ def alternate(fns: dict[str, Callable[[], Any]], repeats: int, calls: int = 1) -
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(timed(lambda: [fn() for _ in range(calls)]) / calls)
+            times[name].append(timed(lambda fn=fn: [fn() for _ in range(calls)]) / calls)
     return times
 
 
@@ -81,11 +89,16 @@ def median(values: list[float]) -> float:
 
 def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of a list of seconds, in milliseconds."""
-    return {"median_ms": round(1e3 * median(values), 3), "min_ms": round(1e3 * min(values), 3),
-            "max_ms": round(1e3 * max(values), 3), "n": len(values)}
+    return {
+        "median_ms": round(1e3 * median(values), 3),
+        "min_ms": round(1e3 * min(values), 3),
+        "max_ms": round(1e3 * max(values), 3),
+        "n": len(values),
+    }
 
 
 # ---- profiling ----------------------------------------------------------------------------------------------------
+
 
 def trace_calls(fn: Callable[[], Any], calls: int) -> list[dict[str, Any]]:
     """The complete ('X') events of a jax.profiler trace of `calls` calls of fn."""
@@ -138,6 +151,7 @@ def op_time_by_scope(events: list[dict[str, Any]], hlo_text: str, calls: int, de
 
 # ---- model set-up ------------------------------------------------------------------------------------------------
 
+
 def geometry(cfg, slots: int, max_tokens: int, spare_pages: int = 1):
     """Pages of lcm(compress rates) tokens; room for `max_tokens` per slot, every slot's pages disjoint."""
     from jaxserve.model.cache import CacheGeometry, pages_needed
@@ -145,8 +159,9 @@ def geometry(cfg, slots: int, max_tokens: int, spare_pages: int = 1):
     rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
     page_size = math.lcm(*rates)
     per_seq = pages_needed(max_tokens, page_size)
-    return CacheGeometry(num_slots=slots, num_pages=slots * per_seq + spare_pages, page_size=page_size,
-                         max_pages_per_seq=per_seq)
+    return CacheGeometry(
+        num_slots=slots, num_pages=slots * per_seq + spare_pages, page_size=page_size, max_pages_per_seq=per_seq
+    )
 
 
 def slot_pages(geo, slot: int) -> list[int]:
@@ -155,12 +170,19 @@ def slot_pages(geo, slot: int) -> list[int]:
     return list(range(1 + slot * n, 1 + (slot + 1) * n))
 
 
-def slot_request(geo, slot: int, prompt, output=()) -> "Request":
+def slot_request(geo, slot: int, prompt, output=()) -> Request:
     """A greedy request record in `slot` with its `slot_pages`, as the scheduler would hand it to the runner."""
     from jaxserve.request import Request, SamplingParams
 
-    return Request(f"slot{slot}", list(map(int, prompt)), SamplingParams(temperature=0.0), output_ids=list(output),
-                   num_sampled=len(output), slot=slot, pages=slot_pages(geo, slot))
+    return Request(
+        f"slot{slot}",
+        list(map(int, prompt)),
+        SamplingParams(temperature=0.0),
+        output_ids=list(output),
+        num_sampled=len(output),
+        slot=slot,
+        pages=slot_pages(geo, slot),
+    )
 
 
 def prefill_step(runner, request, start: int, length: int) -> int:
@@ -186,24 +208,36 @@ def add_kernels_flag(parser: argparse.ArgumentParser) -> None:
     """--kernels, as `jaxserve serve` has it (jaxserve.kernels.table)."""
     from jaxserve.kernels.table import KERNEL_CHOICES
 
-    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                        help="implementations of the kernel-worthy operations (default: %(default)s)")
+    parser.add_argument(
+        "--kernels",
+        choices=KERNEL_CHOICES,
+        default="auto",
+        help="implementations of the kernel-worthy operations (default: %(default)s)",
+    )
 
 
-def make_runner(cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...],
-                kernels: str = "auto"):
+def make_runner(
+    cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...], kernels: str = "auto"
+):
     """A ModelRunner with `weights` placed on `mesh`, every bucket compiled; returns (runner, compile seconds)."""
+    from jaxserve.model.sharding import place
     from jaxserve.model.weights import abstract_weights
     from jaxserve.runner import Buckets, ModelRunner
-    from jaxserve.model.sharding import place
 
     placed = place(weights, abstract_weights(cfg), mesh)
-    runner = ModelRunner(cfg, placed, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=prefill_chunks,
-                                                         decode_rows=decode_rows), kernels=kernels)
+    runner = ModelRunner(
+        cfg,
+        placed,
+        geo,
+        mesh,
+        Buckets(prefill_rows=(1,), prefill_chunks=prefill_chunks, decode_rows=decode_rows),
+        kernels=kernels,
+    )
     return runner, timed(runner.warmup)
 
 
 # ---- output ------------------------------------------------------------------------------------------------------
+
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:

@@ -26,8 +26,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import (REPO, RESULTS, alternate, configure_jax, decode_step, geometry, load_average, machine_info,
-                    make_runner, markdown_table, median, prefill_step, slot_request, spread, timed, write_results)
+from common import (
+    REPO,
+    RESULTS,
+    alternate,
+    configure_jax,
+    decode_step,
+    geometry,
+    load_average,
+    machine_info,
+    make_runner,
+    markdown_table,
+    median,
+    prefill_step,
+    slot_request,
+    spread,
+    timed,
+    write_results,
+)
 
 GOAL_RATIO = 2.0  # decode t(largest context) / t(smallest context)
 
@@ -38,7 +54,7 @@ def fill(runner, geo, slot: int, tokens, start: int, end: int, chunk: int) -> li
     record = []
     for pos in range(start, end, chunk):
         n = min(chunk, end - pos)
-        seconds = timed(lambda: prefill_step(runner, request, pos, n))
+        seconds = timed(lambda pos=pos, n=n: prefill_step(runner, request, pos, n))
         record.append({"position": pos, "tokens": n, "s": round(seconds, 4)})
     return record
 
@@ -54,16 +70,17 @@ class Sequence:
         decode_step(self.runner, [self.request])
 
 
-def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: int, repeats: int, steps: int,
-            tp: int, ep: int) -> dict:
+def measure(
+    devices: int, contexts: list[int], chunks: list[int], fill_chunk: int, repeats: int, steps: int, tp: int, ep: int
+) -> dict:
     """Everything for one device count (run in a process configured for it)."""
     configure_jax(devices=devices)
     import jax
     import numpy as np
 
+    from jaxserve.model.sharding import make_mesh
     from jaxserve.model.weights import init_weights
     from jaxserve.presets import preset
-    from jaxserve.model.sharding import make_mesh
 
     cfg = preset("small", dtype="float32")
     weights = init_weights(jax.random.key(0), cfg)
@@ -85,8 +102,10 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
         runner, out["compile_s"][name] = make_runner(cfg, weights, geo, mesh, buckets, (1,))
         out["geometry_pages"][name] = pages = geo.max_pages_per_seq
         out["page_size"] = geo.page_size
-        log(f"geometry {name}: {pages} pages of {geo.page_size} tokens per sequence, compiled in "
-            f"{out['compile_s'][name]:.1f} s")
+        log(
+            f"geometry {name}: {pages} pages of {geo.page_size} tokens per sequence, compiled in "
+            f"{out['compile_s'][name]:.1f} s"
+        )
         for slot, ctx in enumerate(filled):
             key = f"{name[0]}/{ctx}"
             out["fill"][key] = fill(runner, geo, slot, tokens, 0, ctx, fill_chunk)
@@ -96,7 +115,8 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
         for size in chunks:
             request = slot_request(geo, spare, tokens[:size])  # a fresh sequence at position 0
             chunk_calls[f"{pages}/{size}"] = lambda runner=runner, request=request, size=size: prefill_step(
-                runner, request, 0, size)
+                runner, request, 0, size
+            )
 
     for seq in sequences.values():  # warm-up step, untimed
         seq.step()
@@ -109,8 +129,10 @@ def measure(devices: int, contexts: list[int], chunks: list[int], fill_chunk: in
         call()
     log(f"timing prefill chunks {chunks} in geometries of {sorted(out['geometry_pages'].values())} pages")
     prefill = alternate(chunk_calls, max(2, repeats // 2))
-    out["prefill_chunk"] = {key: spread(times) | {"tokens_per_s": round(int(key.split("/")[1]) / median(times), 1)}
-                            for key, times in prefill.items()}
+    out["prefill_chunk"] = {
+        key: spread(times) | {"tokens_per_s": round(int(key.split("/")[1]) / median(times), 1)}
+        for key, times in prefill.items()
+    }
     out["machine"]["load_average_1min_at_end"] = load_average()
     return out
 
@@ -119,9 +141,28 @@ def run_child(devices: int, args: argparse.Namespace) -> dict:
     """Run `measure` for one device count in a fresh interpreter; its JSON comes back through a file."""
     with tempfile.TemporaryDirectory() as folder:
         target = Path(folder) / "out.json"
-        cmd = [sys.executable, __file__, "--devices", str(devices), "--contexts", args.contexts, "--chunks",
-               args.chunks, "--fill-chunk", str(args.fill_chunk), "--repeats", str(args.repeats), "--steps",
-               str(args.steps), "--tp", str(args.tp), "--ep", str(args.ep), "--json-out", str(target)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--devices",
+            str(devices),
+            "--contexts",
+            args.contexts,
+            "--chunks",
+            args.chunks,
+            "--fill-chunk",
+            str(args.fill_chunk),
+            "--repeats",
+            str(args.repeats),
+            "--steps",
+            str(args.steps),
+            "--tp",
+            str(args.tp),
+            "--ep",
+            str(args.ep),
+            "--json-out",
+            str(target),
+        ]
         subprocess.run(cmd, check=True)
         return json.loads(target.read_text())
 
@@ -140,24 +181,52 @@ def report(results: list[dict], contexts: list[int]) -> tuple[str, str, str, dic
             ratio = ms[-1] / ms[0]
             ratios[f"{res['devices']}dev/{mode}"] = round(ratio, 3)
             decode_rows.append([res["devices"], label, *ms, f"{ratio:.2f}"])
-    decode_table = markdown_table(["devices", "cache geometry", *[f"decode ms @ {c // 1024}K" for c in contexts],
-                                   f"t({big // 1024}K)/t({small // 1024}K)"], decode_rows)
+    decode_table = markdown_table(
+        [
+            "devices",
+            "cache geometry",
+            *[f"decode ms @ {c // 1024}K" for c in contexts],
+            f"t({big // 1024}K)/t({small // 1024}K)",
+        ],
+        decode_rows,
+    )
     chunk_rows = []
     for res in results:
         for pages in sorted(set(res["geometry_pages"].values())):
             cells = [res["prefill_chunk"][f"{pages}/{size}"] for size in chunk_sizes(res)]
-            chunk_rows.append([res["devices"], f"{pages} pages ({pages * res['page_size']:,} tokens)",
-                               *[f"{c['median_ms']:.0f} ms ({c['tokens_per_s']:.0f} tok/s)" for c in cells]])
-    chunk_table = markdown_table(["devices", "cache geometry", *[f"chunk {c}" for c in chunk_sizes(results[0])]],
-                                 chunk_rows)
+            chunk_rows.append(
+                [
+                    res["devices"],
+                    f"{pages} pages ({pages * res['page_size']:,} tokens)",
+                    *[f"{c['median_ms']:.0f} ms ({c['tokens_per_s']:.0f} tok/s)" for c in cells],
+                ]
+            )
+    chunk_table = markdown_table(
+        ["devices", "cache geometry", *[f"chunk {c}" for c in chunk_sizes(results[0])]], chunk_rows
+    )
     fill_rows = []
     for res in results:
         record = res["fill"][f"a/{big}"]
         full = [c for c in record if c["tokens"] == record[0]["tokens"]]
-        fill_rows.append([res["devices"], record[0]["tokens"], f"{1e3 * full[0]['s']:.0f}",
-                          f"{1e3 * median([c['s'] for c in full]):.0f}", f"{1e3 * full[-1]['s']:.0f}"])
-    fill_table = markdown_table(["devices", "fill chunk", "first chunk ms (position 0)", "median chunk ms",
-                                 f"last chunk ms (position ~{big // 1024}K)"], fill_rows)
+        fill_rows.append(
+            [
+                res["devices"],
+                record[0]["tokens"],
+                f"{1e3 * full[0]['s']:.0f}",
+                f"{1e3 * median([c['s'] for c in full]):.0f}",
+                f"{1e3 * full[-1]['s']:.0f}",
+            ]
+        )
+    fill_table = markdown_table(
+        [
+            "devices",
+            "fill chunk",
+            "first chunk ms (position 0)",
+            "median chunk ms",
+            f"last chunk ms (position ~{big // 1024}K)",
+        ],
+        fill_rows,
+    )
     return decode_table, chunk_table, fill_table, ratios
 
 
@@ -175,13 +244,22 @@ def plot(results: list[dict], contexts: list[int], path: Path) -> None:
             left.plot(contexts, ms, style, label=label)
         sizes = chunk_sizes(res)
         for pages in sorted(set(res["geometry_pages"].values())):
-            right.plot(sizes, [res["prefill_chunk"][f"{pages}/{c}"]["median_ms"] for c in sizes], "-o",
-                       label=f"{res['devices']} dev, {pages} pages")
+            right.plot(
+                sizes,
+                [res["prefill_chunk"][f"{pages}/{c}"]["median_ms"] for c in sizes],
+                "-o",
+                label=f"{res['devices']} dev, {pages} pages",
+            )
     left.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (ms)", title="decode step vs context")
     left.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
     left.set_ylim(bottom=0)
-    right.set(xscale="log", yscale="log", xlabel="chunk (tokens)", ylabel="prefill chunk (ms)",
-              title="prefill chunk time, by cache geometry")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="chunk (tokens)",
+        ylabel="prefill chunk (ms)",
+        title="prefill chunk time, by cache geometry",
+    )
     right.set_xticks(sizes, [str(c) for c in sizes])
     for ax in (left, right):
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
@@ -222,24 +300,37 @@ def main(argv: list[str] | None = None) -> None:
     results = [run_child(n, args) for n in ([args.devices] if args.devices else [1, 8])]
     decode_table, chunk_table, fill_table, ratios = report(results, contexts)
     small, big = min(contexts), max(contexts)
-    notes = (f"Decode: medians of {args.repeats} interleaved rounds x {args.steps} steps (batch 1, greedy, through "
-             f"the ModelRunner). Goal t({big // 1024}K)/t({small // 1024}K) <= {GOAL_RATIO:.0f}: "
-             + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
-             + f". 8 fake devices share the machine's 2 cores (mesh tensor={args.tp} x expert={args.ep}): they "
-             "measure the sharded program's overheads, not a speed-up. Prefill chunk: a fresh sequence at position 0 "
-             "in each geometry (a spare slot), sizes and geometries interleaved; the fill table shows that a chunk's "
-             "cost does not depend on its position, only on the geometry.")
-    markdown = (f"# Decode scaling and prefill chunk time (`small`, float32, CPU)\n\n## Decode step\n\n{decode_table}"
-                f"\n\n## Prefill chunk\n\n{chunk_table}\n\n## Filling geometry (a) to {big // 1024}K\n\n{fill_table}"
-                f"\n\n{notes}\n\n![decode scaling](decode_scaling.png)\n")
+    notes = (
+        f"Decode: medians of {args.repeats} interleaved rounds x {args.steps} steps (batch 1, greedy, through "
+        f"the ModelRunner). Goal t({big // 1024}K)/t({small // 1024}K) <= {GOAL_RATIO:.0f}: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+        + f". 8 fake devices share the machine's 2 cores (mesh tensor={args.tp} x expert={args.ep}): they "
+        "measure the sharded program's overheads, not a speed-up. Prefill chunk: a fresh sequence at position 0 "
+        "in each geometry (a spare slot), sizes and geometries interleaved; the fill table shows that a chunk's "
+        "cost does not depend on its position, only on the geometry."
+    )
+    markdown = (
+        f"# Decode scaling and prefill chunk time (`small`, float32, CPU)\n\n## Decode step\n\n{decode_table}"
+        f"\n\n## Prefill chunk\n\n{chunk_table}\n\n## Filling geometry (a) to {big // 1024}K\n\n{fill_table}"
+        f"\n\n{notes}\n\n![decode scaling](decode_scaling.png)\n"
+    )
     print("\n" + markdown)
     png = RESULTS / "decode_scaling.png"
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(results, contexts, png)
-    paths = write_results("decode_scaling", {"contexts": contexts, "chunks": chunks, "fill_chunk": args.fill_chunk,
-                                             "ratios_largest_over_smallest": ratios, "goal_ratio": GOAL_RATIO,
-                                             "goal_met": max(ratios.values()) <= GOAL_RATIO, "results": results},
-                          markdown)
+    paths = write_results(
+        "decode_scaling",
+        {
+            "contexts": contexts,
+            "chunks": chunks,
+            "fill_chunk": args.fill_chunk,
+            "ratios_largest_over_smallest": ratios,
+            "goal_ratio": GOAL_RATIO,
+            "goal_met": max(ratios.values()) <= GOAL_RATIO,
+            "results": results,
+        },
+        markdown,
+    )
     print("wrote " + ", ".join(str(p.relative_to(REPO)) for p in (*paths, png)))
 
 

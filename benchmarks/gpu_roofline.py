@@ -76,27 +76,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from common import COMPILE_CACHE, markdown_table
-from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
+
 from jaxserve.checkpoints.load import load_model
 from jaxserve.config import CSA, HCA, SWA, EngineConfig, ModelConfig, to_hf_dict
 from jaxserve.engine import Engine
 from jaxserve.kernels.quant import FP4, FP8, Quantized
 from jaxserve.kernels.table import KERNEL_CHOICES, kernels_for
+from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
 from jaxserve.model.segments import LayerKind, layer_segments
+from jaxserve.model.sharding import make_mesh, shardings_for
 from jaxserve.model.weights import ArrayInfo, abstract_weights, is_info, is_weight, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
-from jaxserve.model.sharding import make_mesh, shardings_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 # --cpu-smoke only: XLA:CPU's cheapest compile (a tiny step shape compiles in half the time); its timings mean nothing.
-SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                   "--xla_cpu_use_fusion_emitters=false")
+SMOKE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+)
 CHILD_MARK = "GPU_ROOFLINE_TINY "  # the child's result line on stdout
 CHILD_TIMEOUT_S = 300
 PROFILE_BATCH = 8
@@ -106,7 +107,7 @@ TOP_KERNELS = 10
 SCALE_BYTE = {FP8: 127 - 14, FP4: 127 - 8}
 RANDOM_BLOCK = 1 << 24  # random values drawn per leaf; a bigger leaf repeats them
 STARTED = time.perf_counter()
-SETUP = __doc__[__doc__.index("What runs"):__doc__.index("How the decode bound")].strip()  # for the markdown
+SETUP = __doc__[__doc__.index("What runs") : __doc__.index("How the decode bound")].strip()  # for the markdown
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,31 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.cpu_smoke:
         context = args.context or 128
-        return Plan(True, args.layers, context, min(64, context), (1, PROFILE_BATCH), repeats=2, back_to_back=2,
-                    trace_steps=2, tiny_tokens=16, tiny_repeats=3)
+        return Plan(
+            True,
+            args.layers,
+            context,
+            min(64, context),
+            (1, PROFILE_BATCH),
+            repeats=2,
+            back_to_back=2,
+            trace_steps=2,
+            tiny_tokens=16,
+            tiny_repeats=3,
+        )
     context = args.context or 4096
-    return Plan(False, args.layers, context, min(2048, context), (1, PROFILE_BATCH, 64), repeats=10,
-                back_to_back=4, trace_steps=3, tiny_tokens=128, tiny_repeats=20)
+    return Plan(
+        False,
+        args.layers,
+        context,
+        min(2048, context),
+        (1, PROFILE_BATCH, 64),
+        repeats=10,
+        back_to_back=4,
+        trace_steps=3,
+        tiny_tokens=128,
+        tiny_repeats=20,
+    )
 
 
 def log(message: str) -> None:
@@ -141,6 +162,7 @@ def log(message: str) -> None:
 
 # ---- the model ----------------------------------------------------------------------------------------------------
 
+
 def model_config(plan: Plan) -> ModelConfig:
     """Flash's first `plan.layers` layers in bfloat16 as released; --cpu-smoke: the tiny preset with the same layer
     kinds and routing, FP8 projections, FP4 experts (sizes whose blocks the storage allows)."""
@@ -148,9 +170,17 @@ def model_config(plan: Plan) -> ModelConfig:
     if not plan.smoke:
         return flash
     kinds = to_hf_dict(flash)
-    tiny = preset("tiny", dtype="bfloat16", num_hidden_layers=plan.layers, hidden_size=160, moe_intermediate_size=64,
-                  head_dim=64, o_lora_rank=128, layer_types=kinds["layer_types"],
-                  mlp_layer_types=kinds["mlp_layer_types"])
+    tiny = preset(
+        "tiny",
+        dtype="bfloat16",
+        num_hidden_layers=plan.layers,
+        hidden_size=160,
+        moe_intermediate_size=64,
+        head_dim=64,
+        o_lora_rank=128,
+        layer_types=kinds["layer_types"],
+        mlp_layer_types=kinds["mlp_layer_types"],
+    )
     return tiny.__class__(**{**tiny.__dict__, "linear_format": FP8, "expert_format": FP4})
 
 
@@ -168,7 +198,7 @@ def random_array(rng: np.random.Generator, info: ArrayInfo, n_experts: int) -> n
         return np.zeros(info.shape, dtype)
     if info.init == "expert_ids":  # distinct experts per token, like a real tid2eid table
         noise = rng.random((*info.shape[:-1], n_experts), dtype=np.float32)
-        return np.argpartition(noise, info.shape[-1] - 1, axis=-1)[..., :info.shape[-1]].astype(dtype)
+        return np.argpartition(noise, info.shape[-1] - 1, axis=-1)[..., : info.shape[-1]].astype(dtype)
     std = 0.5 if info.init == "small" else 0.02
     block = std * rng.standard_normal(min(math.prod(info.shape), RANDOM_BLOCK), dtype=np.float32)
     return repeated(block.astype(dtype), info.shape)
@@ -179,8 +209,12 @@ def random_codes(rng: np.random.Generator, info: Quantized) -> Quantized:
     block = np.frombuffer(rng.bytes(min(math.prod(info.codes.shape), RANDOM_BLOCK)), np.uint8)
     if info.format == FP8:
         block = np.where((block & 0x7F) == 0x7F, block ^ 1, block).view(jnp.float8_e4m3fn)  # 0x7F, 0xFF: NaN
-    return Quantized(repeated(block, info.codes.shape), np.full(info.scales.shape, SCALE_BYTE[info.format], np.uint8),
-                     info.format, info.blocks)
+    return Quantized(
+        repeated(block, info.codes.shape),
+        np.full(info.scales.shape, SCALE_BYTE[info.format], np.uint8),
+        info.format,
+        info.blocks,
+    )
 
 
 def random_weights(cfg: ModelConfig, mesh, seed: int = 0):
@@ -191,14 +225,16 @@ def random_weights(cfg: ModelConfig, mesh, seed: int = 0):
     abstract = abstract_weights(cfg)
 
     def leaf(info, sharding):
-        value = random_codes(rng, info) if isinstance(info, Quantized) else random_array(rng, info,
-                                                                                          cfg.n_routed_experts)
+        value = (
+            random_codes(rng, info) if isinstance(info, Quantized) else random_array(rng, info, cfg.n_routed_experts)
+        )
         return jax.tree.map(jax.device_put, value, sharding)
 
     return jax.tree.map(leaf, abstract, shardings_for(abstract, mesh), is_leaf=is_weight)
 
 
 # ---- what a step must read and compute ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -244,15 +280,19 @@ def layer_costs(cfg: ModelConfig, geo: CacheGeometry) -> list[LayerCost]:
             experts = [moe.w_gate, moe.w_up, moe.w_down]
             table = weights_nbytes(moe.tid2eid)
             cost = LayerCost(
-                part=part_name(kind), attention=kind.attention, hashed=kind.hashed,
+                part=part_name(kind),
+                attention=kind.attention,
+                hashed=kind.hashed,
                 weight_bytes=(weights_nbytes(layer) - weights_nbytes(experts) - table) / n,
                 expert_bytes=weights_nbytes(experts) / (n * cfg.n_routed_experts),
                 table_row_bytes=table / (n * cfg.vocab_size),
                 dense_params=(elements(layer) - elements(experts) - elements(moe.tid2eid)) / n,
                 expert_params=elements(experts) / (n * cfg.n_routed_experts),
-                window_entry_bytes=bytes_per(kv.window, 3), entry_bytes=bytes_per(kv.entries, 3),
+                window_entry_bytes=bytes_per(kv.window, 3),
+                entry_bytes=bytes_per(kv.entries, 3),
                 index_entry_bytes=bytes_per(kv.index_entries, 3),
-                state_bytes=bytes_per([kv.state, kv.index_state], 2))
+                state_bytes=bytes_per([kv.state, kv.index_state], 2),
+            )
             for repeat in range(n):
                 by_layer[segment.layer(repeat, position)] = cost
     return [by_layer[i] for i in range(cfg.num_layers)]
@@ -261,22 +301,28 @@ def layer_costs(cfg: ModelConfig, geo: CacheGeometry) -> list[LayerCost]:
 def layer_bytes(cost: LayerCost, cfg: ModelConfig, batch: int, context: int) -> dict[str, float]:
     """One layer's share of `decode_bytes`."""
     csa_entries, hca_entries = (context + 1) // cfg.csa_rate, (context + 1) // cfg.hca_rate
-    compressed = {SWA: 0.0,
-                  CSA: csa_entries * cost.index_entry_bytes + min(cfg.index_topk, csa_entries) * cost.entry_bytes,
-                  HCA: hca_entries * cost.entry_bytes}[cost.attention]
-    return {"layer_weights": cost.weight_bytes,
-            "routed_experts": min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) * cost.expert_bytes,
-            "hash_table_rows": batch * cost.table_row_bytes,
-            "kv_window": batch * cfg.sliding_window * cost.window_entry_bytes,
-            "kv_compressed": batch * compressed,
-            "compressor_state": batch * cost.state_bytes}
+    compressed = {
+        SWA: 0.0,
+        CSA: csa_entries * cost.index_entry_bytes + min(cfg.index_topk, csa_entries) * cost.entry_bytes,
+        HCA: hca_entries * cost.entry_bytes,
+    }[cost.attention]
+    return {
+        "layer_weights": cost.weight_bytes,
+        "routed_experts": min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) * cost.expert_bytes,
+        "hash_table_rows": batch * cost.table_row_bytes,
+        "kv_window": batch * cfg.sliding_window * cost.window_entry_bytes,
+        "kv_compressed": batch * compressed,
+        "compressor_state": batch * cost.state_bytes,
+    }
 
 
 def outside_bytes(cfg: ModelConfig, batch: int) -> dict[str, float]:
     """`decode_bytes` outside the layers."""
     w = abstract_weights(cfg)
-    return {"embedding_rows": batch * cfg.hidden_size * jnp.dtype(w.embed.dtype).itemsize,
-            "head_and_final": weights_nbytes([w.head, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm])}
+    return {
+        "embedding_rows": batch * cfg.hidden_size * jnp.dtype(w.embed.dtype).itemsize,
+        "head_and_final": weights_nbytes([w.head, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm]),
+    }
 
 
 def decode_bytes(costs: list[LayerCost], cfg: ModelConfig, batch: int, context: int) -> dict[str, float]:
@@ -319,25 +365,33 @@ def prefill_flops(costs: list[LayerCost], cfg: ModelConfig, start: int, tokens: 
     per_key = 4 * cfg.num_heads * cfg.head_dim
     window = per_key * np.minimum(cfg.sliding_window, seen).sum()
     csa_entries = seen // cfg.csa_rate
-    extra = {SWA: 0,
-             CSA: per_key * np.minimum(cfg.index_topk, csa_entries).sum()
-             + 2 * cfg.index_n_heads * cfg.index_head_dim * csa_entries.sum(),
-             HCA: per_key * (seen // cfg.hca_rate).sum()}
-    flops = {"matmuls": 2.0 * tokens * sum(c.dense_params + cfg.num_experts_per_tok * c.expert_params
-                                           for c in costs),
-             "head": 2.0 * cfg.hidden_size * cfg.vocab_size,
-             "attention": float(sum(window + extra[c.attention] for c in costs))}
+    extra = {
+        SWA: 0,
+        CSA: per_key * np.minimum(cfg.index_topk, csa_entries).sum()
+        + 2 * cfg.index_n_heads * cfg.index_head_dim * csa_entries.sum(),
+        HCA: per_key * (seen // cfg.hca_rate).sum(),
+    }
+    flops = {
+        "matmuls": 2.0 * tokens * sum(c.dense_params + cfg.num_experts_per_tok * c.expert_params for c in costs),
+        "head": 2.0 * cfg.hidden_size * cfg.vocab_size,
+        "attention": float(sum(window + extra[c.attention] for c in costs)),
+    }
     return {**flops, "total": sum(flops.values())}
 
 
 # ---- the runner and its inputs ------------------------------------------------------------------------------------
 
+
 def geometry_for(cfg: ModelConfig, plan: Plan) -> CacheGeometry:
     """A slot per row of the largest batch, each with pages up to the context plus one page (the profiled steps
     advance a few positions); FP8 KV."""
     page_size = EngineConfig().page_size
-    engine = EngineConfig(max_num_seqs=max(plan.batches), max_model_len=plan.context + page_size,
-                          page_size=page_size, kv_cache_dtype="fp8")
+    engine = EngineConfig(
+        max_num_seqs=max(plan.batches),
+        max_model_len=plan.context + page_size,
+        page_size=page_size,
+        kv_cache_dtype="fp8",
+    )
     return kv_geometry(engine, cfg)
 
 
@@ -347,8 +401,19 @@ def slot_pages(geo: CacheGeometry, slot: int) -> list[int]:
 
 def decode_rows(geo: CacheGeometry, batch: int, context: int) -> StepPlan:
     """`batch` decode rows in their own slots and pages, each at position `context`, sampling with its own seed."""
-    return StepPlan.decode_of([Request(f"d{i}", [1] * context, SamplingParams(temperature=1.0, seed=i), slot=i,
-                                       num_sampled=1, pages=slot_pages(geo, i)) for i in range(batch)])
+    return StepPlan.decode_of(
+        [
+            Request(
+                f"d{i}",
+                [1] * context,
+                SamplingParams(temperature=1.0, seed=i),
+                slot=i,
+                num_sampled=1,
+                pages=slot_pages(geo, i),
+            )
+            for i in range(batch)
+        ]
+    )
 
 
 def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
@@ -393,10 +458,16 @@ def load_trace(folder: str) -> dict:
 def device_lines(events: list[dict]) -> tuple[set, str]:
     """The (pid, tid) lines whose events are device work, and what they are: a GPU's stream lines (not the lines
     the trace derives from them: XLA Ops, XLA Modules, Steps, ...); none on CPU (its ops run on host threads)."""
-    processes = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    processes = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    threads = {
+        (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     devices = {pid for pid, name in processes.items() if "/device:" in name}
     lines = {line for line in threads if line[0] in devices}
     streams = {line for line in lines if threads[line].lower().startswith("stream")}
@@ -474,8 +545,11 @@ def step_events(trace: dict, on_cpu: bool) -> tuple[list[dict], list[dict] | Non
             processes = sorted({e.get("args", {}).get("name", "") for e in events if e.get("name") == "process_name"})
             raise ValueError(f"the trace has no device lines (its processes: {processes})")
         on_device = [e for e in complete if (e["pid"], e.get("tid")) in lines]
-        return ([e for e in on_device if not COPY_NAME.search(e["name"])],
-                [e for e in on_device if COPY_NAME.search(e["name"])], source)
+        return (
+            [e for e in on_device if not COPY_NAME.search(e["name"])],
+            [e for e in on_device if COPY_NAME.search(e["name"])],
+            source,
+        )
     ops = [e for e in complete if "hlo_op" in e.get("args", {}) and not e["name"].startswith("end: ")]
     if not ops:  # a trace without args: XLA:CPU ops are the events named like HLO instructions
         ops = [e for e in complete if HLO_OP_NAME.fullmatch(e["name"])]
@@ -511,8 +585,9 @@ def part_of(op_name: str | None, segments: dict[str, str]) -> str:
     return segments.get(segment.group(1), UNATTRIBUTED) if segment else OUTSIDE
 
 
-def summarize_trace(trace: dict, hlo_text: str, steps: int, on_cpu: bool,
-                    segments: dict[str, str] | None = None) -> dict:
+def summarize_trace(
+    trace: dict, hlo_text: str, steps: int, on_cpu: bool, segments: dict[str, str] | None = None
+) -> dict:
     """Per step: kernel count and time, the TOP_KERNELS most expensive kernels with their share, device-to-host
     copies, and the kernel time of each part (`part_seconds`; `segments`: see segment_parts)."""
     module, scopes = hlo_scopes(hlo_text)
@@ -537,13 +612,23 @@ def summarize_trace(trace: dict, hlo_text: str, steps: int, on_cpu: bool,
     for e in copies or []:
         copy_counts[e["name"]] += 1 / steps
     return {
-        "source": source, "steps": steps, "kernel_count_per_step": len(kernels) / steps,
+        "source": source,
+        "steps": steps,
+        "kernel_count_per_step": len(kernels) / steps,
         "kernel_seconds_per_step": total / steps,
-        "top_kernels": [{"name": name, "scope": scope_of_name.get(name, ""), "seconds_per_step": s / steps,
-                         "share": s / total if total else 0.0, "calls_per_step": n / steps}
-                        for name, (s, n) in top],
-        "d2h_copies_per_step": None if copies is None else sum(n for name, n in copy_counts.items()
-                                                                if D2H_NAME.search(name)),
+        "top_kernels": [
+            {
+                "name": name,
+                "scope": scope_of_name.get(name, ""),
+                "seconds_per_step": s / steps,
+                "share": s / total if total else 0.0,
+                "calls_per_step": n / steps,
+            }
+            for name, (s, n) in top
+        ],
+        "d2h_copies_per_step": None
+        if copies is None
+        else sum(n for name, n in copy_counts.items() if D2H_NAME.search(name)),
         "copies_per_step": dict(copy_counts),
         "part_seconds_per_step": {part: s / steps for part, s in parts.items()},
     }
@@ -559,16 +644,30 @@ def profile_steps(runner: ModelRunner, batch: StepPlan, steps: int, hlo_text: st
             with jax.profiler.trace(folder, **perfetto):
                 for _ in range(steps):
                     runner.run(batch)
-            return summarize_trace(load_trace(folder), hlo_text, steps, runner.mesh.devices.flat[0].platform == "cpu",
-                                   segment_parts(runner.cfg))
+            return summarize_trace(
+                load_trace(folder),
+                hlo_text,
+                steps,
+                runner.mesh.devices.flat[0].platform == "cpu",
+                segment_parts(runner.cfg),
+            )
     except Exception as error:  # noqa: BLE001 - a profile that cannot be read is a result, not a crash
         return {"error": f"{type(error).__name__}: {error}"}
 
 
 # ---- measurements -------------------------------------------------------------------------------------------------
 
-def part_rows(choice: str, batch: int, step_s: float, profile: dict, costs: list[LayerCost], cfg: ModelConfig,
-              context: int, bandwidth: float) -> list[dict]:
+
+def part_rows(
+    choice: str,
+    batch: int,
+    step_s: float,
+    profile: dict,
+    costs: list[LayerCost],
+    cfg: ModelConfig,
+    context: int,
+    bandwidth: float,
+) -> list[dict]:
     """Rows per layer kind (and outside the layers): the step's time split by the kinds' shares of the traced
     kernel time, per layer, against one layer's bytes."""
     if "error" in profile:
@@ -589,15 +688,26 @@ def part_rows(choice: str, batch: int, step_s: float, profile: dict, costs: list
             count, counted = len(layers[part]), layer_bytes(layers[part][0], cfg, batch, context)
         step = step_s * part_s / kernel_total / count
         read = sum(counted.values())
-        rows.append({"part": part, "batch": batch, "implementation": choice, "layers": count, "step_s": step,
-                     "kernel_s": part_s / count, "bytes": read, "bound_s": read / bandwidth,
-                     "fraction_of_bound": (read / bandwidth) / step if step > 0 else None,
-                     "method": "share of the traced kernel time"})
+        rows.append(
+            {
+                "part": part,
+                "batch": batch,
+                "implementation": choice,
+                "layers": count,
+                "step_s": step,
+                "kernel_s": part_s / count,
+                "bytes": read,
+                "bound_s": read / bandwidth,
+                "fraction_of_bound": (read / bandwidth) / step if step > 0 else None,
+                "method": "share of the traced kernel time",
+            }
+        )
     return rows
 
 
-def measure_decode(runner: ModelRunner, choice: str, plan: Plan, costs: list[LayerCost], cfg: ModelConfig,
-                   bandwidth: float) -> tuple[list[dict], dict[int, dict]]:
+def measure_decode(
+    runner: ModelRunner, choice: str, plan: Plan, costs: list[LayerCost], cfg: ModelConfig, bandwidth: float
+) -> tuple[list[dict], dict[int, dict]]:
     rows, profiles = [], {}
     for batch in plan.batches:
         step = decode_rows(runner.geometry, batch, plan.context)
@@ -606,10 +716,23 @@ def measure_decode(runner: ModelRunner, choice: str, plan: Plan, costs: list[Lay
         latency = statistics.median(runner.device_seconds(step, plan.repeats))
         read = decode_bytes(costs, cfg, batch, plan.context)
         total = sum(read.values())
-        rows.append({"part": "layer_step", "batch": batch, "implementation": choice, "layers": cfg.num_layers,
-                     "step_s": pace, "latency_s": latency, "bytes": total, "bound_s": total / bandwidth,
-                     "fraction_of_bound": (total / bandwidth) / pace, "method": "device_seconds"})
-        profile = profiles[batch] = profile_steps(runner, step, plan.trace_steps, compiled_text(runner, StepShape(decode=GroupShape(batch, 1))))
+        rows.append(
+            {
+                "part": "layer_step",
+                "batch": batch,
+                "implementation": choice,
+                "layers": cfg.num_layers,
+                "step_s": pace,
+                "latency_s": latency,
+                "bytes": total,
+                "bound_s": total / bandwidth,
+                "fraction_of_bound": (total / bandwidth) / pace,
+                "method": "device_seconds",
+            }
+        )
+        profile = profiles[batch] = profile_steps(
+            runner, step, plan.trace_steps, compiled_text(runner, StepShape(decode=GroupShape(batch, 1)))
+        )
         if "error" in profile:
             rows[-1]["profile_error"] = profile["error"]
         else:  # kernel time the HLO metadata could not place in a part (the part rows leave it out)
@@ -620,16 +743,24 @@ def measure_decode(runner: ModelRunner, choice: str, plan: Plan, costs: list[Lay
     return rows, profiles
 
 
-def measure_prefill(runner: ModelRunner, choice: str, plan: Plan, costs: list[LayerCost], cfg: ModelConfig,
-                    peak: float) -> dict:
+def measure_prefill(
+    runner: ModelRunner, choice: str, plan: Plan, costs: list[LayerCost], cfg: ModelConfig, peak: float
+) -> dict:
     chunk = prefill_chunk(runner.geometry, cfg, plan)
     start = chunk.prefill[0].start
     seconds = statistics.median(runner.device_seconds(chunk, plan.repeats))
     flops = prefill_flops(costs, cfg, start, plan.chunk)
     bound = flops["total"] / peak
     log(f"{choice} prefill {plan.chunk} tokens: {1e3 * seconds:.3f} ms, bound {1e3 * bound:.3f} ms")
-    return {"implementation": choice, "tokens": plan.chunk, "start": start, "step_s": seconds, "flops": flops,
-            "bound_s": bound, "fraction_of_peak": bound / seconds}
+    return {
+        "implementation": choice,
+        "tokens": plan.chunk,
+        "start": start,
+        "step_s": seconds,
+        "flops": flops,
+        "bound_s": bound,
+        "fraction_of_peak": bound / seconds,
+    }
 
 
 def compile_all(runner: ModelRunner) -> None:
@@ -640,8 +771,9 @@ def compile_all(runner: ModelRunner) -> None:
             job.result()
 
 
-def measure_implementation(choice: str, cfg: ModelConfig, weights, mesh, plan: Plan, costs: list[LayerCost],
-                           args: argparse.Namespace) -> dict:
+def measure_implementation(
+    choice: str, cfg: ModelConfig, weights, mesh, plan: Plan, costs: list[LayerCost], args: argparse.Namespace
+) -> dict:
     """One kernel choice: its runner over the shared weights, compiled, then its decode rows, profiles and prefill."""
     buckets = Buckets(prefill_rows=(1,), prefill_chunks=(plan.chunk,), decode_rows=plan.batches)
     runner = ModelRunner(cfg, weights, geometry_for(cfg, plan), mesh, buckets, kernels=choice)
@@ -656,18 +788,28 @@ def measure_implementation(choice: str, cfg: ModelConfig, weights, mesh, plan: P
 
 # ---- the tiny default model, in a child process -------------------------------------------------------------------
 
+
 def tiny_decode_period(choice: str, plan: Plan) -> dict:
     """The embedded default (float32, as benchmarks/async_loop.py loads it) at batch 1: the engine loop's median
     decode period, the compiled step's device time back to back and alone, and the host's share."""
     mesh = make_mesh(1, 1)
     loaded = load_model(None, mesh, dtype="float32")
-    cfg = EngineConfig(dtype="float32", max_num_seqs=1, chunked_prefill_size=16, max_prefill_rows=1, page_size=16,
-                       max_model_len=256, decode_log_interval=10**9, kernels=choice)
+    cfg = EngineConfig(
+        dtype="float32",
+        max_num_seqs=1,
+        chunked_prefill_size=16,
+        max_prefill_rows=1,
+        page_size=16,
+        max_model_len=256,
+        decode_log_interval=10**9,
+        kernels=choice,
+    )
     runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
     compile_all(runner)
     engine = Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids)
-    handle = engine.submit([5, 6, 7, 8, 9, 10, 11, 12],
-                           SamplingParams(max_tokens=plan.tiny_tokens, temperature=0.0, ignore_eos=True))
+    handle = engine.submit(
+        [5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=plan.tiny_tokens, temperature=0.0, ignore_eos=True)
+    )
     engine.start()
     try:
         handle.wait(timeout=CHILD_TIMEOUT_S)
@@ -675,15 +817,33 @@ def tiny_decode_period(choice: str, plan: Plan) -> dict:
         engine.shutdown()
     ends = [r.ended for r in engine.step_record if r.kind is StepKind.DECODE]
     period = statistics.median(b - a for a, b in zip(ends, ends[1:]))
-    row = StepPlan.decode_of([Request("tiny", [5, 6, 7, 8], SamplingParams(temperature=0.0), slot=0, num_sampled=1,
-                                      pages=slot_pages(runner.geometry, 0))])
+    row = StepPlan.decode_of(
+        [
+            Request(
+                "tiny",
+                [5, 6, 7, 8],
+                SamplingParams(temperature=0.0),
+                slot=0,
+                num_sampled=1,
+                pages=slot_pages(runner.geometry, 0),
+            )
+        ]
+    )
     device = statistics.median(runner.device_seconds(row, plan.tiny_repeats, back_to_back=8))
     latency = statistics.median(runner.device_seconds(row, plan.tiny_repeats))
     first = jax.devices()[0]
-    return {"platform": first.platform, "device_kind": first.device_kind, "kernels": runner.kernels.describe(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "decode_steps": len(ends), "period_s": period,
-            "device_s": device, "device_latency_s": latency, "host_s": period - device,
-            "host_share": (period - device) / period}
+    return {
+        "platform": first.platform,
+        "device_kind": first.device_kind,
+        "kernels": runner.kernels.describe(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "decode_steps": len(ends),
+        "period_s": period,
+        "device_s": device,
+        "device_latency_s": latency,
+        "host_s": period - device,
+        "host_share": (period - device) / period,
+    }
 
 
 def run_tiny_child(choice: str, plan: Plan, extra_flags: str = "") -> tuple[dict, str]:
@@ -698,7 +858,7 @@ def run_tiny_child(choice: str, plan: Plan, extra_flags: str = "") -> tuple[dict
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}, command
-    marked = [line[len(CHILD_MARK):] for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
+    marked = [line[len(CHILD_MARK) :] for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
     if done.returncode != 0 or not marked:
         return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}"}, command
     return json.loads(marked[-1]), command
@@ -717,12 +877,21 @@ def tiny_runs(choice: str, plan: Plan) -> tuple[dict, Any, list[str]]:
     commands.append(command)
     if "error" in extended:
         return default, {"flag": COMMAND_BUFFER_FLAG, "default": default, "error": extended["error"]}, commands
-    return default, {"flag": COMMAND_BUFFER_FLAG, "default": default, "extended": extended,
-                     "device_s_ratio": extended["device_s"] / default["device_s"],
-                     "period_s_ratio": extended["period_s"] / default["period_s"]}, commands
+    return (
+        default,
+        {
+            "flag": COMMAND_BUFFER_FLAG,
+            "default": default,
+            "extended": extended,
+            "device_s_ratio": extended["device_s"] / default["device_s"],
+            "period_s_ratio": extended["period_s"] / default["period_s"],
+        },
+        commands,
+    )
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
+
 
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.3f}"
@@ -734,50 +903,128 @@ def fraction(value: float | None) -> str:
 
 def markdown(report: dict) -> str:
     device, settings = report["device"], report["settings"]
-    header = [f"# Flash layers against their rooflines on {device['device_kind']} ({device['platform']})", "",
-              f"`{report['commands']['run']}`", "",
-              f"jax {report['jax']}; {settings['layers']} layers ({', '.join(report['model']['parts'])}), context "
-              f"{settings['context']}, FP8 projections, FP4 experts, FP8 KV, TP 1; bandwidth "
-              f"{settings['bandwidth']:.3g} B/s, bf16 peak {settings['peak_bf16']:.3g} FLOP/s."
-              + ("" if report["complete"] else " **Incomplete: the run stopped early.**")]
-    sections = [header, md_decode(report), md_prefill(report), md_tiny(report["tiny_decode"]),
-                md_profiles(report["profile"]), md_command_buffers(report["command_buffers"]),
-                ["## How the bounds are counted", "", report["bytes_counted"]["method"], "", report["flops_counted"],
-                 "", "## How the decode step is set up", "", report["setup"], "", "## Kernels", ""]
-                + [f"- {choice}: {described}" for choice, described in report["kernels"].items()]]
+    header = [
+        f"# Flash layers against their rooflines on {device['device_kind']} ({device['platform']})",
+        "",
+        f"`{report['commands']['run']}`",
+        "",
+        f"jax {report['jax']}; {settings['layers']} layers ({', '.join(report['model']['parts'])}), context "
+        f"{settings['context']}, FP8 projections, FP4 experts, FP8 KV, TP 1; bandwidth "
+        f"{settings['bandwidth']:.3g} B/s, bf16 peak {settings['peak_bf16']:.3g} FLOP/s."
+        + ("" if report["complete"] else " **Incomplete: the run stopped early.**"),
+    ]
+    sections = [
+        header,
+        md_decode(report),
+        md_prefill(report),
+        md_tiny(report["tiny_decode"]),
+        md_profiles(report["profile"]),
+        md_command_buffers(report["command_buffers"]),
+        [
+            "## How the bounds are counted",
+            "",
+            report["bytes_counted"]["method"],
+            "",
+            report["flops_counted"],
+            "",
+            "## How the decode step is set up",
+            "",
+            report["setup"],
+            "",
+            "## Kernels",
+            "",
+        ]
+        + [f"- {choice}: {described}" for choice, described in report["kernels"].items()],
+    ]
     if report["errors"]:
-        sections.append(["## Errors", ""] + [f"- {choice}: `{error.strip().splitlines()[-1]}`"
-                                             for choice, error in report["errors"].items()])
+        sections.append(
+            ["## Errors", ""]
+            + [f"- {choice}: `{error.strip().splitlines()[-1]}`" for choice, error in report["errors"].items()]
+        )
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
 
 
 def md_decode(report: dict) -> list[str]:
-    rows = [[r["part"], r["batch"], r["implementation"], r["layers"], ms(r["step_s"]), ms(r.get("latency_s")),
-             ms(r.get("kernel_s")), ms(r["bound_s"]), fraction(r["fraction_of_bound"]), f"{r['bytes'] / 1e6:,.2f}"]
-            for r in report["decode"]]
-    return ["## Decode step against the HBM bound", "",
-            markdown_table(["part", "batch", "implementation", "layers", "step ms", "latency ms", "kernel ms",
-                            "bound ms", "fraction of bound", "bytes read (MB)"], rows), "",
-            "layer_step: the whole step; the other parts: per layer of that kind (outside_layers: once per step)."]
+    rows = [
+        [
+            r["part"],
+            r["batch"],
+            r["implementation"],
+            r["layers"],
+            ms(r["step_s"]),
+            ms(r.get("latency_s")),
+            ms(r.get("kernel_s")),
+            ms(r["bound_s"]),
+            fraction(r["fraction_of_bound"]),
+            f"{r['bytes'] / 1e6:,.2f}",
+        ]
+        for r in report["decode"]
+    ]
+    return [
+        "## Decode step against the HBM bound",
+        "",
+        markdown_table(
+            [
+                "part",
+                "batch",
+                "implementation",
+                "layers",
+                "step ms",
+                "latency ms",
+                "kernel ms",
+                "bound ms",
+                "fraction of bound",
+                "bytes read (MB)",
+            ],
+            rows,
+        ),
+        "",
+        "layer_step: the whole step; the other parts: per layer of that kind (outside_layers: once per step).",
+    ]
 
 
 def md_prefill(report: dict) -> list[str]:
-    rows = [[p["implementation"], p["tokens"], p["start"], ms(p["step_s"]), f"{p['flops']['total'] / 1e12:.4f}",
-             ms(p["bound_s"]), fraction(p["fraction_of_peak"])] for p in report["prefill"]]
-    return ["## Prefill chunk against the bf16 compute bound", "",
-            markdown_table(["implementation", "tokens", "first position", "step ms", "TFLOP", "bound ms",
-                            "fraction of peak"], rows)]
+    rows = [
+        [
+            p["implementation"],
+            p["tokens"],
+            p["start"],
+            ms(p["step_s"]),
+            f"{p['flops']['total'] / 1e12:.4f}",
+            ms(p["bound_s"]),
+            fraction(p["fraction_of_peak"]),
+        ]
+        for p in report["prefill"]
+    ]
+    return [
+        "## Prefill chunk against the bf16 compute bound",
+        "",
+        markdown_table(
+            ["implementation", "tokens", "first position", "step ms", "TFLOP", "bound ms", "fraction of peak"], rows
+        ),
+    ]
 
 
 def md_tiny(tiny: dict) -> list[str]:
     lines = ["## Tiny default model, decode period at batch 1", ""]
     if "error" in tiny:
         return lines + [f"Not measured: {tiny['error']}"]
-    return lines + [f"Kernels: {tiny['kernels']}.", "",
-                    markdown_table(["loop period ms", "device ms (back to back)", "device ms (alone)", "host ms",
-                                    "host share"],
-                                   [[ms(tiny["period_s"]), ms(tiny["device_s"]), ms(tiny["device_latency_s"]),
-                                     ms(tiny["host_s"]), f"{tiny['host_share']:.1%}"]])]
+    return lines + [
+        f"Kernels: {tiny['kernels']}.",
+        "",
+        markdown_table(
+            ["loop period ms", "device ms (back to back)", "device ms (alone)", "host ms", "host share"],
+            [
+                [
+                    ms(tiny["period_s"]),
+                    ms(tiny["device_s"]),
+                    ms(tiny["device_latency_s"]),
+                    ms(tiny["host_s"]),
+                    f"{tiny['host_share']:.1%}",
+                ]
+            ],
+        ),
+    ]
 
 
 def md_profiles(profiles: dict) -> list[str]:
@@ -790,13 +1037,26 @@ def md_profiles(profiles: dict) -> list[str]:
         d2h = profile["d2h_copies_per_step"]
         copies = json.dumps(profile["copies_per_step"])
         copies = f" (all copies per step: {copies})" if profile["copies_per_step"] else ""
-        lines += [f"{profile['source']}; {profile['steps']} steps. Kernels per step: "
-                  f"{profile['kernel_count_per_step']:.1f}; kernel time per step: "
-                  f"{ms(profile['kernel_seconds_per_step'])} ms; device-to-host copies per step: "
-                  f"{'n/a' if d2h is None else f'{d2h:.1f}'}{copies}.", "",
-                  markdown_table(["kernel", "scope", "ms per step", "share", "calls per step"],
-                                 [[k["name"][:80], k["scope"], ms(k["seconds_per_step"]), f"{k['share']:.1%}",
-                                   f"{k['calls_per_step']:.1f}"] for k in profile["top_kernels"]])]
+        lines += [
+            f"{profile['source']}; {profile['steps']} steps. Kernels per step: "
+            f"{profile['kernel_count_per_step']:.1f}; kernel time per step: "
+            f"{ms(profile['kernel_seconds_per_step'])} ms; device-to-host copies per step: "
+            f"{'n/a' if d2h is None else f'{d2h:.1f}'}{copies}.",
+            "",
+            markdown_table(
+                ["kernel", "scope", "ms per step", "share", "calls per step"],
+                [
+                    [
+                        k["name"][:80],
+                        k["scope"],
+                        ms(k["seconds_per_step"]),
+                        f"{k['share']:.1%}",
+                        f"{k['calls_per_step']:.1f}",
+                    ]
+                    for k in profile["top_kernels"]
+                ],
+            ),
+        ]
     return lines
 
 
@@ -806,13 +1066,20 @@ def md_command_buffers(buffers: Any) -> list[str]:
         return lines + [buffers[0].upper() + buffers[1:] + "."]
     if "error" in buffers:
         return lines + [f"`{buffers['flag']}`: the run failed: {buffers['error']}"]
-    runs = [[name, ms(run["period_s"]), ms(run["device_s"]), ms(run["device_latency_s"]), ms(run["host_s"])]
-            for name, run in (("defaults", buffers["default"]), ("extended", buffers["extended"]))]
-    return lines + [f"`{buffers['flag']}` against the defaults, tiny model, batch 1:", "",
-                    markdown_table(["XLA flags", "loop period ms", "device ms (back to back)", "device ms (alone)",
-                                    "host ms"], runs), "",
-                    f"Device time, extended / defaults: {buffers['device_s_ratio']:.3f}; loop period: "
-                    f"{buffers['period_s_ratio']:.3f}."]
+    runs = [
+        [name, ms(run["period_s"]), ms(run["device_s"]), ms(run["device_latency_s"]), ms(run["host_s"])]
+        for name, run in (("defaults", buffers["default"]), ("extended", buffers["extended"]))
+    ]
+    return lines + [
+        f"`{buffers['flag']}` against the defaults, tiny model, batch 1:",
+        "",
+        markdown_table(
+            ["XLA flags", "loop period ms", "device ms (back to back)", "device ms (alone)", "host ms"], runs
+        ),
+        "",
+        f"Device time, extended / defaults: {buffers['device_s_ratio']:.3f}; loop period: "
+        f"{buffers['period_s_ratio']:.3f}.",
+    ]
 
 
 def save(report: dict, out: Path, smoke: bool) -> Path:
@@ -824,6 +1091,7 @@ def save(report: dict, out: Path, smoke: bool) -> Path:
 
 
 # ---- main ---------------------------------------------------------------------------------------------------------
+
 
 def describe_kernels(choice: str, platform: str) -> str:
     try:
@@ -867,23 +1135,53 @@ def configure(plan: Plan) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def new_report(args: argparse.Namespace, plan: Plan, cfg: ModelConfig, costs: list[LayerCost], first,
-               tiny: dict, command_buffers: Any, child_commands: list[str]) -> dict[str, Any]:
+def new_report(
+    args: argparse.Namespace,
+    plan: Plan,
+    cfg: ModelConfig,
+    costs: list[LayerCost],
+    first,
+    tiny: dict,
+    command_buffers: Any,
+    child_commands: list[str],
+) -> dict[str, Any]:
     """The report before any Flash measurement: the device, the settings, what the bounds count, the tiny runs."""
     return {
         "device": {"device_kind": first.device_kind, "platform": first.platform, "count": len(jax.devices())},
-        "jax": jax.__version__, "complete": False,
+        "jax": jax.__version__,
+        "complete": False,
         "commands": {"run": shlex.join([sys.executable, *sys.argv]), "tiny_children": child_commands},
-        "settings": {**dataclasses.asdict(plan), "bandwidth": args.bandwidth, "peak_bf16": args.peak_bf16,
-                     "kernels": args.kernels, "kv_cache_dtype": "fp8", "tensor_parallel": 1},
-        "model": {"layer_kinds": list(cfg.layer_kinds), "hash_layers": list(cfg.hash_layers),
-                  "parts": [c.part for c in costs], "dtype": cfg.dtype, "linear_format": cfg.linear_format,
-                  "expert_format": cfg.expert_format},
+        "settings": {
+            **dataclasses.asdict(plan),
+            "bandwidth": args.bandwidth,
+            "peak_bf16": args.peak_bf16,
+            "kernels": args.kernels,
+            "kv_cache_dtype": "fp8",
+            "tensor_parallel": 1,
+        },
+        "model": {
+            "layer_kinds": list(cfg.layer_kinds),
+            "hash_layers": list(cfg.hash_layers),
+            "parts": [c.part for c in costs],
+            "dtype": cfg.dtype,
+            "linear_format": cfg.linear_format,
+            "expert_format": cfg.expert_format,
+        },
         "kernels": {choice: describe_kernels(choice, first.platform) for choice in args.kernels},
-        "decode": [], "prefill": [], "prefill_fraction_of_peak": {}, "profile": {}, "compile_s": {}, "errors": {},
-        "tiny_decode": tiny, "tiny_decode_period_s": tiny.get("period_s"), "command_buffers": command_buffers,
-        "bytes_counted": {"method": inspect.cleandoc(decode_bytes.__doc__), "bandwidth": args.bandwidth,
-                          "per_batch": {str(b): decode_bytes(costs, cfg, b, plan.context) for b in plan.batches}},
+        "decode": [],
+        "prefill": [],
+        "prefill_fraction_of_peak": {},
+        "profile": {},
+        "compile_s": {},
+        "errors": {},
+        "tiny_decode": tiny,
+        "tiny_decode_period_s": tiny.get("period_s"),
+        "command_buffers": command_buffers,
+        "bytes_counted": {
+            "method": inspect.cleandoc(decode_bytes.__doc__),
+            "bandwidth": args.bandwidth,
+            "per_batch": {str(b): decode_bytes(costs, cfg, b, plan.context) for b in plan.batches},
+        },
         "flops_counted": inspect.cleandoc(prefill_flops.__doc__),
         "setup": SETUP,
     }

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from common import REPO, RESULTS, markdown_table, write_results
 
 from jaxserve.checkpoints import default_checkpoint_path
-from common import REPO, RESULTS, markdown_table, write_results
 from jaxserve.config import load_config
 
 PREFILL_LINE = re.compile(r"Prefill batch(?: \(mixed\))?: (\d+) new tokens, (\d+) rows.* ([0-9.]+) s$")
@@ -57,6 +57,7 @@ class Row:
 @dataclass
 class Run:
     """One run of one row: what the client saw and what the server logged meanwhile."""
+
     row: Row
     victim_stamps: list[float]
     attacker_stamps: list[float]
@@ -96,9 +97,13 @@ class Run:
         if not self.attacker_steps:
             return None
         stamps = np.array([t for t, _, _ in self.attacker_steps])
-        ratios = [gap / self.attacker_steps[int(np.abs(stamps - end).argmin())][2]
-                  for end, gap in zip(self.victim_stamps[1:], self.gaps) if end > self.attacker_start]
+        ratios = [
+            gap / self.attacker_steps[int(np.abs(stamps - end).argmin())][2]
+            for end, gap in zip(self.victim_stamps[1:], self.gaps)
+            if end > self.attacker_start
+        ]
         return max(ratios)
+
     @property
     def bound(self) -> float | None:
         if self.row.every is not None:
@@ -151,6 +156,7 @@ class Result:
 
 # ---- the server processes ---------------------------------------------------------------------------------------
 
+
 def split_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     """(server CPUs, client CPUs): the client keeps one core, the servers get the rest."""
     if not pin or not hasattr(os, "sched_getaffinity"):
@@ -184,13 +190,42 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, flags: tuple[str, ...], cpus: set[int] | None):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--chunked-prefill-size", str(args.chunk), "--max-prefill-rows", "1", "--max-num-seqs", "2",
-               "--max-model-len", str(args.max_model_len), "--dtype", "float32", "--decode-log-interval", "100",
-               "--log-stats-interval", "1000", *(["--model", args.model] if args.model else []), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--chunked-prefill-size",
+            str(args.chunk),
+            "--max-prefill-rows",
+            "1",
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            str(args.max_model_len),
+            "--dtype",
+            "float32",
+            "--decode-log-interval",
+            "100",
+            "--log-stats-interval",
+            "1000",
+            *(["--model", args.model] if args.model else []),
+            *flags,
+        ]
         with on_cpus(cpus):
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         bufsize=1, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         self.lines: list[tuple[float, str]] = []
         ready = threading.Event()
 
@@ -202,12 +237,14 @@ class Server:
                 if line.startswith("compiled all "):
                     ready.set()
             ready.set()  # the process ended
+
         threading.Thread(target=pump, daemon=True).start()
         ready.wait(timeout=900)
         if self.proc.poll() is not None or not ready.is_set():
             self.stop()
-            raise RuntimeError(f"server {' '.join(flags)} did not become ready:\n"
-                               + "\n".join(line for _, line in self.lines[-30:]))
+            raise RuntimeError(
+                f"server {' '.join(flags)} did not become ready:\n" + "\n".join(line for _, line in self.lines[-30:])
+            )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -219,11 +256,15 @@ class Server:
 
     def prefill_steps_since(self, since: float) -> list[tuple[float, int, float]]:
         """(stamp, new tokens, seconds) of the prefill steps logged after `since`."""
-        return [(t, int(m.group(1)), float(m.group(3))) for t, line in list(self.lines)
-                if t >= since and (m := PREFILL_LINE.search(line))]
+        return [
+            (t, int(m.group(1)), float(m.group(3)))
+            for t, line in list(self.lines)
+            if t >= since and (m := PREFILL_LINE.search(line))
+        ]
 
 
 # ---- the client side --------------------------------------------------------------------------------------------
+
 
 def stream(url: str, prompt: list[int], max_tokens: int, stamps: list[float]) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -251,8 +292,9 @@ def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int) -> 
     victim_stamps: list[float] = []
     attacker_stamps: list[float] = []
     start = time.perf_counter()
-    victim = threading.Thread(target=stream, args=(server.url, token_prompt(8, 1, vocab), args.victim_tokens,
-                                                   victim_stamps))
+    victim = threading.Thread(
+        target=stream, args=(server.url, token_prompt(8, 1, vocab), args.victim_tokens, victim_stamps)
+    )
     victim.start()
     attacker_start = None
     if row.attacker:
@@ -264,12 +306,12 @@ def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int) -> 
     time.sleep(0.05)  # the last step's log line
     prefill = server.prefill_steps_since(attacker_start) if row.attacker else []
     if len(victim_stamps) != args.victim_tokens or (row.attacker and len(attacker_stamps) != 3):
-        raise RuntimeError(f"row {row.name}: victim got {len(victim_stamps)} tokens, attacker "
-                           f"{len(attacker_stamps)}")
+        raise RuntimeError(f"row {row.name}: victim got {len(victim_stamps)} tokens, attacker {len(attacker_stamps)}")
     return Run(row, victim_stamps, attacker_stamps, start, attacker_start, prefill)
 
 
 # ---- summarising ------------------------------------------------------------------------------------------------
+
 
 def median(values):
     present = [v for v in values if v is not None]
@@ -278,6 +320,7 @@ def median(values):
 
 def summarise(row: Row, runs: list[Run], unset: list[Run] | None, big_gap: float, chunks: int) -> Result:
     """Medians over the rounds; `unset` holds the unset row's runs of the same rounds, for paired ratios."""
+
     def vs_unset(value) -> float | None:
         """Median over rounds of value(this row's run) / value(unset's run) - 1."""
         return median([value(r) / value(u) - 1 for r, u in zip(runs, unset)]) if unset else None
@@ -288,29 +331,35 @@ def summarise(row: Row, runs: list[Run], unset: list[Run] | None, big_gap: float
     middle = sorted(runs, key=lambda r: r.max_gap)[len(runs) // 2]
     attacked = row.attacker
     return Result(
-        flag=row.name, chunks=chunks if attacked else 0, t_chunk_s=median([r.t_chunk for r in runs]) or 0.0,
+        flag=row.name,
+        chunks=chunks if attacked else 0,
+        t_chunk_s=median([r.t_chunk for r in runs]) or 0.0,
         t_decode_s=median([r.pace for r in runs]),
         attacker_prefill_s=median([r.attacker_prefill for r in runs]) if attacked else None,
         attacker_wall_s=median([r.attacker_stamps[-1] - r.attacker_start for r in runs]) if attacked else None,
         attacker_ttft_s=median([r.attacker_ttft for r in runs]),
-        victim_wall_s=median([r.victim_wall for r in runs]), victim_tokens=len(runs[0].victim_stamps),
+        victim_wall_s=median([r.victim_wall for r in runs]),
+        victim_tokens=len(runs[0].victim_stamps),
         max_gap_s=median([r.max_gap for r in runs]),
         big_gaps=round(median([int((r.gaps > big_gap).sum()) for r in runs])),
         huge_gaps=round(median([int((r.gaps > 4 * big_gap).sum()) for r in runs])),
-        predicted_bound_s=median([r.bound for r in runs]), gen_tok_s=median([r.gen_tok_s for r in runs]),
+        predicted_bound_s=median([r.bound for r in runs]),
+        gen_tok_s=median([r.gen_tok_s for r in runs]),
         runs=len(runs),
         max_gap_vs_prefill=ratio(lambda r: r.max_gap, lambda r: r.attacker_prefill) if attacked else None,
         max_gap_vs_t_chunk=ratio(lambda r: r.max_gap, lambda r: r.t_chunk) if attacked else None,
         max_gap_vs_own_step=median([r.max_gap_vs_own_step for r in runs]) if attacked else None,
         max_gap_vs_pure_chunk=median([r.max_gap / u.t_chunk for r, u in zip(runs, unset) if u.t_chunk])
-        if attacked and unset else None,
+        if attacked and unset
+        else None,
         max_gap_vs_bound=ratio(lambda r: r.max_gap, lambda r: r.bound),
         # The victim's wall is mostly decode steps: counted in its run's own decode steps, the machine's speed
         # drift cancels out. The attacker's TTFT is all prefill, which the decode pace does not measure.
         victim_wall_vs_unset=vs_unset(lambda r: r.victim_wall / r.pace),
         gen_tok_s_vs_unset=vs_unset(lambda r: r.gen_tok_s * r.pace),
         attacker_ttft_vs_unset=vs_unset(lambda r: r.attacker_ttft),
-        gaps=[(float(t - middle.start), float(g)) for t, g in zip(middle.victim_stamps[1:], middle.gaps)])
+        gaps=[(float(t - middle.start), float(g)) for t, g in zip(middle.victim_stamps[1:], middle.gaps)],
+    )
 
 
 def checks(results: list[Result], rows: dict[str, Row]) -> list[str]:
@@ -323,37 +372,56 @@ def checks(results: list[Result], rows: dict[str, Row]) -> list[str]:
     for r in results:
         row = rows[r.flag]
         if r.flag == "unset":
-            check(r.max_gap_vs_prefill >= 0.9, f"unset: max gap = {r.max_gap_vs_prefill:.2f} x the attacker's "
-                                               "prefill duration (>= 0.9)")
-            check(r.max_gap_vs_own_step >= 2, f"unset: worst gap = {r.max_gap_vs_own_step:.1f} x the step that "
-                                              "ended it (>= 2: the burst is one gap of many steps)")
+            check(
+                r.max_gap_vs_prefill >= 0.9,
+                f"unset: max gap = {r.max_gap_vs_prefill:.2f} x the attacker's prefill duration (>= 0.9)",
+            )
+            check(
+                r.max_gap_vs_own_step >= 2,
+                f"unset: worst gap = {r.max_gap_vs_own_step:.1f} x the step that "
+                "ended it (>= 2: the burst is one gap of many steps)",
+            )
         if row.every is not None:
-            check(r.max_gap_vs_bound <= 1.25, f"{r.flag}: max gap = {r.max_gap_vs_bound:.2f} x the predicted bound "
-                                              "(<= 1.25)")
+            check(
+                r.max_gap_vs_bound <= 1.25,
+                f"{r.flag}: max gap = {r.max_gap_vs_bound:.2f} x the predicted bound (<= 1.25)",
+            )
             expected = r.chunks / row.every
-            check(abs(r.big_gaps - expected) <= 1, f"{r.flag}: {r.big_gaps} big gaps, chunks / N = {expected:.2f} "
-                                                   "(within one)")
-            check(abs(r.victim_wall_vs_unset) <= 0.05, f"{r.flag}: victim wall {r.victim_wall_vs_unset:+.1%} vs "
-                                                       "unset (within 5%)")
+            check(
+                abs(r.big_gaps - expected) <= 1,
+                f"{r.flag}: {r.big_gaps} big gaps, chunks / N = {expected:.2f} (within one)",
+            )
+            check(
+                abs(r.victim_wall_vs_unset) <= 0.05,
+                f"{r.flag}: victim wall {r.victim_wall_vs_unset:+.1%} vs unset (within 5%)",
+            )
         elif row.stall_ms is not None:
             check(r.max_gap_vs_bound <= 1.2, f"{r.flag}: max gap = {r.max_gap_vs_bound:.2f} x T (<= 1.2)")
         if r.flag == "mixed":
             # A mixed step must cost what a pure chunk does (its chunk leaves room for the decode rows) and no gap
             # may span two steps: the worst gap against the pure chunk step of the unset run of the same round.
-            check(r.max_gap_vs_pure_chunk <= 1.2, f"mixed: max gap = {r.max_gap_vs_pure_chunk:.2f} x the median "
-                                                  "pure chunk step (unset's, same round) (<= 1.2)")
+            check(
+                r.max_gap_vs_pure_chunk <= 1.2,
+                f"mixed: max gap = {r.max_gap_vs_pure_chunk:.2f} x the median "
+                "pure chunk step (unset's, same round) (<= 1.2)",
+            )
             lines.append(f"- info mixed: max gap = {r.max_gap_vs_t_chunk:.2f} x its own median step")
-            check(abs(r.attacker_ttft_vs_unset) <= 0.10, f"mixed: attacker TTFT {r.attacker_ttft_vs_unset:+.1%} vs "
-                                                          "unset (within 10%)")
+            check(
+                abs(r.attacker_ttft_vs_unset) <= 0.10,
+                f"mixed: attacker TTFT {r.attacker_ttft_vs_unset:+.1%} vs unset (within 10%)",
+            )
         if "mixed" in r.flag:  # the victim advances in every step: no gap spans two (information: the check above)
             lines.append(f"- info {r.flag}: worst gap = {r.max_gap_vs_own_step:.2f} x the step that ended it")
         if r.flag not in ("alone", "unset"):
-            check(abs(r.gen_tok_s_vs_unset) <= 0.05, f"{r.flag}: generated tok/s {r.gen_tok_s_vs_unset:+.1%} vs "
-                                                     "unset (within 5%)")
+            check(
+                abs(r.gen_tok_s_vs_unset) <= 0.05,
+                f"{r.flag}: generated tok/s {r.gen_tok_s_vs_unset:+.1%} vs unset (within 5%)",
+            )
     return lines
 
 
 # ---- reporting --------------------------------------------------------------------------------------------------
+
 
 def fmt(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
@@ -364,20 +432,52 @@ def pct(value) -> str:
 
 
 def table(results: list[Result]) -> str:
-    headers = ["row", "chunks", "t_chunk s", "attacker prefill s", "attacker wall s", "attacker TTFT s",
-               "victim wall s", "paced vs unset", "victim tok", "max gap s", "gaps > 5x p99", "gaps > 20x p99",
-               "predicted bound s", "gen tok/s"]
-    return markdown_table(headers, [
-        [r.flag, str(r.chunks), fmt(r.t_chunk_s, 3), fmt(r.attacker_prefill_s), fmt(r.attacker_wall_s),
-         fmt(r.attacker_ttft_s), fmt(r.victim_wall_s), pct(r.victim_wall_vs_unset), str(r.victim_tokens),
-         fmt(r.max_gap_s, 3), str(r.big_gaps), str(r.huge_gaps), fmt(r.predicted_bound_s, 3), f"{r.gen_tok_s:.1f}"]
-        for r in results])
+    headers = [
+        "row",
+        "chunks",
+        "t_chunk s",
+        "attacker prefill s",
+        "attacker wall s",
+        "attacker TTFT s",
+        "victim wall s",
+        "paced vs unset",
+        "victim tok",
+        "max gap s",
+        "gaps > 5x p99",
+        "gaps > 20x p99",
+        "predicted bound s",
+        "gen tok/s",
+    ]
+    return markdown_table(
+        headers,
+        [
+            [
+                r.flag,
+                str(r.chunks),
+                fmt(r.t_chunk_s, 3),
+                fmt(r.attacker_prefill_s),
+                fmt(r.attacker_wall_s),
+                fmt(r.attacker_ttft_s),
+                fmt(r.victim_wall_s),
+                pct(r.victim_wall_vs_unset),
+                str(r.victim_tokens),
+                fmt(r.max_gap_s, 3),
+                str(r.big_gaps),
+                str(r.huge_gaps),
+                fmt(r.predicted_bound_s, 3),
+                f"{r.gen_tok_s:.1f}",
+            ]
+            for r in results
+        ],
+    )
 
 
 def plot(results: list[Result], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(10, 5))
     for r in results:
         t, g = zip(*r.gaps)
@@ -393,16 +493,20 @@ def plot(results: list[Result], path: Path) -> None:
 
 # ---- the experiment ---------------------------------------------------------------------------------------------
 
+
 def make_row(name: str, stall_ms: int) -> Row:
     if name in ("alone", "unset"):  # prefill-first: the baseline every policy is compared with
         return Row(name, ("--no-mixed-batches",), attacker=name == "unset")
     if name.isdigit():
         return Row(name, ("--decode-interleave-every", name), every=int(name))
     if name not in POLICY_ROWS:
-        raise SystemExit(f"interleave.py: unknown row {name!r}; rows are alone, unset, {', '.join(POLICY_ROWS)} "
-                         "or any interleave count")
+        raise SystemExit(
+            f"interleave.py: unknown row {name!r}; rows are alone, unset, {', '.join(POLICY_ROWS)} "
+            "or any interleave count"
+        )
     flags = (("--mixed-batches",) if "mixed" in name else ()) + (
-        ("--max-decode-stall-ms", str(stall_ms)) if "stall" in name else ())
+        ("--max-decode-stall-ms", str(stall_ms)) if "stall" in name else ()
+    )
     label = name.replace("stall", f"stall-{stall_ms / 1000:g}s")
     return Row(label, flags, stall_ms=stall_ms if "stall" in name else None)
 
@@ -417,8 +521,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--rows", default="alone,unset,8,4,2,mixed,stall,mixed+stall")
     parser.add_argument("--rounds", type=int, default=21, help="runs per row; the table shows medians")
-    parser.add_argument("--no-pin", dest="pin", action="store_false",
-                        help="let servers and client share every CPU instead of splitting them")
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let servers and client share every CPU instead of splitting them",
+    )
     parser.add_argument("--quick", action="store_true", help="5 chunks, 400 victim tokens, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -453,8 +561,11 @@ def main() -> None:
         rows = [make_row(name, round(3 * 1000 * t_chunk)) for name in args.rows.split(",")]
         for row in rows:
             server_for(row)
-        print(f"servers ready after {time.perf_counter() - began:.0f} s; t_chunk {t_chunk:.3f} s; "
-              f"{args.rounds} rounds of {len(rows)} rows", flush=True)
+        print(
+            f"servers ready after {time.perf_counter() - began:.0f} s; t_chunk {t_chunk:.3f} s; "
+            f"{args.rounds} rounds of {len(rows)} rows",
+            flush=True,
+        )
         runs: dict[str, list[Run]] = {row.name: [] for row in rows}
         for round_index in range(args.rounds):
             shift = round_index % len(rows)
@@ -468,28 +579,48 @@ def main() -> None:
     alone = runs.get("alone") or runs.get(rows[0].name)
     big_gap = BIG_GAP_FACTOR * statistics.median(float(np.percentile(r.gaps, 99)) for r in alone)
     unset = runs.get("unset")
-    results = [summarise(row, runs[row.name], unset if row.attacker else None, big_gap, args.attacker_chunks)
-               for row in rows]
+    results = [
+        summarise(row, runs[row.name], unset if row.attacker else None, big_gap, args.attacker_chunks) for row in rows
+    ]
     verdicts = checks(results, {row.name: row for row in rows})
-    cpus = (f"servers on CPUs {sorted(server_cpus)}, client on {sorted(client_cpus)}" if server_cpus
-            else "servers and client share the CPUs")
-    setup = (f"{os.cpu_count()} CPU cores ({cpus}); {args.model or 'embedded default model'}, float32, "
-             f"--chunked-prefill-size {args.chunk}, --max-model-len {args.max_model_len}; victim "
-             f"{args.victim_tokens} tokens, attacker {args.attacker_chunks} chunks after {args.attacker_after} "
-             f"victim tokens; {args.rounds} rounds; big gap > {big_gap * 1000:.1f} ms; whole run "
-             f"{time.perf_counter() - began:.0f} s")
+    cpus = (
+        f"servers on CPUs {sorted(server_cpus)}, client on {sorted(client_cpus)}"
+        if server_cpus
+        else "servers and client share the CPUs"
+    )
+    setup = (
+        f"{os.cpu_count()} CPU cores ({cpus}); {args.model or 'embedded default model'}, float32, "
+        f"--chunked-prefill-size {args.chunk}, --max-model-len {args.max_model_len}; victim "
+        f"{args.victim_tokens} tokens, attacker {args.attacker_chunks} chunks after {args.attacker_after} "
+        f"victim tokens; {args.rounds} rounds; big gap > {big_gap * 1000:.1f} ms; whole run "
+        f"{time.perf_counter() - began:.0f} s"
+    )
     records = [{k: v for k, v in asdict(r).items() if k != "gaps"} for r in results]
-    per_run = [{"row": name, "round": i, "victim_wall_s": r.victim_wall, "pace_s": r.pace, "max_gap_s": r.max_gap,
-                "t_chunk_s": r.t_chunk, "attacker_prefill_s": r.attacker_prefill, "attacker_ttft_s": r.attacker_ttft,
-                "predicted_bound_s": r.bound, "gen_tok_s": r.gen_tok_s,
-                "max_gap_vs_own_step": r.max_gap_vs_own_step if r.row.attacker else None}
-               for name, rs in runs.items() for i, r in enumerate(rs)]
-    legend = ("Each number is the median over the rounds. `paced vs unset`: the median over rounds of (victim wall / "
-              "unset's victim wall in the same round) - 1, each wall counted in its own run's decode steps (median "
-              "victim gap), which cancels the machine's speed drift; the checks below pair runs by round the same "
-              "way (the attacker's TTFT, all prefill, is compared in seconds). `worst gap x the step that ended it`: each "
-              "victim gap since the attack over the logged step whose line came nearest its token, the worst of a run "
-              "(median over rounds): one step per gap whatever the machine's speed at that moment gives about 1.")
+    per_run = [
+        {
+            "row": name,
+            "round": i,
+            "victim_wall_s": r.victim_wall,
+            "pace_s": r.pace,
+            "max_gap_s": r.max_gap,
+            "t_chunk_s": r.t_chunk,
+            "attacker_prefill_s": r.attacker_prefill,
+            "attacker_ttft_s": r.attacker_ttft,
+            "predicted_bound_s": r.bound,
+            "gen_tok_s": r.gen_tok_s,
+            "max_gap_vs_own_step": r.max_gap_vs_own_step if r.row.attacker else None,
+        }
+        for name, rs in runs.items()
+        for i, r in enumerate(rs)
+    ]
+    legend = (
+        "Each number is the median over the rounds. `paced vs unset`: the median over rounds of (victim wall / "
+        "unset's victim wall in the same round) - 1, each wall counted in its own run's decode steps (median "
+        "victim gap), which cancels the machine's speed drift; the checks below pair runs by round the same "
+        "way (the attacker's TTFT, all prefill, is compared in seconds). `worst gap x the step that ended it`: each "
+        "victim gap since the attack over the logged step whose line came nearest its token, the worst of a run "
+        "(median over rounds): one step per gap whatever the machine's speed at that moment gives about 1."
+    )
     markdown = "\n".join([setup, "", table(results), "", legend, "", *verdicts])
     write_results("interleave", records, markdown)
     (RESULTS / "interleave_runs.json").write_text(json.dumps(per_run, indent=1) + "\n")

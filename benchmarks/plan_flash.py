@@ -21,9 +21,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.runner.plan import make_plan, usable_memory  # noqa: E402
-from jaxserve.presets import preset  # noqa: E402
 from jaxserve.model.sharding import make_mesh  # noqa: E402
+from jaxserve.presets import preset  # noqa: E402
+from jaxserve.runner.plan import make_plan, usable_memory  # noqa: E402
 
 NODES = [("8 x H200", 141e9), ("8 x H100", 80e9), ("8 x RTX 4090", 24e9)]
 MESHES = [(8, 1), (4, 2)]
@@ -42,20 +42,33 @@ def main() -> None:
         for tp, ep in MESHES:
             for node, memory in NODES:
                 plan = make_plan(cfg, knobs, make_mesh(tp, ep), usable_memory(int(memory)))
-                rows.append({"node": node, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
-                             "tensor_parallel_size": tp, "expert_parallel_size": ep, **plan.to_json()})
+                rows.append(
+                    {
+                        "node": node,
+                        "quantization": quantization,
+                        "kv_cache_dtype": kv_cache_dtype,
+                        "tensor_parallel_size": tp,
+                        "expert_parallel_size": ep,
+                        **plan.to_json(),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "plan_flash.json").write_text(json.dumps(rows, indent=2) + "\n")
-    lines = ["| node | weights | KV | TP x EP | weights / device | temporaries / device | KV tokens that fit | "
-             "requests of 16K at once | fits |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| node | weights | KV | TP x EP | weights / device | temporaries / device | KV tokens that fit | "
+        "requests of 16K at once | fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         temp = "-" if r["temp_bytes_per_device"] is None else f"{r['temp_bytes_per_device'] / 1e9:.1f} GB"
-        lines.append(f"| {r['node']} | {'FP8/FP4' if r['quantization'] == 'auto' else 'bf16'} | "
-                     f"{'fp8' if r['kv_cache_dtype'] == 'fp8' else 'bf16'} | "
-                     f"{r['tensor_parallel_size']} x {r['expert_parallel_size']} | "
-                     f"{r['weights_bytes_per_device'] / 1e9:.1f} GB | {temp} | {r['max_kv_tokens']:,} | "
-                     f"{r['max_concurrent_requests']} | {'yes' if r['fits'] else 'no: ' + r['reason']} |")
+        lines.append(
+            f"| {r['node']} | {'FP8/FP4' if r['quantization'] == 'auto' else 'bf16'} | "
+            f"{'fp8' if r['kv_cache_dtype'] == 'fp8' else 'bf16'} | "
+            f"{r['tensor_parallel_size']} x {r['expert_parallel_size']} | "
+            f"{r['weights_bytes_per_device'] / 1e9:.1f} GB | {temp} | {r['max_kv_tokens']:,} | "
+            f"{r['max_concurrent_requests']} | {'yes' if r['fits'] else 'no: ' + r['reason']} |"
+        )
     (RESULTS / "plan_flash.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.cache import kv_geometry
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.moe import grouped_matmul
 from jaxserve.kernels.quant import FP4, FP8, dequantize, einsum, quantize
+from jaxserve.model.cache import kv_geometry
+from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import init_weights, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
 from jaxserve.request.step import StepPlan
 from jaxserve.runner import Buckets, ModelRunner
-from jaxserve.model.sharding import make_mesh
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -49,12 +49,14 @@ def matmuls(tokens: int, sizes: dict, repeats: int) -> list[dict]:
     """Projections (FP8, 128x128 blocks) and the grouped routed-expert matmul (FP4, 1x32) against bf16."""
     key = jax.random.key(0)
     rows = []
-    cases = [(f"{name} [{d_in}x{d_out}] fp8", (d_in, d_out), FP8, (128, 128))
-             for name, (d_in, d_out) in sizes["projections"].items()]
+    cases = [
+        (f"{name} [{d_in}x{d_out}] fp8", (d_in, d_out), FP8, (128, 128))
+        for name, (d_in, d_out) in sizes["projections"].items()
+    ]
     e, d, f = sizes["experts"]
     cases.append((f"experts [{e}x{d}x{f}] fp4", (e, d, f), FP4, (1, 32, 1)))
     for name, shape, fmt, blocks in cases:
-        w = (0.02 * jax.random.normal(key, shape, jnp.float32))
+        w = 0.02 * jax.random.normal(key, shape, jnp.float32)
         q = quantize(w, fmt, blocks)
         w16 = dequantize(q, jnp.bfloat16)  # the same values, dense
         x = jax.random.normal(key, (tokens, shape[-2]), jnp.bfloat16)
@@ -68,10 +70,18 @@ def matmuls(tokens: int, sizes: dict, repeats: int) -> list[dict]:
             dense = jax.jit(lambda x, w, g: grouped_matmul(x, w, g))
             args_q, args_d = (x, q, groups), (x, w16, groups)
         got, want = np.asarray(quantized(*args_q), np.float32), np.asarray(dense(*args_d), np.float32)
-        rows.append({"case": name, "tokens": tokens, "quantized_s": timed(quantized, *args_q, repeats=repeats),
-                     "bf16_s": timed(dense, *args_d, repeats=repeats),
-                     "max_abs_diff": float(np.abs(got - want).max()), "max_abs": float(np.abs(want).max()),
-                     "weight_bytes_quantized": weights_nbytes(q), "weight_bytes_bf16": w16.nbytes})
+        rows.append(
+            {
+                "case": name,
+                "tokens": tokens,
+                "quantized_s": timed(quantized, *args_q, repeats=repeats),
+                "bf16_s": timed(dense, *args_d, repeats=repeats),
+                "max_abs_diff": float(np.abs(got - want).max()),
+                "max_abs": float(np.abs(want).max()),
+                "weight_bytes_quantized": weights_nbytes(q),
+                "weight_bytes_bf16": w16.nbytes,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -81,8 +91,13 @@ def decode_step(preset_name: str, layers: int, batch: int, bandwidth: float, rep
     cfg = preset(preset_name, dtype="bfloat16", num_hidden_layers=layers)
     weights = init_weights(jax.random.key(1), cfg)
     engine = EngineConfig(max_num_seqs=batch, max_model_len=256, chunked_prefill_size=16, max_prefill_rows=1)
-    runner = ModelRunner(cfg, weights, kv_geometry(engine, cfg), make_mesh(1, 1),
-                         Buckets(prefill_rows=(1,), prefill_chunks=(16,), decode_rows=(batch,)))
+    runner = ModelRunner(
+        cfg,
+        weights,
+        kv_geometry(engine, cfg),
+        make_mesh(1, 1),
+        Buckets(prefill_rows=(1,), prefill_chunks=(16,), decode_rows=(batch,)),
+    )
     runner.warmup()
     requests = []
     for slot in range(batch):
@@ -91,14 +106,25 @@ def decode_step(preset_name: str, layers: int, batch: int, bandwidth: float, rep
         requests.append(request)
     seconds = statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats))
     total = weights_nbytes(weights)
-    experts = sum(weights_nbytes([layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down])
-                  for segment in weights.segments for layer in segment)
+    experts = sum(
+        weights_nbytes([layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down])
+        for segment in weights.segments
+        for layer in segment
+    )
     used = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
     embed_and_head = weights_nbytes([weights.embed, weights.head])
     read = total - experts - embed_and_head + experts * used + weights.head.nbytes
-    return {"preset": preset_name, "layers": layers, "batch": batch, "step_s": seconds, "weights_bytes": total,
-            "bytes_read_bound": read, "bandwidth": bandwidth, "bound_s": read / bandwidth,
-            "fraction_of_bound": (read / bandwidth) / seconds}
+    return {
+        "preset": preset_name,
+        "layers": layers,
+        "batch": batch,
+        "step_s": seconds,
+        "weights_bytes": total,
+        "bytes_read_bound": read,
+        "bandwidth": bandwidth,
+        "bound_s": read / bandwidth,
+        "fraction_of_bound": (read / bandwidth) / seconds,
+    }
 
 
 def main() -> None:
@@ -114,12 +140,21 @@ def main() -> None:
         sizes = {"projections": {"wq_a": (160, 24)}, "experts": (8, 160, 64)}
         name, layers, batch, tokens, repeats = "tiny", 2, 2, 16, 2
     else:
-        sizes = {"projections": {"wq_a": (4096, 1024), "wq_b": (1024, 32768), "wo_b": (8192, 4096),
-                                 "shared_gate": (4096, 2048)},
-                 "experts": (256, 4096, 2048)}
+        sizes = {
+            "projections": {
+                "wq_a": (4096, 1024),
+                "wq_b": (1024, 32768),
+                "wo_b": (8192, 4096),
+                "shared_gate": (4096, 2048),
+            },
+            "experts": (256, 4096, 2048),
+        }
         name, layers, batch, tokens, repeats = "flash", args.layers, args.batch, args.tokens, args.repeats
-    report = {"device": str(jax.devices()[0]), "matmuls": matmuls(tokens, sizes, repeats),
-              "decode": decode_step(name, layers, batch, args.bandwidth, repeats)}
+    report = {
+        "device": str(jax.devices()[0]),
+        "matmuls": matmuls(tokens, sizes, repeats),
+        "decode": decode_step(name, layers, batch, args.bandwidth, repeats),
+    }
     print(json.dumps(report["decode"]), flush=True)
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)

@@ -2,9 +2,9 @@
 
 `cold_ready_s`, `warm_ready_s`, `cold_ready_mixed_s`: seconds from starting `jaxserve serve` (the embedded default,
 the README's command) to its `jaxserve ready` line, with an empty compilation cache folder, with the folder the cold
-run filled (the median of three such starts, their range beside it), and cold with `--mixed-batches`; `shapes`, `shapes_mixed`: step shapes compiled in all (the rest after
-ready, while serving: `cold_all_compiled_s` is when the last one was done). Goals: cold <= 30 s, mixed <= 45 s,
-warm <= 8 s.
+run filled (the median of three such starts, their range beside it), and cold with `--mixed-batches`; `shapes`,
+`shapes_mixed`: step shapes compiled in all (the rest after ready, while serving: `cold_all_compiled_s` is when the
+last one was done). Goals: cold <= 30 s, mixed <= 45 s, warm <= 8 s.
 
 `compile_s_4_layers`, `compile_s_43_layers`: seconds to trace, lower and compile one DeepSeek-V4-Flash decode step
 (the `flash` preset, bf16, the runner's own step: forward, sampling, donated cache) on 8 fake CPU devices (mesh
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, configure_jax, machine_info, load_average, markdown_table, median, timed, write_results
+from common import RESULTS, configure_jax, load_average, machine_info, markdown_table, median, timed, write_results
 
 GOAL_DEPTH_RATIO = 2.5  # compile_s_43_layers / compile_s_4_layers
 GOAL_READY_S = {"cold_ready_s": 30, "cold_ready_mixed_s": 45, "warm_ready_s": 8}
@@ -42,20 +42,20 @@ WARM_STARTS = 3  # a warm start is short enough that one busy second moves it: t
 def compile_decode_step(layers: int) -> float:
     """Seconds to trace, lower and compile the runner's decode step for Flash cut to its first `layers` layers."""
     import jax
+    from common import geometry
 
+    from jaxserve.model.sharding import make_mesh, shape_dtype_structs
     from jaxserve.model.weights import abstract_weights
     from jaxserve.presets import preset
     from jaxserve.runner import Buckets, ModelRunner
-    from jaxserve.model.sharding import make_mesh, shape_dtype_structs
-
-    from common import geometry
 
     cfg = preset("flash", dtype="bfloat16", num_hidden_layers=layers)
     mesh = make_mesh(tensor_parallel_size=2, expert_parallel_size=4)
     weights = shape_dtype_structs(abstract_weights(cfg), mesh)
     geo = geometry(cfg, slots=DECODE_ROWS, max_tokens=1024)
-    runner = ModelRunner(cfg, weights, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=(16,),
-                                                          decode_rows=(DECODE_ROWS,)))
+    runner = ModelRunner(
+        cfg, weights, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=(16,), decode_rows=(DECODE_ROWS,))
+    )
     shape = ((DECODE_ROWS, 1),)
     jax.clear_caches()
 
@@ -105,12 +105,22 @@ def measure_serving() -> dict:
         warm = [serve_until_ready([], Path(plain))["ready_s"] for _ in range(WARM_STARTS)]
         print(f"warm starts: ready after {warm} s", flush=True)
         cold_mixed = serve_until_ready(["--mixed-batches"], Path(mixed))
-        print(f"cold start, --mixed-batches: ready after {cold_mixed['ready_s']} s, all compiled after "
-              f"{cold_mixed['all_compiled_s']} s", flush=True)
-    measured = {"cold_ready_s": cold["ready_s"], "warm_ready_s": median(warm),
-                "warm_ready_range_s": [min(warm), max(warm)], "cold_ready_mixed_s": cold_mixed["ready_s"], "cold_all_compiled_s": cold["all_compiled_s"],
-                "cold_all_compiled_mixed_s": cold_mixed["all_compiled_s"], "shapes": shapes(False),
-                "shapes_mixed": shapes(True), "serve_load_average_1min_start_end": [load_at_start, load_average()]}
+        print(
+            f"cold start, --mixed-batches: ready after {cold_mixed['ready_s']} s, all compiled after "
+            f"{cold_mixed['all_compiled_s']} s",
+            flush=True,
+        )
+    measured = {
+        "cold_ready_s": cold["ready_s"],
+        "warm_ready_s": median(warm),
+        "warm_ready_range_s": [min(warm), max(warm)],
+        "cold_ready_mixed_s": cold_mixed["ready_s"],
+        "cold_all_compiled_s": cold["all_compiled_s"],
+        "cold_all_compiled_mixed_s": cold_mixed["all_compiled_s"],
+        "shapes": shapes(False),
+        "shapes_mixed": shapes(True),
+        "serve_load_average_1min_start_end": [load_at_start, load_average()],
+    }
     measured["ready_goals_met"] = all(measured[k] <= goal for k, goal in GOAL_READY_S.items())
     return measured
 
@@ -129,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="compiles per depth (the median is reported)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
-    parser.add_argument("--only", choices=("serve", "compile"), help="measure only the serve start-up or only the "
-                        "Flash compile")
+    parser.add_argument(
+        "--only", choices=("serve", "compile"), help="measure only the serve start-up or only the Flash compile"
+    )
     args = parser.parse_args(argv)
     configure_jax(devices=8, compile_cache=False)
     if args.only != "compile":
@@ -153,11 +164,20 @@ def main(argv: list[str] | None = None) -> None:
         "compile_s_43_layers": compile_s[43],
         "compile_ratio_43_to_4_layers": ratio,
         "compile_goal_met": ratio <= GOAL_DEPTH_RATIO,
-        "compile_setup": {"preset": "flash", "dtype": "bfloat16", "devices": 8, "mesh": "tensor 2 x expert 4",
-                          "step": f"decode, {DECODE_ROWS} rows", "weights": "abstract (ShapeDtypeStruct)",
-                          "repeats": args.repeats, **info, "load_average_1min_at_end": load_average()},
+        "compile_setup": {
+            "preset": "flash",
+            "dtype": "bfloat16",
+            "devices": 8,
+            "mesh": "tensor 2 x expert 4",
+            "step": f"decode, {DECODE_ROWS} rows",
+            "weights": "abstract (ShapeDtypeStruct)",
+            "repeats": args.repeats,
+            **info,
+            "load_average_1min_at_end": load_average(),
+        },
     }
-    print(f"43 / 4 layers: {ratio:.2f}x (goal <= {GOAL_DEPTH_RATIO}x: {'met' if ratio <= GOAL_DEPTH_RATIO else 'NOT met'})")
+    verdict = "met" if ratio <= GOAL_DEPTH_RATIO else "NOT met"
+    print(f"43 / 4 layers: {ratio:.2f}x (goal <= {GOAL_DEPTH_RATIO}x: {verdict})")
     if not args.no_write:
         merge_results("startup", measured)
 

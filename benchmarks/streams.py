@@ -34,11 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 import common
+import numpy as np
 from common import RESULTS, markdown_table, write_results
 from interleave import PREFILL_LINE, Server, fmt, median, pct, split_cpus, stream
+
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig
 from jaxserve.text.tokenizer import load_tokenizer
@@ -54,16 +54,19 @@ CHECKED = "default"  # the row the acceptance checks are about
 MAX_NUM_SEQS = 16
 MIN_WORDS, MAX_WORDS = 16, 300
 PROMPT_SEED = 0
-WORDS = ("the of and to in is it that for on with as was at by from this have not are but all can one time year "
-         "people way day man thing woman life child world school state family student group country problem hand "
-         "part place case week company system program question work government number night point home water "
-         "room mother area money story fact month lot right study book eye job word business issue side kind "
-         "head house service friend father power hour game line end member law car city community name").split()
+WORDS = (
+    "the of and to in is it that for on with as was at by from this have not are but all can one time year "
+    "people way day man thing woman life child world school state family student group country problem hand "
+    "part place case week company system program question work government number night point home water "
+    "room mother area money story fact month lot right study book eye job word business issue side kind "
+    "head house service friend father power hour game line end member law car city community name"
+).split()
 
 
 @dataclass
 class Run:
     """One run of the workload on one row's server: what the client saw and the server's steps meanwhile."""
+
     sent: list[float]  # per request, when it was sent
     stamps: list[list[float]]  # per request, each streamed chunk's arrival
     chunk_steps: list[float]  # seconds of each pure-chunk step the server logged during the run
@@ -104,6 +107,7 @@ class Result:
 
 # ---- the servers and the client ---------------------------------------------------------------------------------
 
+
 def start_server(flags: tuple[str, ...], chunk: int, max_model_len: int, cpus: set[int] | None) -> Server:
     # interleave's Server is set up for its two-request experiment (2 slots, 1 prefill row). A flag given again
     # later wins (argparse keeps the last value), so these give this workload its slots and restore the engine's
@@ -116,8 +120,11 @@ def start_server(flags: tuple[str, ...], chunk: int, max_model_len: int, cpus: s
 
 def pure_chunk_steps(server: Server, since: float, chunk: int) -> list[float]:
     """Seconds of the steps logged after `since` that prefilled a whole chunk with no decode rows in them."""
-    return [float(m.group(3)) for t, line in list(server.lines)
-            if t >= since and "(mixed)" not in line and (m := PREFILL_LINE.search(line)) and int(m.group(1)) == chunk]
+    return [
+        float(m.group(3))
+        for t, line in list(server.lines)
+        if t >= since and "(mixed)" not in line and (m := PREFILL_LINE.search(line)) and int(m.group(1)) == chunk
+    ]
 
 
 def make_prompts(count: int) -> list[str]:
@@ -153,8 +160,10 @@ def run_workload(server: Server, prompts: list[str], args: argparse.Namespace) -
 
 # ---- summarising ------------------------------------------------------------------------------------------------
 
+
 def summarise(row: str, runs: list[Run], baseline: list[Run] | None) -> Result:
     """Medians over the rounds; `baseline` holds prefill-first's runs of the same rounds, for paired ratios."""
+
     def over_rounds(value) -> float | None:
         return median([value(r) for r in runs])
 
@@ -172,9 +181,11 @@ def summarise(row: str, runs: list[Run], baseline: list[Run] | None) -> Result:
         gen_tok_s_vs_baseline=median([r.gen_tok_s / b.gen_tok_s - 1 for r, b in paired]) if baseline else None,
         chunk_step_ms=None if own_chunk_step is None else 1e3 * own_chunk_step,
         chunk_steps=round(over_rounds(lambda r: len(r.chunk_steps))),
-        p99_gap_vs_chunk_step=median([float(np.percentile(r.gaps, 99)) / step
-                                      for (r, _), step in zip(paired, chunk_step) if step]),
-        runs=len(runs))
+        p99_gap_vs_chunk_step=median(
+            [float(np.percentile(r.gaps, 99)) / step for (r, _), step in zip(paired, chunk_step) if step]
+        ),
+        runs=len(runs),
+    )
 
 
 def checks(results: dict[str, Result]) -> list[str]:
@@ -190,24 +201,60 @@ def checks(results: dict[str, Result]) -> list[str]:
 
     ratio, versus = checked.p99_gap_vs_chunk_step, checked.gen_tok_s_vs_baseline
     return [
-        verdict(ratio, lambda v: v <= 1.5, "p99 gap <= 1.5 x median pure-chunk step",
-                f"p99 gap {checked.gap_p99_ms:.1f} ms = {ratio or 0:.2f} x", "no pure-chunk step logged"),
-        verdict(versus, lambda v: abs(v) <= 0.05, f"generated tok/s within 5% of {BASELINE}",
-                f"{checked.gen_tok_s:.1f} tok/s, {versus or 0:+.1%}", f"{BASELINE} not run"),
+        verdict(
+            ratio,
+            lambda v: v <= 1.5,
+            "p99 gap <= 1.5 x median pure-chunk step",
+            f"p99 gap {checked.gap_p99_ms:.1f} ms = {ratio or 0:.2f} x",
+            "no pure-chunk step logged",
+        ),
+        verdict(
+            versus,
+            lambda v: abs(v) <= 0.05,
+            f"generated tok/s within 5% of {BASELINE}",
+            f"{checked.gen_tok_s:.1f} tok/s, {versus or 0:+.1%}",
+            f"{BASELINE} not run",
+        ),
     ]
 
 
 def table(results: list[Result]) -> str:
-    headers = ["row", "gap median ms", "gap p99 ms", "gap max ms", "TTFT median s", "TTFT p99 s", "gen tok/s",
-               f"tok/s vs {BASELINE}", "pure-chunk step ms", "pure-chunk steps", "p99 gap / chunk step"]
-    return markdown_table(headers, [
-        [r.row, fmt(r.gap_median_ms, 1), fmt(r.gap_p99_ms, 1), fmt(r.gap_max_ms, 1), fmt(r.ttft_median_s),
-         fmt(r.ttft_p99_s), fmt(r.gen_tok_s, 1), pct(r.gen_tok_s_vs_baseline), fmt(r.chunk_step_ms, 1),
-         str(r.chunk_steps), fmt(r.p99_gap_vs_chunk_step)]
-        for r in results])
+    headers = [
+        "row",
+        "gap median ms",
+        "gap p99 ms",
+        "gap max ms",
+        "TTFT median s",
+        "TTFT p99 s",
+        "gen tok/s",
+        f"tok/s vs {BASELINE}",
+        "pure-chunk step ms",
+        "pure-chunk steps",
+        "p99 gap / chunk step",
+    ]
+    return markdown_table(
+        headers,
+        [
+            [
+                r.row,
+                fmt(r.gap_median_ms, 1),
+                fmt(r.gap_p99_ms, 1),
+                fmt(r.gap_max_ms, 1),
+                fmt(r.ttft_median_s),
+                fmt(r.ttft_p99_s),
+                fmt(r.gen_tok_s, 1),
+                pct(r.gen_tok_s_vs_baseline),
+                fmt(r.chunk_step_ms, 1),
+                str(r.chunk_steps),
+                fmt(r.p99_gap_vs_chunk_step),
+            ]
+            for r in results
+        ],
+    )
 
 
 # ---- the experiment ---------------------------------------------------------------------------------------------
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,8 +264,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of the servers")
     parser.add_argument("--rounds", type=int, default=3, help="runs per row; the table shows medians")
-    parser.add_argument("--no-pin", dest="pin", action="store_false",
-                        help="let servers and client share every CPU instead of splitting them")
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let servers and client share every CPU instead of splitting them",
+    )
     parser.add_argument("--quick", action="store_true", help="1 round of 24 requests at concurrency 8")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for streams.json and streams.md")
     args = parser.parse_args()
@@ -244,8 +295,10 @@ def main() -> None:
         for name in args.rows:
             print(f"starting jaxserve serve for {name}: {' '.join(ROWS[name]) or '(no flags)'}", flush=True)
             servers[name] = start_server(ROWS[name], args.chunk, max_model_len, server_cpus)
-        print(f"servers ready after {time.perf_counter() - began:.0f} s; {args.rounds} rounds of {len(args.rows)} "
-              "rows", flush=True)
+        print(
+            f"servers ready after {time.perf_counter() - began:.0f} s; {args.rounds} rounds of {len(args.rows)} rows",
+            flush=True,
+        )
         runs: dict[str, list[Run]] = {name: [] for name in args.rows}
         for round_index in range(args.rounds):
             shift = round_index % len(args.rows)
@@ -258,24 +311,44 @@ def main() -> None:
 
     results = {name: summarise(name, runs[name], runs.get(BASELINE)) for name in args.rows}
     verdicts = checks(results)
-    cpus = (f"servers on CPUs {sorted(server_cpus)}, client on {sorted(client_cpus)}" if server_cpus
-            else "servers and client share the CPUs")
-    setup = (f"{os.cpu_count()} CPU cores ({cpus}); embedded default model, float32, --max-num-seqs {MAX_NUM_SEQS}, "
-             f"--chunked-prefill-size {args.chunk}, --max-model-len {max_model_len}; {args.requests} requests of "
-             f"{MIN_WORDS}-{MAX_WORDS} words at concurrency {args.concurrency}, {args.max_tokens} tokens each; "
-             f"{args.rounds} rounds; whole run {time.perf_counter() - began:.0f} s")
-    legend = (f"Each number is the median over the rounds. Gaps: between consecutive chunks of one request, all "
-              f"requests together. Pure-chunk step: a prefill step of a whole chunk with no decode rows, from the "
-              f"server's log. `p99 gap / chunk step` divides by {BASELINE}'s pure-chunk step of the same round (the "
-              f"row's own when {BASELINE} is not run); `tok/s vs {BASELINE}`: per-round ratios, minus 1.")
+    cpus = (
+        f"servers on CPUs {sorted(server_cpus)}, client on {sorted(client_cpus)}"
+        if server_cpus
+        else "servers and client share the CPUs"
+    )
+    setup = (
+        f"{os.cpu_count()} CPU cores ({cpus}); embedded default model, float32, --max-num-seqs {MAX_NUM_SEQS}, "
+        f"--chunked-prefill-size {args.chunk}, --max-model-len {max_model_len}; {args.requests} requests of "
+        f"{MIN_WORDS}-{MAX_WORDS} words at concurrency {args.concurrency}, {args.max_tokens} tokens each; "
+        f"{args.rounds} rounds; whole run {time.perf_counter() - began:.0f} s"
+    )
+    legend = (
+        f"Each number is the median over the rounds. Gaps: between consecutive chunks of one request, all "
+        f"requests together. Pure-chunk step: a prefill step of a whole chunk with no decode rows, from the "
+        f"server's log. `p99 gap / chunk step` divides by {BASELINE}'s pure-chunk step of the same round (the "
+        f"row's own when {BASELINE} is not run); `tok/s vs {BASELINE}`: per-round ratios, minus 1."
+    )
     markdown = "\n".join([setup, "", table(list(results.values())), "", legend, "", *verdicts])
-    per_run = [{"row": name, "round": i, "gap_p99_s": float(np.percentile(r.gaps, 99)),
-                "gap_max_s": float(r.gaps.max()), "ttft_median_s": float(np.median(r.ttfts)),
-                "gen_tok_s": r.gen_tok_s, "chunk_step_s": r.chunk_step, "chunk_steps": len(r.chunk_steps)}
-               for name, rs in runs.items() for i, r in enumerate(rs)]
+    per_run = [
+        {
+            "row": name,
+            "round": i,
+            "gap_p99_s": float(np.percentile(r.gaps, 99)),
+            "gap_max_s": float(r.gaps.max()),
+            "ttft_median_s": float(np.median(r.ttfts)),
+            "gen_tok_s": r.gen_tok_s,
+            "chunk_step_s": r.chunk_step,
+            "chunk_steps": len(r.chunk_steps),
+        }
+        for name, rs in runs.items()
+        for i, r in enumerate(rs)
+    ]
     common.RESULTS = args.out  # write_results writes under common.RESULTS
-    write_results("streams", {"setup": setup, "rows": [asdict(r) for r in results.values()], "runs": per_run,
-                              "checks": verdicts}, markdown)
+    write_results(
+        "streams",
+        {"setup": setup, "rows": [asdict(r) for r in results.values()], "runs": per_run, "checks": verdicts},
+        markdown,
+    )
     print(markdown)
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 import ml_dtypes
@@ -33,7 +33,7 @@ from jaxserve.runner.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
 
-FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 # How the release stores each tensor. Only the writer uses it: the loader accepts any float
@@ -59,8 +59,9 @@ EXPERTS_TRANSPOSED = Layout(lambda ts: np.stack([t.T for t in ts]), lambda x: [e
 
 def _heads_last(n_heads: int, head_dim: int) -> Layout:
     # [heads*dim, in] <-> [in, heads, dim]
-    return Layout(lambda ts: ts[0].T.reshape(-1, n_heads, head_dim), lambda x: [x.reshape(x.shape[0], -1).T],
-                  reshapes=True)
+    return Layout(
+        lambda ts: ts[0].T.reshape(-1, n_heads, head_dim), lambda x: [x.reshape(x.shape[0], -1).T], reshapes=True
+    )
 
 
 def _grouped_out(cfg: ModelConfig) -> Layout:
@@ -71,6 +72,7 @@ def _grouped_out(cfg: ModelConfig) -> Layout:
 
     def split(x):  # [h, k, o] -> [g, j, k, o] -> [g, o, j, k] -> [g*o, j*k]
         return [x.reshape(g, j, k, -1).transpose(0, 3, 1, 2).reshape(-1, j * k)]
+
     return Layout(build, split, reshapes=True)
 
 
@@ -117,43 +119,55 @@ def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
             src[f"{ours}.{sub}_hc.scale"] = Source((f"{theirs}.hc_{sub}_scale",), AS_IS, F32)
             src[f"{ours}.{sub}_norm"] = Source((f"{theirs}.{sub}_norm.weight",), AS_IS)
         a, at = f"{ours}.attn", f"{theirs}.attn"
-        src.update({
-            f"{a}.wq_a": Source((f"{at}.wq_a.weight",), TRANSPOSED, FP8),
-            f"{a}.q_norm": Source((f"{at}.q_norm.weight",), AS_IS),
-            f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim), FP8),
-            f"{a}.wkv": Source((f"{at}.wkv.weight",), TRANSPOSED, FP8),
-            f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), AS_IS),
-            f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg), FP8),
-            f"{a}.wo_b": Source((f"{at}.wo_b.weight",), TRANSPOSED, FP8),
-            f"{a}.sinks": Source((f"{at}.attn_sink",), AS_IS, F32),
-        })
-        for comp, comp_t in ((f"{a}.compressor", f"{at}.compressor"),
-                             (f"{a}.indexer.compressor", f"{at}.indexer.compressor")):
+        src.update(
+            {
+                f"{a}.wq_a": Source((f"{at}.wq_a.weight",), TRANSPOSED, FP8),
+                f"{a}.q_norm": Source((f"{at}.q_norm.weight",), AS_IS),
+                f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim), FP8),
+                f"{a}.wkv": Source((f"{at}.wkv.weight",), TRANSPOSED, FP8),
+                f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), AS_IS),
+                f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg), FP8),
+                f"{a}.wo_b": Source((f"{at}.wo_b.weight",), TRANSPOSED, FP8),
+                f"{a}.sinks": Source((f"{at}.attn_sink",), AS_IS, F32),
+            }
+        )
+        for comp, comp_t in (
+            (f"{a}.compressor", f"{at}.compressor"),
+            (f"{a}.indexer.compressor", f"{at}.indexer.compressor"),
+        ):
             src[f"{comp}.wkv"] = Source((f"{comp_t}.wkv.weight",), TRANSPOSED)
             src[f"{comp}.wgate"] = Source((f"{comp_t}.wgate.weight",), TRANSPOSED)
             src[f"{comp}.ape"] = Source((f"{comp_t}.ape",), AS_IS, F32)
             src[f"{comp}.norm"] = Source((f"{comp_t}.norm.weight",), AS_IS)
-        src[f"{a}.indexer.wq_b"] = Source((f"{at}.indexer.wq_b.weight",),
-                                          _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8)
+        src[f"{a}.indexer.wq_b"] = Source(
+            (f"{at}.indexer.wq_b.weight",), _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8
+        )
         src[f"{a}.indexer.weights_proj"] = Source((f"{at}.indexer.weights_proj.weight",), TRANSPOSED)
         m, mt = f"{ours}.moe", f"{theirs}.ffn"
-        src.update({
-            f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
-            f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
-            f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
-            f"{m}.w_gate": Source(tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED,
-                                  FP4_PACKED),
-            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
-            f"{m}.w_down": Source(tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED,
-                                  FP4_PACKED),
-            f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
-            f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
-            f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
-        })
+        src.update(
+            {
+                f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
+                f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
+                f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
+                f"{m}.w_gate": Source(
+                    tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
+                ),
+                f"{m}.w_up": Source(
+                    tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
+                ),
+                f"{m}.w_down": Source(
+                    tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
+                ),
+                f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
+                f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
+                f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
+            }
+        )
     return src
 
 
 # ---- reading and dequantizing -------------------------------------------------------------------------------------
+
 
 def _e8m0(scale: np.ndarray) -> np.ndarray:
     if scale.dtype != ml_dtypes.float8_e8m0fnu:
@@ -209,8 +223,9 @@ class TensorReader:
         scale_stored = scale_name(stored) if stored.endswith(".weight") else None
         if scale_stored is None or scale_stored not in self.folder:
             if scale_stored is not None and weight.dtype in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
-                raise CheckpointError(f"{where} is {weight.dtype} (quantized) but its scale tensor "
-                                      f"{scale_stored!r} is missing")
+                raise CheckpointError(
+                    f"{where} is {weight.dtype} (quantized) but its scale tensor {scale_stored!r} is missing"
+                )
             return weight, None, None
         scale = self.folder.get(scale_stored)
         if weight.dtype not in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
@@ -223,9 +238,11 @@ class TensorReader:
         else:
             need, fmt = (o, -(-2 * i // FP4_BLOCK)), FP4
         if scale.shape != need:
-            raise CheckpointError(f"{self.folder.file_of(scale_stored)}: tensor {scale_stored!r} has shape "
-                                  f"{list(scale.shape)}, but its weight {stored!r} of shape {list(weight.shape)} "
-                                  f"({weight.dtype}) needs scales of shape {list(need)}")
+            raise CheckpointError(
+                f"{self.folder.file_of(scale_stored)}: tensor {scale_stored!r} has shape "
+                f"{list(scale.shape)}, but its weight {stored!r} of shape {list(weight.shape)} "
+                f"({weight.dtype}) needs scales of shape {list(need)}"
+            )
         return weight, scale, fmt
 
     def get(self, name: str) -> np.ndarray:
@@ -241,9 +258,11 @@ class TensorReader:
         weight, scale, found = self.raw(name)
         if found != fmt:
             stored = self.stored_name(name)
-            raise CheckpointError(f"{self.file_of(name)}: tensor {stored!r} is stored as {found or weight.dtype}, "
-                                  f"but config.json (quantization_config / expert_dtype) says {fmt}; load it with "
-                                  "--quantization none")
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {stored!r} is stored as {found or weight.dtype}, "
+                f"but config.json (quantization_config / expert_dtype) says {fmt}; load it with "
+                "--quantization none"
+            )
         assert scale is not None  # raw gives a scale with every format, and `found` is one
         codes = weight.view(np.uint8) if fmt == FP4 else weight
         return codes, scale.view(np.uint8)
@@ -253,6 +272,7 @@ class TensorReader:
 
 
 # ---- the loader --------------------------------------------------------------------------------------------------
+
 
 def check_complete(reader: TensorReader, needed: list[Source], folder: Path) -> None:
     """Every tensor the config needs is present (all missing names in one error), before anything is read."""
@@ -273,8 +293,10 @@ def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo | Quantized,
             stored = reader.stored_name(name)
             shape = list(reader.folder.shape(stored))
             unpacked = f" ({list(array.shape)} dequantized)" if list(array.shape) != shape else ""
-            raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {shape}{unpacked}; "
-                                  f"the config needs {list(need)} (for {path})")
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {stored!r} has shape {shape}{unpacked}; "
+                f"the config needs {list(need)} (for {path})"
+            )
         arrays.append(array)
     return source.build(arrays).astype(info.dtype, copy=False)
 
@@ -287,12 +309,15 @@ def _read_quantized(reader: TensorReader, source: Source, info: Quantized, path:
         packed = (need[0], need[1] // 2) if info.format == FP4 else need
         if tensor_codes.shape != packed:
             stored = reader.stored_name(name)
-            raise CheckpointError(f"{reader.file_of(name)}: tensor {stored!r} has shape {list(tensor_codes.shape)}; "
-                                  f"the config needs {list(packed)} ({info.format}, for {path})")
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {stored!r} has shape {list(tensor_codes.shape)}; "
+                f"the config needs {list(packed)} ({info.format}, for {path})"
+            )
         codes.append(tensor_codes)
         scales.append(tensor_scales)
-    return Quantized(np.ascontiguousarray(source.build(codes)), _leaf_scales(source, info, scales, path),
-                     info.format, info.blocks)
+    return Quantized(
+        np.ascontiguousarray(source.build(codes)), _leaf_scales(source, info, scales, path), info.format, info.blocks
+    )
 
 
 def _leaf_scales(source: Source, info: Quantized, scales: list[np.ndarray], path: str) -> np.ndarray:
@@ -306,23 +331,28 @@ def _leaf_scales(source: Source, info: Quantized, scales: list[np.ndarray], path
         out = source.build(scales)
     else:
         shapes = source.shapes(info.shape)
-        per_element = source.build([np.repeat(np.repeat(s, rows, 0), cols, 1)[: o, : i]
-                                    for s, (o, i) in zip(scales, shapes)])
+        per_element = source.build(
+            [np.repeat(np.repeat(s, rows, 0), cols, 1)[:o, :i] for s, (o, i) in zip(scales, shapes)]
+        )
         out = per_element[tuple(slice(None, None, b) for b in info.blocks)]
         expanded = out
         for axis, (b, n) in enumerate(zip(info.blocks, info.shape)):
             expanded = np.repeat(expanded, b, axis=axis)[(slice(None),) * axis + (slice(0, n),)]
         if not np.array_equal(expanded, per_element):
-            raise CheckpointError(f"{path}: the release's {rows}x{cols} scale blocks do not map onto blocks of "
-                                  f"{list(info.blocks)} in our layout; load it with --quantization none")
+            raise CheckpointError(
+                f"{path}: the release's {rows}x{cols} scale blocks do not map onto blocks of "
+                f"{list(info.blocks)} in our layout; load it with --quantization none"
+            )
     if out.shape != info.scales.shape:
-        raise CheckpointError(f"{path}: scales laid out as {list(out.shape)}, the model needs "
-                              f"{list(info.scales.shape)}")
+        raise CheckpointError(
+            f"{path}: scales laid out as {list(out.shape)}, the model needs {list(info.scales.shape)}"
+        )
     return np.ascontiguousarray(out)
 
 
-def load_weights(folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None,
-                 show_progress: bool = False) -> tuple[Weights, ModelConfig]:
+def load_weights(
+    folder: str | Path, cfg: ModelConfig | None = None, shardings: Weights | None = None, show_progress: bool = False
+) -> tuple[Weights, ModelConfig]:
     """Read a checkpoint folder into Weights (placed with `shardings` when given), one tensor at a time: each leaf
     goes onto the devices (into its layer stack) before the next is read."""
     folder = Path(folder)

@@ -11,9 +11,9 @@ from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig, load_config
-from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.model.sharding import shardings_for
-from jaxserve.text.tokenizer import Tokenizer, TokenIdOnly, load_tokenizer
+from jaxserve.model.weights import Weights, abstract_weights
+from jaxserve.text.tokenizer import TokenIdOnly, Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -31,8 +31,14 @@ def model_config(path: str | Path | None, dtype: str = "bfloat16", quantization:
     return load_config(folder).with_dtype(dtype).with_quantization(quantization)
 
 
-def load_model(path: str | Path | None, mesh: Mesh, dtype: str = "bfloat16", show_progress: bool = False,
-               skip_tokenizer: bool = False, quantization: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | Path | None,
+    mesh: Mesh,
+    dtype: str = "bfloat16",
+    show_progress: bool = False,
+    skip_tokenizer: bool = False,
+    quantization: str = "auto",
+) -> LoadedModel:
     """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
     been converted in `dtype` and with the same quantization) is restored shard by shard, a safetensors folder
     streamed leaf by leaf into its target sharding."""

@@ -65,8 +65,12 @@ def train_tokenizer(text: str = TEXT, vocab_size: int = VOCAB_SIZE) -> Tokenizer
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(text.splitlines(), trainer)
     return tok
 
@@ -75,13 +79,33 @@ def model_config(vocab_size: int) -> dict:
     """The default model's config.json dict: the tiny preset's features at a slightly larger, real-ish scale."""
     return preset_dict(
         "tiny",
-        vocab_size=vocab_size, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=5,
-        layer_types=[_SWA, _CSA, _HCA, _CSA, _SWA], compress_rates={_CSA: 4, _HCA: 16}, num_hash_layers=2,
-        num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32,
-        sliding_window=32, index_n_heads=8, index_head_dim=32, index_topk=8,
-        n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
-                      "beta_fast": 32, "beta_slow": 1},
+        vocab_size=vocab_size,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=5,
+        layer_types=[_SWA, _CSA, _HCA, _CSA, _SWA],
+        compress_rates={_CSA: 4, _HCA: 16},
+        num_hash_layers=2,
+        num_attention_heads=4,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=32,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     )
 
 
@@ -98,15 +122,21 @@ def generate(folder: str | Path) -> list[Path]:
     if vocab != VOCAB_SIZE or [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
         raise RuntimeError(f"tokenizer training gave {vocab} tokens (want {VOCAB_SIZE}) or moved the special tokens")
     tok.save(str(folder / "tokenizer.json"), pretty=False)
-    _write_json(folder / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False, "add_eos_token": False,
-        "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-    })
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": EOS,
+            "model_max_length": 4096,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     cfg = config_from_dict(model_config(vocab), dtype="float32")
-    _write_json(folder / "generation_config.json", {"bos_token_id": cfg.bos_token_id,
-                                                     "eos_token_id": cfg.eos_token_id})
+    _write_json(folder / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id})
     with jax.default_device(jax.devices("cpu")[0]):
         weights = init_weights(jax.random.key(SEED), cfg)
     write_checkpoint(weights, cfg, folder, dtype="bfloat16")

@@ -26,13 +26,13 @@ from jax.sharding import Mesh
 
 from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_leaf, weight_sources
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
-from jaxserve.config import ModelConfig, load_config
-from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.checkpoints.writer import write_config
+from jaxserve.config import ModelConfig, load_config
 from jaxserve.kernels.quant import Quantized
+from jaxserve.model.sharding import shape_dtype_structs, shardings_for
+from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
 from jaxserve.runner.progress import progress
-from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 
 MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1
@@ -67,6 +67,7 @@ def _by_item(cfg: ModelConfig) -> dict[str, dict[str, LayerLeaf]]:
 
 # ---- converting ----------------------------------------------------------------------------------------------------
 
+
 def _parts(name: str, value: Any) -> dict[str, Any]:
     """A leaf's orbax entries: itself, or a quantized weight's codes and scales ('name.codes', 'name.scales')."""
     if isinstance(value, Quantized):
@@ -74,8 +75,14 @@ def _parts(name: str, value: Any) -> dict[str, Any]:
     return {name: value}
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
-                       show_progress: bool = False, quantization: str = "auto") -> Path:
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    show_progress: bool = False,
+    quantization: str = "auto",
+) -> Path:
     """Convert the safetensors folder `src` into an orbax checkpoint at `dst`, leaves in `dtype` as the engine holds
     them (`quantization="auto"`: kept as the checkpoint ships them). One layer is read, written and dropped at a
     time, so host memory peaks at about one layer."""
@@ -122,6 +129,7 @@ def _clear_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 # ---- restoring -----------------------------------------------------------------------------------------------------
 
+
 def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress: bool = False) -> Weights:
     """Restore a conversion straight into `mesh`: each device reads only the shards its target sharding names, one
     layer at a time, each layer going into its stacks before the next is read."""
@@ -138,8 +146,10 @@ def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress
         for done, (item, leaves) in enumerate(items.items(), start=1):
             infos = {name: leaf.info for name, leaf in leaves.items()}
             targets = shape_dtype_structs(infos, mesh)
-            restored = checkpointer.restore(dst / item, {part: target for name, target in targets.items()
-                                                         for part, target in _parts(name, target).items()})
+            restored = checkpointer.restore(
+                dst / item,
+                {part: target for name, target in targets.items() for part, target in _parts(name, target).items()},
+            )
             for name, target in targets.items():
                 structure = jax.tree.structure(target)
                 builder.put(name, jax.tree.unflatten(structure, [restored[p] for p in _parts(name, target)]))
@@ -157,15 +167,24 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError) as bad:
         raise CheckpointError(f"{dst / MARKER}: not valid JSON ({bad})") from None
     if marker.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{dst / MARKER}: format_version {marker.get('format_version')!r}, this jaxserve "
-                              f"reads {FORMAT_VERSION}; convert again")
+        raise CheckpointError(
+            f"{dst / MARKER}: format_version {marker.get('format_version')!r}, this jaxserve "
+            f"reads {FORMAT_VERSION}; convert again"
+        )
     if marker.get("dtype") != cfg.dtype:
-        raise CheckpointError(f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
-                              f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}")
+        raise CheckpointError(
+            f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
+            f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}"
+        )
     converted = load_config(dst).with_dtype(cfg.dtype)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
-        hint = (" (the conversion's quantization: convert again with the --quantization to serve with)"
-                if {"linear_format", "expert_format"} & set(differing) else "")
-        raise CheckpointError(f"{dst / 'config.json'}: the converted config differs from the one asked for in "
-                              f"{', '.join(differing)}{hint}")
+        hint = (
+            " (the conversion's quantization: convert again with the --quantization to serve with)"
+            if {"linear_format", "expert_format"} & set(differing)
+            else ""
+        )
+        raise CheckpointError(
+            f"{dst / 'config.json'}: the converted config differs from the one asked for in "
+            f"{', '.join(differing)}{hint}"
+        )

@@ -15,9 +15,19 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -36,8 +46,9 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path}: truncated safetensors file (no header)")
                 (header_len,) = struct.unpack("<Q", prefix)
                 if header_len > size - 8:
-                    raise CheckpointError(f"{self.path}: corrupted safetensors header (claims {header_len} bytes, "
-                                          f"file has {size})")
+                    raise CheckpointError(
+                        f"{self.path}: corrupted safetensors header (claims {header_len} bytes, file has {size})"
+                    )
                 header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as bad:
             raise CheckpointError(f"{self.path}: corrupted safetensors header ({bad})") from None
@@ -60,16 +71,22 @@ class SafetensorsFile:
             shape_ok = all(isinstance(n, int) and n >= 0 for n in shape)
             offsets_ok = isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
         except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{self.path}: corrupted safetensors header: entry for tensor {name!r} needs "
-                                  f"dtype, shape and two data_offsets, got {entry!r}") from None
+            raise CheckpointError(
+                f"{self.path}: corrupted safetensors header: entry for tensor {name!r} needs "
+                f"dtype, shape and two data_offsets, got {entry!r}"
+            ) from None
         if not (shape_ok and offsets_ok):
-            raise CheckpointError(f"{self.path}: corrupted safetensors header: tensor {name!r} has shape {shape!r} "
-                                  f"and data_offsets {[start, end]!r}")
+            raise CheckpointError(
+                f"{self.path}: corrupted safetensors header: tensor {name!r} has shape {shape!r} "
+                f"and data_offsets {[start, end]!r}"
+            )
         if dtype not in DTYPES:
             raise CheckpointError(f"{where} has unsupported dtype {dtype}")
         if end > data_len:
-            raise CheckpointError(f"{self.path}: truncated safetensors file: tensor {name!r} needs bytes "
-                                  f"{start}..{end} but the data section has {data_len}")
+            raise CheckpointError(
+                f"{self.path}: truncated safetensors file: tensor {name!r} needs bytes "
+                f"{start}..{end} but the data section has {data_len}"
+            )
         need = int(np.prod(shape)) * np.dtype(DTYPES[dtype]).itemsize
         if end - start != need:
             raise CheckpointError(f"{where} has {end - start} bytes, shape {list(shape)} of {dtype} needs {need}")
@@ -88,7 +105,7 @@ class SafetensorsFile:
         start, end = entry["data_offsets"]
         if self._mapped is None:
             self._mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._mapped[self._data_start + start: self._data_start + end]
+        raw = self._mapped[self._data_start + start : self._data_start + end]
         return np.array(raw).view(DTYPES[entry["dtype"]]).reshape(entry["shape"])  # a copy, detached from the map
 
 
@@ -124,8 +141,10 @@ class SafetensorsFolder:
         present = {f.name for f in files}
         absent = sorted(set(named) - present)
         if absent:
-            raise CheckpointError(f"{index}: names shard(s) missing from the folder: "
-                                  + ", ".join(f"{f} (e.g. tensor {named[f]!r})" for f in absent))
+            raise CheckpointError(
+                f"{index}: names shard(s) missing from the folder: "
+                + ", ".join(f"{f} (e.g. tensor {named[f]!r})" for f in absent)
+            )
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

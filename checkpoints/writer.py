@@ -45,8 +45,9 @@ def quantize_tensor(w: np.ndarray, stored: str) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(q.codes).T.view(np.int8), np.asarray(q.scales).T.view(ml_dtypes.float8_e8m0fnu)
 
 
-def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = False,
-                       dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+def checkpoint_tensors(
+    weights: Weights, cfg: ModelConfig, quantize: bool = False, dtype: str = "bfloat16"
+) -> dict[str, np.ndarray]:
     """Official name -> array as the release stores it.
 
     `dtype` is what the release's BF16 tensors become (and, without `quantize`, its FP8/FP4 ones): "bfloat16"
@@ -77,8 +78,7 @@ def checkpoint_tensors(weights: Weights, cfg: ModelConfig, quantize: bool = Fals
     return {name: np.ascontiguousarray(t) for name, t in out.items()}
 
 
-def save_tensors(tensors: dict[str, np.ndarray], folder: str | Path,
-                 max_shard_bytes: int | None = None) -> list[Path]:
+def save_tensors(tensors: dict[str, np.ndarray], folder: str | Path, max_shard_bytes: int | None = None) -> list[Path]:
     """One `model.safetensors`, or `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` each
     (a larger tensor gets a shard to itself) plus `model.safetensors.index.json`. Returns the files written."""
     folder = Path(folder)
@@ -115,8 +115,14 @@ def write_config(cfg: ModelConfig, folder: str | Path) -> Path:
     return file
 
 
-def write_checkpoint(weights: Weights, cfg: ModelConfig, folder: str | Path, quantize: bool = False,
-                     dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> Path:
+def write_checkpoint(
+    weights: Weights,
+    cfg: ModelConfig,
+    folder: str | Path,
+    quantize: bool = False,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Write `config.json` and the weights (see `checkpoint_tensors`, `save_tensors`) into `folder`; a quantized
     checkpoint's config says so as the release's does (quantization_config, expert_dtype)."""
     folder = Path(folder)

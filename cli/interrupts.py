@@ -37,7 +37,7 @@ class Interrupts:
         self.serving = False  # set by the caller once ready: from then on a first signal asks for a drain
         self._count = 0
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         read_end, self._write_end = os.pipe()
         os.set_blocking(self._write_end, False)  # the C handler must never block
         self._previous_fd = signal.set_wakeup_fd(self._write_end, warn_on_full_buffer=False)
@@ -73,10 +73,15 @@ class Interrupts:
         self._count += 1
         if self._count > 1:
             sys.stdout.flush()
-            print(f"jaxserve: second {name}: quitting now, without waiting for running work", file=sys.stderr,
-                  flush=True)
+            print(
+                f"jaxserve: second {name}: quitting now, without waiting for running work", file=sys.stderr, flush=True
+            )
             os._exit(FORCED_EXIT_STATUS)
         self.requested.set()
         if not self.serving:
-            print(f"jaxserve: {name} during start-up: stopping once the step shape being compiled (if any) is done; "
-                  "press Ctrl-C again to quit at once", file=sys.stderr, flush=True)
+            print(
+                f"jaxserve: {name} during start-up: stopping once the step shape being compiled (if any) is done; "
+                "press Ctrl-C again to quit at once",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -19,25 +19,33 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import jax
 
-from jaxserve.model.cache import storage_dtype
 from jaxserve.checkpoints.load import LoadedModel, load_model, model_config
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.cli.interrupts import Interrupted, Interrupts
-from jaxserve.config import (COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE, QUANTIZATION_MODES,
-                             SUPPORTED_DTYPES, EngineConfig, Flag, ModelConfig)
+from jaxserve.config import (
+    COMPILE_CACHE_ENV,
+    DEFAULT_COMPILE_CACHE,
+    QUANTIZATION_MODES,
+    SUPPORTED_DTYPES,
+    EngineConfig,
+    Flag,
+    ModelConfig,
+)
 from jaxserve.engine import Engine
-from jaxserve.text.generation import Generation
-from jaxserve.runner.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
+from jaxserve.model.cache import storage_dtype
+from jaxserve.model.sharding import make_mesh
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
+from jaxserve.runner.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
-from jaxserve.model.sharding import make_mesh
+from jaxserve.text.generation import Generation
 
 log = logging.getLogger("jaxserve.cli")
 
@@ -57,13 +65,24 @@ def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
         for field, default, flag in config_flags(config):
             name = "--" + field.replace("_", "-")
             if flag.type is bool:
-                parser.add_argument(name, dest=field, action=argparse.BooleanOptionalAction, default=default,
-                                    help=flag.help + ("" if default is None else " (default: %(default)s)"))
+                parser.add_argument(
+                    name,
+                    dest=field,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=flag.help + ("" if default is None else " (default: %(default)s)"),
+                )
                 continue
             metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
-            parser.add_argument(name, dest=field, type=flag.type, default=default, choices=flag.choices,
-                                metavar=metavar,
-                                help=flag.help + (" (default: %(default)s)" if default is not None else ""))
+            parser.add_argument(
+                name,
+                dest=field,
+                type=flag.type,
+                default=default,
+                choices=flag.choices,
+                metavar=metavar,
+                help=flag.help + (" (default: %(default)s)" if default is not None else ""),
+            )
 
 
 def filled(config: type, args: argparse.Namespace):
@@ -98,8 +117,10 @@ def check_fit(cfg: EngineConfig, model_cfg: ModelConfig, mesh) -> None:
         return
     plan = make_plan(model_cfg, cfg, mesh, memory)
     if not plan.fits:
-        raise ValueError(f"the model does not fit {mesh.size} device(s) of {memory / 1e9:.1f} GB: {plan.reason} "
-                         "(see `jaxserve plan`)")
+        raise ValueError(
+            f"the model does not fit {mesh.size} device(s) of {memory / 1e9:.1f} GB: {plan.reason} "
+            "(see `jaxserve plan`)"
+        )
     log.info("fit check: %s", plan.reason)
 
 
@@ -115,6 +136,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
 
 # ---- start-up ------------------------------------------------------------------------------------------------------
 
+
 def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     # force: a library imported before this (absl, say) may already have given the root logger a bare handler.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
@@ -128,8 +150,11 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
         # Every step shape is compiled at start; the persistent cache makes the next start with the same flags fast.
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    print(f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.devices()[0].platform} device(s); XLA "
-          f"compilation cache: {cache or 'off'}", flush=True)
+    print(
+        f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.devices()[0].platform} device(s); XLA "
+        f"compilation cache: {cache or 'off'}",
+        flush=True,
+    )
     print(f"loading weights from {cfg.model or 'the embedded default checkpoint'}", flush=True)
     started = time.perf_counter()
     engine, loaded = build_engine(cfg, show_progress=True)
@@ -146,9 +171,11 @@ def capacity_line(engine: Engine) -> str:
     per_request = geometry.num_pages // geometry.max_pages_per_seq
     concurrency = min(per_request, geometry.num_slots)
     stored = storage_dtype(geometry.kv_cache_dtype, engine.model_config)
-    return (f"KV cache ({stored}): {geometry.num_pages} pages x {geometry.page_size} tokens = "
-            f"{geometry.num_pages * geometry.page_size} tokens; max concurrency at max_model_len "
-            f"({engine.max_model_len} tokens): {concurrency} requests")
+    return (
+        f"KV cache ({stored}): {geometry.num_pages} pages x {geometry.page_size} tokens = "
+        f"{geometry.num_pages * geometry.page_size} tokens; max concurrency at max_model_len "
+        f"({engine.max_model_len} tokens): {concurrency} requests"
+    )
 
 
 def _start(engine: Engine, shapes, interrupts: Interrupts | None = None) -> None:
@@ -170,13 +197,18 @@ def _compile_the_rest(engine: Engine, stop) -> None:
     rest = len(buckets.shapes()) - len(buckets.first_shapes())
     if not rest:
         return
-    print(f"compiling the other {rest} step shapes while serving (bigger batches and chunks once they are done)",
-          flush=True)
+    print(
+        f"compiling the other {rest} step shapes while serving (bigger batches and chunks once they are done)",
+        flush=True,
+    )
     started = time.perf_counter()
     engine.runner.warmup(show_progress=True, stop=stop)
     if not stop():
-        print(f"compiled all {len(buckets.shapes())} step shapes ({rest} while serving, "
-              f"{time.perf_counter() - started:.1f} s)", flush=True)
+        print(
+            f"compiled all {len(buckets.shapes())} step shapes ({rest} while serving, "
+            f"{time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
         _freeze_heap()
 
 
@@ -189,6 +221,7 @@ def _freeze_heap() -> None:
 
 
 # ---- commands ------------------------------------------------------------------------------------------------------
+
 
 def serve(args: argparse.Namespace) -> int:
     cfg, server_cfg = engine_config(args), server_config(args)
@@ -225,8 +258,9 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
         engine, loaded = _setup(cfg)
         interrupts.check()
         name = server_cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
-        http = BackgroundServer(create_app(engine, loaded.tokenizer, name, server_cfg,
-                                           model_path=str(loaded.path)), sock)
+        http = BackgroundServer(
+            create_app(engine, loaded.tokenizer, name, server_cfg, model_path=str(loaded.path)), sock
+        )
         http.start()
         url = f"http://{server_cfg.host}:{http.address[1]}"
         print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
@@ -236,15 +270,17 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
             print(f"jaxserve ready on {url} (model={name})", flush=True)
             _compile_the_rest(engine, stop=interrupts.requested.is_set)
         except Exception as error:  # noqa: BLE001 - one line, not XLA's traceback
-            print(f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}",
-                  file=sys.stderr)
+            print(
+                f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}", file=sys.stderr
+            )
             return EXIT_FAILED
         while not interrupts.requested.wait(0.2):
             if http.stopped.is_set():
                 print("jaxserve: error: the HTTP server stopped on its own", file=sys.stderr)
                 return EXIT_FAILED
-        log.info("shutdown requested: draining, running requests get up to %.0f s to finish",
-                 server_cfg.shutdown_timeout)
+        log.info(
+            "shutdown requested: draining, running requests get up to %.0f s to finish", server_cfg.shutdown_timeout
+        )
         aborted = engine.drain(server_cfg.shutdown_timeout)
         if aborted:
             log.warning("shutdown timeout reached: aborted %d unfinished requests", aborted)
@@ -263,19 +299,26 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
 def generate(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     try:
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, ignore_eos=args.ignore_eos)
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
         return EXIT_USAGE
     engine, loaded = _setup(cfg)
     tokenizer = loaded.tokenizer
     if not tokenizer.has_text:
-        print("jaxserve generate: this checkpoint has no tokenizer.json; serve it and send token ids",
-              file=sys.stderr)
+        print("jaxserve generate: this checkpoint has no tokenizer.json; serve it and send token ids", file=sys.stderr)
         return EXIT_USAGE
-    prompt_ids = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
-                  else tokenizer.encode(args.prompt))
+    prompt_ids = (
+        tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else tokenizer.encode(args.prompt)
+    )
     try:
         engine.check_admission(prompt_ids, sampling)  # before compiling: a prompt that can never fit fails at once
     except ValueError as error:
@@ -297,15 +340,23 @@ def generate(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     seconds = time.perf_counter() - started
-    print(f"\n[{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), finish reason: {reason}]",
-          file=sys.stderr)
+    print(
+        f"\n[{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), finish reason: {reason}]",
+        file=sys.stderr,
+    )
     return 0 if reason != "error" else EXIT_FAILED
 
 
 def convert(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, show_progress=True,
-                             quantization=args.quantization)
+    dst = convert_checkpoint(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        show_progress=True,
+        quantization=args.quantization,
+    )
     print(f"converted {args.src} -> {dst} in {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -329,44 +380,61 @@ def plan(args: argparse.Namespace) -> int:
         model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization)
     else:
         model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
-    the_plan = make_plan(model_cfg, cfg, make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size,
-                                                   jax.devices("cpu")), usable_memory(cfg.device_memory))
+    the_plan = make_plan(
+        model_cfg,
+        cfg,
+        make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, jax.devices("cpu")),
+        usable_memory(cfg.device_memory),
+    )
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=2))
     else:
         gb = 1e9
-        print(f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
-              f"usable (${MEMORY_FRACTION_ENV}), tensor x expert = {cfg.tensor_parallel_size} x "
-              f"{cfg.expert_parallel_size}")
-        print(f"weights per device: {the_plan.weights_bytes_per_device / gb:.2f} GB ("
-              + ", ".join(f"{k} {v / gb:.2f}" for k, v in the_plan.weights_bytes_by_format.items())
-              + f"); whole model {the_plan.weights_bytes_total / gb:.1f} GB")
+        print(
+            f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
+            f"usable (${MEMORY_FRACTION_ENV}), tensor x expert = {cfg.tensor_parallel_size} x "
+            f"{cfg.expert_parallel_size}"
+        )
+        print(
+            f"weights per device: {the_plan.weights_bytes_per_device / gb:.2f} GB ("
+            + ", ".join(f"{k} {v / gb:.2f}" for k, v in the_plan.weights_bytes_by_format.items())
+            + f"); whole model {the_plan.weights_bytes_total / gb:.1f} GB"
+        )
         if the_plan.temp_bytes_per_device is not None:
-            print(f"step temporaries per device: {the_plan.temp_bytes_per_device / gb:.2f} GB "
-                  f"(compiled {', '.join(the_plan.compiled_steps)} in {the_plan.compile_s:.1f} s)")
-        print(f"KV: {the_plan.kv_bytes_per_token:.0f} bytes per token; {the_plan.max_kv_tokens} tokens fit; "
-              f"{the_plan.max_concurrent_requests} requests of max_model_len={the_plan.max_model_len} at once")
+            print(
+                f"step temporaries per device: {the_plan.temp_bytes_per_device / gb:.2f} GB "
+                f"(compiled {', '.join(the_plan.compiled_steps)} in {the_plan.compile_s:.1f} s)"
+            )
+        print(
+            f"KV: {the_plan.kv_bytes_per_token:.0f} bytes per token; {the_plan.max_kv_tokens} tokens fit; "
+            f"{the_plan.max_concurrent_requests} requests of max_model_len={the_plan.max_model_len} at once"
+        )
         print(f"fits: {'yes' if the_plan.fits else 'no'}: {the_plan.reason}")
     return 0 if the_plan.fits else EXIT_FAILED
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
 
+
 def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxserve", description="Serve DeepSeek-V4 over an OpenAI-compatible HTTP API (the default command; "
+        prog="jaxserve",
+        description="Serve DeepSeek-V4 over an OpenAI-compatible HTTP API (the default command; "
         "`jaxserve serve` is the same).",
         epilog="Other commands: `jaxserve generate PROMPT` (one prompt, streamed to the terminal), "
-               "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint), `jaxserve plan` (will a model "
-               "fit these devices). Each has --help.")
+        "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint), `jaxserve plan` (will a model "
+        "fit these devices). Each has --help.",
+    )
     parser.add_argument("--version", action="version", version=f"jaxserve {version('jaxserve')}")
     add_flags(parser, server=True)
     return parser
 
 
 def generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve generate", description="Generate from one prompt, streaming "
-                                     "the text to the terminal as it is produced.")
+    parser = argparse.ArgumentParser(
+        prog="jaxserve generate",
+        description="Generate from one prompt, streaming the text to the terminal as it is produced.",
+    )
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -380,14 +448,20 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def convert_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve convert", description="Convert a DeepSeek-V4 safetensors "
-                                     "folder into a sharded orbax checkpoint that --model can load.")
+    parser = argparse.ArgumentParser(
+        prog="jaxserve convert",
+        description="Convert a DeepSeek-V4 safetensors folder into a sharded orbax checkpoint that --model can load.",
+    )
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="bfloat16")
-    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto",
-                        help="auto: keep the checkpoint's FP8 / FP4 weights so; none: dequantize them to --dtype "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_MODES,
+        default="auto",
+        help="auto: keep the checkpoint's FP8 / FP4 weights so; none: dequantize them to --dtype "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--overwrite", action="store_true")
     return parser
 
@@ -395,21 +469,32 @@ def convert_parser() -> argparse.ArgumentParser:
 def plan_parser() -> argparse.ArgumentParser:
     from jaxserve.presets import PRESETS
 
-    parser = argparse.ArgumentParser(prog="jaxserve plan", description="Will the model fit these devices, and how "
-                                     "much KV cache is left? Compiles the decode step and the largest prefill step "
-                                     "on abstract weights over fake CPU devices (nothing is allocated) and reports "
-                                     "per device: weights by format, step temporaries, KV bytes per token (as "
-                                     "--kv-cache-dtype stores them), KV tokens that fit and requests of "
-                                     "max_model_len at once. Exit status 0 when it fits, 1 when not.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named geometry instead of --model (flash: "
-                        "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)")
+    parser = argparse.ArgumentParser(
+        prog="jaxserve plan",
+        description="Will the model fit these devices, and how "
+        "much KV cache is left? Compiles the decode step and the largest prefill step "
+        "on abstract weights over fake CPU devices (nothing is allocated) and reports "
+        "per device: weights by format, step temporaries, KV bytes per token (as "
+        "--kv-cache-dtype stores them), KV tokens that fit and requests of "
+        "max_model_len at once. Exit status 0 when it fits, 1 when not.",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named geometry instead of --model (flash: "
+        "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object")
     add_flags(parser, server=False)
     return parser
 
 
-COMMANDS = {"serve": (serve_parser, serve), "generate": (generate_parser, generate),
-            "convert": (convert_parser, convert), "plan": (plan_parser, plan)}
+COMMANDS = {
+    "serve": (serve_parser, serve),
+    "generate": (generate_parser, generate),
+    "convert": (convert_parser, convert),
+    "plan": (plan_parser, plan),
+}
 
 
 def parse(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argparse.Namespace]:

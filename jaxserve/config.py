@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -110,14 +111,14 @@ class ModelConfig:
     def compressed_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k != SWA)
 
-    def with_dtype(self, dtype: str) -> "ModelConfig":
+    def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
 
-    def dequantized(self) -> "ModelConfig":
+    def dequantized(self) -> ModelConfig:
         """Every weight dense in `dtype` (what --quantization none loads)."""
         return dataclasses.replace(self, linear_format=None, expert_format=None)
 
-    def with_quantization(self, quantization: str) -> "ModelConfig":
+    def with_quantization(self, quantization: str) -> ModelConfig:
         """`auto` keeps the formats the release ships; `none` dequantizes (see QUANTIZATION_MODES)."""
         if quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization={quantization!r}: must be one of {QUANTIZATION_MODES}")
@@ -133,41 +134,97 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"{field}={value!r}: {why}")
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups",
-                     "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "index_n_heads", "index_head_dim",
-                     "index_topk", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "sliding_window",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
-        need(self.linear_format in (None, FP8), "quantization_config", self.linear_format,
-             f"the projections can be kept as {FP8} or dense")
-        need(self.expert_format in (None, FP8, FP4), "expert_dtype", self.expert_format,
-             f"routed experts can be kept as {FP8}, {FP4} or dense")
-        need((self.linear_format is None) == (self.expert_format is None), "expert_dtype", self.expert_format,
-             f"a release quantizes both the projections and the experts or neither (projections: "
-             f"{self.linear_format})")
-        need(len(self.layer_kinds) == self.num_layers, "layer_types", list(self.layer_kinds),
-             f"needs one entry per layer (num_hidden_layers={self.num_layers})")
+        need(
+            self.linear_format in (None, FP8),
+            "quantization_config",
+            self.linear_format,
+            f"the projections can be kept as {FP8} or dense",
+        )
+        need(
+            self.expert_format in (None, FP8, FP4),
+            "expert_dtype",
+            self.expert_format,
+            f"routed experts can be kept as {FP8}, {FP4} or dense",
+        )
+        need(
+            (self.linear_format is None) == (self.expert_format is None),
+            "expert_dtype",
+            self.expert_format,
+            f"a release quantizes both the projections and the experts or neither (projections: {self.linear_format})",
+        )
+        need(
+            len(self.layer_kinds) == self.num_layers,
+            "layer_types",
+            list(self.layer_kinds),
+            f"needs one entry per layer (num_hidden_layers={self.num_layers})",
+        )
         bad = [k for k in self.layer_kinds if k not in (SWA, CSA, HCA)]
         need(not bad, "layer_types", bad, "unknown layer kind")
-        need(len(self.hash_layers) == self.num_layers, "mlp_layer_types", list(self.hash_layers),
-             f"needs one entry per layer (num_hidden_layers={self.num_layers})")
-        need(self.num_heads % self.o_groups == 0, "o_groups", self.o_groups,
-             f"must divide num_attention_heads={self.num_heads}")
-        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0, "qk_rope_head_dim",
-             self.rope_head_dim, f"must be even and in (0, head_dim={self.head_dim}]")
-        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim", self.index_head_dim,
-             f"must be >= qk_rope_head_dim={self.rope_head_dim}")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok", self.num_experts_per_tok,
-             f"must be <= n_routed_experts={self.n_routed_experts}")
+        need(
+            len(self.hash_layers) == self.num_layers,
+            "mlp_layer_types",
+            list(self.hash_layers),
+            f"needs one entry per layer (num_hidden_layers={self.num_layers})",
+        )
+        need(
+            self.num_heads % self.o_groups == 0,
+            "o_groups",
+            self.o_groups,
+            f"must divide num_attention_heads={self.num_heads}",
+        )
+        need(
+            0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
+            "qk_rope_head_dim",
+            self.rope_head_dim,
+            f"must be even and in (0, head_dim={self.head_dim}]",
+        )
+        need(
+            self.index_head_dim >= self.rope_head_dim,
+            "index_head_dim",
+            self.index_head_dim,
+            f"must be >= qk_rope_head_dim={self.rope_head_dim}",
+        )
+        need(
+            self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"must be <= n_routed_experts={self.n_routed_experts}",
+        )
         # CSA is always the overlapped kind (pooling width 2m, stride m); that needs m >= 1 and HCA must not overlap.
         need(self.csa_rate >= 2, "compress_rates.compressed_sparse_attention", self.csa_rate, "must be >= 2")
-        need(self.hca_rate >= 2 and self.hca_rate != self.csa_rate, "compress_rates.heavily_compressed_attention",
-             self.hca_rate, f"must be >= 2 and differ from the CSA rate {self.csa_rate}")
+        need(
+            self.hca_rate >= 2 and self.hca_rate != self.csa_rate,
+            "compress_rates.heavily_compressed_attention",
+            self.hca_rate,
+            f"must be >= 2 and differ from the CSA rate {self.csa_rate}",
+        )
 
 
 # ---- parsing config.json ------------------------------------------------------------------------------------------
+
 
 def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     if raw.get("layer_types") is not None:
@@ -180,8 +237,10 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[str, ...]:
         ratios = list(raw["compress_ratios"])
         bad = [r for r in ratios if r not in _LEGACY_RATIO_KINDS]
         if bad:
-            raise ConfigError(f"compress_ratios contains {bad!r}: the legacy key accepts only 0, 4 and 128 "
-                              "(use layer_types with compress_rates for other ratios)")
+            raise ConfigError(
+                f"compress_ratios contains {bad!r}: the legacy key accepts only 0, 4 and 128 "
+                "(use layer_types with compress_rates for other ratios)"
+            )
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_hidden_layers={n}")
         return tuple(_LEGACY_RATIO_KINDS[r] for r in ratios[:n])  # a trailing extra entry belongs to the MTP block
@@ -215,8 +274,10 @@ def _yarn(raw: dict[str, Any]) -> YarnConfig | None:
     if kind != "yarn":
         raise ConfigError(f"rope_scaling.type={kind!r}: only 'yarn' (or none) is supported for DeepSeek-V4")
     if "attention_factor" in scaling and float(scaling["attention_factor"]) != 1.0:
-        raise ConfigError(f"rope_parameters.compress.attention_factor={scaling['attention_factor']!r}: "
-                          "DeepSeek-V4 uses no YaRN mscale (must be 1.0)")
+        raise ConfigError(
+            f"rope_parameters.compress.attention_factor={scaling['attention_factor']!r}: "
+            "DeepSeek-V4 uses no YaRN mscale (must be 1.0)"
+        )
     return YarnConfig(
         factor=float(scaling["factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
@@ -265,8 +326,10 @@ def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
     expected = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": FP8_WEIGHT_BLOCK}
     for key, value in expected.items():
         if quant.get(key, value) != value:
-            raise ConfigError(f"quantization_config.{key}={quant[key]!r}: jaxserve reads DeepSeek's FP8 release "
-                              f"format ({key}={value!r})")
+            raise ConfigError(
+                f"quantization_config.{key}={quant[key]!r}: jaxserve reads DeepSeek's FP8 release "
+                f"format ({key}={value!r})"
+            )
     expert = raw.get("expert_dtype", "fp8")
     if expert not in _EXPERT_DTYPES:
         raise ConfigError(f"expert_dtype={expert!r}: must be one of {sorted(_EXPERT_DTYPES)}")
@@ -399,9 +462,15 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "num_nextn_predict_layers": 0,
     }
     if cfg.quantized:
-        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                      "weight_block_size": FP8_WEIGHT_BLOCK, "activation_scheme": "dynamic"}
-        out["expert_dtype"] = {v: k for k, v in _EXPERT_DTYPES.items()}[cfg.expert_format]
+        out["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": FP8_WEIGHT_BLOCK,
+            "activation_scheme": "dynamic",
+        }
+        if cfg.expert_format is not None:  # FP8 projections may come with unquantized experts
+            out["expert_dtype"] = {v: k for k, v in _EXPERT_DTYPES.items()}[cfg.expert_format]
     if cfg.yarn is not None:
         out["rope_scaling"] = {
             "type": "yarn",
@@ -415,14 +484,24 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 # ---- engine knobs ------------------------------------------------------------------------------------------------
 
-_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'80GiB', '141GB', '24e9' -> bytes."""
     number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].upper()
+    unit = text.strip()[len(number) :].upper()
     try:
         value = float(number) * _BYTE_UNITS[unit]
     except (ValueError, KeyError):
@@ -452,8 +531,9 @@ class Flag:
     metavar: str | None = None
 
 
-def flag(type: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None,
-         metavar: str | None = None) -> dict[str, Flag]:
+def flag(
+    type: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None
+) -> dict[str, Flag]:
     """A dataclass field's metadata declaring its flag: `jaxserve.cli` gives every such field one."""
     return {"flag": Flag(type, help, choices, metavar)}
 
@@ -467,21 +547,24 @@ INTERLEAVE_HELP = (
     "token; larger N: the reverse. Under asynchronous dispatch the longest wait for the next token of a running "
     "request is about (N+1) x t_chunk + t_decode (t_chunk: one prefill step of --chunked-prefill-size tokens, "
     "t_decode: one decode step). Setting it turns the default mixed steps off (see --mixed-batches). Unset or 0: no "
-    "count.")
+    "count."
+)
 
 STALL_HELP = (
     "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its next "
     "token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next chunk "
     "(page-aligned, with a floor) or takes a decode step when the next prefill step would break the budget. Requests "
     "still waiting for their first token are not held back. Composes with --decode-interleave-every (whichever is due"
-    " first wins).")
+    " first wins)."
+)
 
 MIXED_HELP = (
     "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that many "
     "tokens so the step costs what a pure chunk does: running requests advance every step, so their longest wait is "
     "about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those keep their "
     "own semantics over pure prefill steps; add --mixed-batches to combine). --no-mixed-batches without either: "
-    "prefill-first")
+    "prefill-first"
+)
 
 
 @dataclass(frozen=True)
@@ -489,78 +572,129 @@ class EngineConfig:
     """Every engine knob, one field per CLI flag, each declared in its field's metadata (`flag`); the HTTP server's
     are jaxserve.server.config's ServerConfig."""
 
-    model: str | None = field(default=None, metadata=flag(str,
-        "checkpoint folder (safetensors, or an orbax conversion); default: the embedded tiny DeepSeek-V4",
-        metavar="PATH"))
+    model: str | None = field(
+        default=None,
+        metadata=flag(
+            str,
+            "checkpoint folder (safetensors, or an orbax conversion); default: the embedded tiny DeepSeek-V4",
+            metavar="PATH",
+        ),
+    )
     dtype: str = field(default="bfloat16", metadata=flag(str, "weights and activations", choices=SUPPORTED_DTYPES))
-    quantization: str = field(default="auto", metadata=flag(str,
-        "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 projections and FP4 experts stay FP8 / "
-        "FP4 on the devices, with their block scales, and are decoded inside each matmul); none: dequantize them to "
-        "--dtype at load",
-        choices=QUANTIZATION_MODES))
-    kv_cache_dtype: str = field(default="auto", metadata=flag(str,
-        "how the KV cache stores the window and compressed entries: auto: --dtype; fp8: e4m3 with a power-of-two scale"
-        " per 64 dims, the RoPE dims in bfloat16, indexer keys e4m3 with a float32 scale each (about 0.56x bfloat16's "
-        "bytes per token)",
-        choices=KV_CACHE_DTYPES))
-    kernels: str = field(default="auto", metadata=flag(str,
-        "which implementation runs the kernel-worthy operations (grouped expert matmul, FP8 block-scaled matmul, "
-        "sparse attention): reference: the pure-JAX references; pallas: the Pallas kernels (interpreted on CPU: for "
-        "tests); auto: Pallas where it compiles for the devices (GPUs), the references elsewhere",
-        choices=KERNEL_CHOICES))
-    device_memory: int | None = field(default=None, metadata=flag(parse_bytes,
-        "memory of one device (80GiB, 141GB, 24e9) to check the model against before loading it, of which JAX's share "
-        "is usable ($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: what the device reports; none on CPU: no "
-        "check)",
-        metavar="BYTES"))
-    seed: int = field(default=0, metadata=flag(int,
-        "base of the per-request sampling seeds of requests that bring none"
-    ))
-    tensor_parallel_size: int = field(default=1, metadata=flag(int,
-        "devices that split attention heads and the vocabulary"
-    ))
-    expert_parallel_size: int = field(default=1, metadata=flag(int,
-        "devices that split the routed experts (with the tensor axis)"
-    ))
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            str,
+            "auto: keep the weights as the checkpoint ships them (DeepSeek's FP8 projections and FP4 experts stay FP8 "
+            "/ FP4 on the devices, with their block scales, and are decoded inside each matmul); none: dequantize them"
+            " to --dtype at load",
+            choices=QUANTIZATION_MODES,
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            str,
+            "how the KV cache stores the window and compressed entries: auto: --dtype; fp8: e4m3 with a power-of-two "
+            "scale per 64 dims, the RoPE dims in bfloat16, indexer keys e4m3 with a float32 scale each (about 0.56x "
+            "bfloat16's bytes per token)",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    kernels: str = field(
+        default="auto",
+        metadata=flag(
+            str,
+            "which implementation runs the kernel-worthy operations (grouped expert matmul, FP8 block-scaled matmul, "
+            "sparse attention): reference: the pure-JAX references; pallas: the Pallas kernels (interpreted on CPU: "
+            "for tests); auto: Pallas where it compiles for the devices (GPUs), the references elsewhere",
+            choices=KERNEL_CHOICES,
+        ),
+    )
+    device_memory: int | None = field(
+        default=None,
+        metadata=flag(
+            parse_bytes,
+            "memory of one device (80GiB, 141GB, 24e9) to check the model against before loading it, of which JAX's "
+            "share is usable ($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: what the device reports; none "
+            "on CPU: no check)",
+            metavar="BYTES",
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=flag(int, "base of the per-request sampling seeds of requests that bring none")
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata=flag(int, "devices that split attention heads and the vocabulary")
+    )
+    expert_parallel_size: int = field(
+        default=1, metadata=flag(int, "devices that split the routed experts (with the tensor axis)")
+    )
     # Defaults sized so the embedded default starts quickly on a small CPU: every step shape the buckets imply is
     # compiled at start (2 x 3 prefill, 4 decode and 2 x 2 mixed shapes).
-    max_num_seqs: int = field(default=8, metadata=flag(int,
-        "requests running at once (KV slots), also the largest decode batch"
-    ))
-    max_model_len: int | None = field(default=None, metadata=flag(int,
-        "prompt + completion tokens of one request (default: the model's, at most 16384)"
-    ))
+    max_num_seqs: int = field(
+        default=8, metadata=flag(int, "requests running at once (KV slots), also the largest decode batch")
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=flag(int, "prompt + completion tokens of one request (default: the model's, at most 16384)"),
+    )
     chunked_prefill_size: int = field(default=256, metadata=flag(int, "prompt tokens in one prefill step"))
     max_prefill_rows: int = field(default=2, metadata=flag(int, "prompts in one prefill step"))
-    num_kv_pages: int | None = field(default=None, metadata=flag(int,
-        "KV cache pages (default: enough for --max-num-seqs requests of --max-model-len)"
-    ))
-    page_size: int = field(default=128, metadata=flag(int,
-        "tokens per KV page; a multiple of every compress rate of the model"
-    ))
-    max_queued_requests: int = field(default=256, metadata=flag(int,
-        "requests waiting for admission; more are refused (HTTP 429)"
-    ))
+    num_kv_pages: int | None = field(
+        default=None,
+        metadata=flag(int, "KV cache pages (default: enough for --max-num-seqs requests of --max-model-len)"),
+    )
+    page_size: int = field(
+        default=128, metadata=flag(int, "tokens per KV page; a multiple of every compress rate of the model")
+    )
+    max_queued_requests: int = field(
+        default=256, metadata=flag(int, "requests waiting for admission; more are refused (HTTP 429)")
+    )
     decode_interleave_every: int | None = field(default=None, metadata=flag(int, INTERLEAVE_HELP))
     max_decode_stall_ms: float | None = field(default=None, metadata=flag(float, STALL_HELP, metavar="MS"))
     mixed_batches: bool | None = field(default=None, metadata=flag(bool, MIXED_HELP))
-    scheduling_policy: str = field(default="fcfs", metadata=flag(str,
-        "the order waiting requests are admitted in: fcfs: first come, first served; priority: by each request's "
-        "`priority` field, lower first (first come, first served among equals; requests already running are never "
-        "preempted)",
-        choices=SCHEDULING_POLICIES))
-    compilation_cache_dir: str | None = field(default=None, metadata=flag(str,
-        f"XLA's persistent compilation cache (default: ${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an empty "
-        "string turns it off)", metavar="DIR"))
-    async_scheduling: bool = field(default=True, metadata=flag(bool,
-        "keep one step in flight: the host schedules and dispatches the next step while the device runs this one, and "
-        "reads this one's tokens meanwhile (as vLLM's --async-scheduling)"
-    ))
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=flag(
+            str,
+            "the order waiting requests are admitted in: fcfs: first come, first served; priority: by each request's "
+            "`priority` field, lower first (first come, first served among equals; requests already running are never "
+            "preempted)",
+            choices=SCHEDULING_POLICIES,
+        ),
+    )
+    compilation_cache_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            str,
+            f"XLA's persistent compilation cache (default: ${COMPILE_CACHE_ENV}, else {DEFAULT_COMPILE_CACHE}; an "
+            f"empty "
+            "string turns it off)",
+            metavar="DIR",
+        ),
+    )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=flag(
+            bool,
+            "keep one step in flight: the host schedules and dispatches the next step while the device runs this one, "
+            "and reads this one's tokens meanwhile (as vLLM's --async-scheduling)",
+        ),
+    )
     decode_log_interval: int = field(default=50, metadata=flag(int, "log one decode step in this many"))
 
     def __post_init__(self):
-        positive = ("max_num_seqs", "chunked_prefill_size", "max_prefill_rows", "page_size", "max_queued_requests",
-                    "tensor_parallel_size", "expert_parallel_size", "decode_log_interval")
+        positive = (
+            "max_num_seqs",
+            "chunked_prefill_size",
+            "max_prefill_rows",
+            "page_size",
+            "max_queued_requests",
+            "tensor_parallel_size",
+            "expert_parallel_size",
+            "decode_log_interval",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

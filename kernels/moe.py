@@ -83,8 +83,9 @@ def gathered_matmul(x: jax.Array, w: Any, group_sizes: jax.Array, expert_offset:
     return jnp.where((group < e)[:, None], out, 0.0)
 
 
-def tiled_matmul(x: jax.Array, w: Any, group_sizes: jax.Array, tile: int,
-                 expert_offset: jax.Array | int = 0) -> jax.Array:
+def tiled_matmul(
+    x: jax.Array, w: Any, group_sizes: jax.Array, tile: int, expert_offset: jax.Array | int = 0
+) -> jax.Array:
     """grouped_matmul over (tile, group) work items: item i multiplies tile `tile_of[i]` by expert `group[i]`; in
     passes of as many items as DECODE_PASS_BYTES of decoded experts allow."""
     m, d = x.shape
@@ -115,6 +116,10 @@ def tiled_matmul(x: jax.Array, w: Any, group_sizes: jax.Array, tile: int,
     if passes == 1:
         out = one_pass(item)
     else:
-        out = jax.lax.fori_loop(0, passes, lambda i, acc: acc + one_pass(i * per_pass + jnp.arange(per_pass)),
-                                jnp.zeros((n_tiles, tile, f), F32))
+        out = jax.lax.fori_loop(
+            0,
+            passes,
+            lambda i, acc: acc + one_pass(i * per_pass + jnp.arange(per_pass)),
+            jnp.zeros((n_tiles, tile, f), F32),
+        )
     return out.reshape(n_tiles * tile, f)[:m]

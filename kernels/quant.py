@@ -163,6 +163,7 @@ def take(w: Any, index: jax.Array) -> Any:
 
 # ---- quantizing (tests, benchmarks' random weights, the checkpoint writer) ------------------------------------------
 
+
 def _block_amax(w: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
     """max |w| over each block (partial blocks at the ends included)."""
     lead = len(w.shape) - len(blocks)
@@ -186,8 +187,9 @@ def quantize(w: jax.Array, fmt: str, blocks: tuple[int, ...]) -> Quantized:
     even; FP4 pairs packed along axis -2)."""
     codes_shape(fmt, tuple(w.shape))  # validates the format and the packing axis
     top, floor = (FP8_MAX, 1e-4) if fmt == FP8 else (FP4_MAX, 1e-12)
-    exponent = jnp.clip(_pow2_exponent_at_least(jnp.maximum(_block_amax(w, blocks), floor) / top),
-                        -SCALE_BIAS, SCALE_BIAS)
+    exponent = jnp.clip(
+        _pow2_exponent_at_least(jnp.maximum(_block_amax(w, blocks), floor) / top), -SCALE_BIAS, SCALE_BIAS
+    )
     scaled = w.astype(F32) / _expand(jnp.ldexp(jnp.ones((), F32), exponent), blocks, tuple(w.shape))
     scales = (exponent + SCALE_BIAS).astype(jnp.uint8)
     if fmt == FP8:

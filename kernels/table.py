@@ -9,16 +9,16 @@ else in jaxserve tests the backend or picks an implementation. `--kernels`:
   every reference).
 
 Operations without a Pallas kernel yet run their reference under every choice: the lightning indexer's scoring
-and top-k (`kernels.indexer`), FP8 KV storage (`kernels.kv_quant`, reached through `jaxserve.model.cache`), and the paged
-reads of compressed entries, which the model gathers before `sink_attention` sees them.
+and top-k (`kernels.indexer`), FP8 KV storage (`kernels.kv_quant`, reached through `jaxserve.model.cache`), and the
+paged reads of compressed entries, which the model gathers before `sink_attention` sees them.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 from . import attention, indexer, moe, quant
 

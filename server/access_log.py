@@ -37,8 +37,19 @@ class AccessLog:
             who = f"{client[0]}:{client[1]}" if client else "-"
             query = f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""
             generations = request_state.get("generations")
-            tokens = ("" if not generations else
-                      f" prompt_tokens={len(generations[0].handle.prompt_ids)} "
-                      f"completion_tokens={sum(g.num_generated for g in generations)}")
-            log.info('%s "%s %s%s" %s%s %.3f s', who, scope["method"], scope["path"], query, status, tokens,
-                     time.monotonic() - started)
+            tokens = (
+                ""
+                if not generations
+                else f" prompt_tokens={len(generations[0].handle.prompt_ids)} "
+                f"completion_tokens={sum(g.num_generated for g in generations)}"
+            )
+            log.info(
+                '%s "%s %s%s" %s%s %.3f s',
+                who,
+                scope["method"],
+                scope["path"],
+                query,
+                status,
+                tokens,
+                time.monotonic() - started,
+            )

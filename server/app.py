@@ -25,8 +25,13 @@ from jaxserve.server.stats_log import log_stats_forever
 from jaxserve.server.tokenize import router as tokenize_router
 
 
-def create_app(engine: Engine, tokenizer, served_model_name: str, config: ServerConfig = ServerConfig(),
-               model_path: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    tokenizer,
+    served_model_name: str,
+    config: ServerConfig = ServerConfig(),
+    model_path: str | None = None,
+) -> FastAPI:
     state = ServerState(engine, tokenizer, served_model_name, model_path=model_path, api_key=config.api_key)
 
     @contextlib.asynccontextmanager

@@ -15,5 +15,8 @@ async def require_api_key(request: Request) -> None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "Invalid or missing API key: send `Authorization: Bearer <key>`",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -18,26 +18,38 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 class ServerConfig:
     """One field per CLI flag of `jaxserve serve`, declared in its metadata (jaxserve.config.flag)."""
 
-    served_model_name: str | None = field(default=None, metadata=flag(str,
-        f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or the --model folder's name)",
-        metavar="NAME"))
-    log_stats_interval: float = field(default=5.0, metadata=flag(float,
-        "seconds between throughput lines while busy; <= 0: never"
-    ))
+    served_model_name: str | None = field(
+        default=None,
+        metadata=flag(
+            str,
+            f"the model name clients use (default: {DEFAULT_SERVED_NAME}, or the --model folder's name)",
+            metavar="NAME",
+        ),
+    )
+    log_stats_interval: float = field(
+        default=5.0, metadata=flag(float, "seconds between throughput lines while busy; <= 0: never")
+    )
     host: str = field(default="127.0.0.1", metadata=flag(str, "address to listen on", metavar="HOST"))
     port: int = field(default=8000, metadata=flag(int, "port to listen on (0: any free port)"))
-    api_key: str | None = field(default=None, metadata=flag(str,
-        "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)",
-        metavar="KEY"))
-    shutdown_timeout: float = field(default=30.0, metadata=flag(float,
-        "seconds running requests get to finish after SIGTERM"
-    ))
-    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata=flag(int,
-        "larger request bodies are refused with HTTP 413, unread",
-        metavar="BYTES"))
-    access_log: bool = field(default=True, metadata=flag(bool,
-        "log one line per request (client, method, path, status, prompt and completion tokens, seconds)"
-    ))
+    api_key: str | None = field(
+        default=None,
+        metadata=flag(
+            str, "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)", metavar="KEY"
+        ),
+    )
+    shutdown_timeout: float = field(
+        default=30.0, metadata=flag(float, "seconds running requests get to finish after SIGTERM")
+    )
+    max_request_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metadata=flag(int, "larger request bodies are refused with HTTP 413, unread", metavar="BYTES"),
+    )
+    access_log: bool = field(
+        default=True,
+        metadata=flag(
+            bool, "log one line per request (client, method, path, status, prompt and completion tokens, seconds)"
+        ),
+    )
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -50,6 +62,9 @@ class ServerConfig:
             raise ConfigError("api_key='': an empty key would let anyone in; leave --api-key out for an open server")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout!r}: must be >= 0")
-        if (not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool)
-                or self.max_request_bytes <= 0):
+        if (
+            not isinstance(self.max_request_bytes, int)
+            or isinstance(self.max_request_bytes, bool)
+            or self.max_request_bytes <= 0
+        ):
             raise ConfigError(f"max_request_bytes={self.max_request_bytes!r}: must be a positive integer")

@@ -16,9 +16,16 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("jaxserve.server")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-               413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "BadRequestError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 RETRY_AFTER_SECONDS = 1  # for 429 / 503: the openai client retries politely after this
 
 
@@ -40,8 +47,7 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": status}}
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
 
 
 def bad_request(param: str | None, message: str) -> APIError:

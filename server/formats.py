@@ -19,15 +19,18 @@ from __future__ import annotations
 import time
 import uuid
 
+from jaxserve.request import TokenLogprob
 from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
 from jaxserve.text.generation import Delta, Output
-from jaxserve.request import TokenLogprob
 from jaxserve.text.tokenizer import token_id_text
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class _Format:
@@ -36,8 +39,16 @@ class _Format:
     response_object: str
     keeps_markup = False  # whether the output text keeps the chat markup (for a parser) or drops special tokens
 
-    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
-                 logprobs: bool = False, tokens_as_ids: bool = False):
+    def __init__(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        return_token_ids: bool,
+        tokenizer,
+        n: int = 1,
+        logprobs: bool = False,
+        tokens_as_ids: bool = False,
+    ):
         """`tokenizer` names the tokens in logprobs (`tokens_as_ids`: by id instead); `logprobs`: whether the
         request asked for them."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -59,13 +70,18 @@ class _Format:
         return token_id_text(token_id) if self.tokens_as_ids else self.tokenizer.token_text(token_id)
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, index: int, body: dict, finish_reason: str | None, stop_reason, token_ids,
-                logprobs: dict | None) -> dict:
-        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+    def _choice(
+        self, index: int, body: dict, finish_reason: str | None, stop_reason, token_ids, logprobs: dict | None
+    ) -> dict:
+        choice = {
+            "index": index,
+            **body,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
@@ -84,8 +100,17 @@ class _Format:
 class CompletionFormat(_Format):
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
-                 logprobs: bool = False, tokens_as_ids: bool = False, echo_text: str | None = None):
+    def __init__(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        return_token_ids: bool,
+        tokenizer,
+        n: int = 1,
+        logprobs: bool = False,
+        tokens_as_ids: bool = False,
+        echo_text: str | None = None,
+    ):
         """`echo_text`: the prompt as text, when the request asked for `echo`."""
         super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
         self.echo_text = echo_text
@@ -101,8 +126,7 @@ class CompletionFormat(_Format):
     def chunk(self, index: int, delta: Delta) -> dict:
         first = self._first(index)
         text, logprobs = self._text_and_logprobs(index, delta.text, delta.logprobs, delta.prompt_logprobs, first)
-        choice = self._choice(index, {"text": text}, delta.finish_reason, delta.stop_reason, delta.token_ids,
-                              logprobs)
+        choice = self._choice(index, {"text": text}, delta.finish_reason, delta.stop_reason, delta.token_ids, logprobs)
         if self.return_token_ids and first:
             choice["prompt_token_ids"] = self.prompt_ids
         return self._envelope(self.chunk_object, [choice])
@@ -110,10 +134,10 @@ class CompletionFormat(_Format):
     def response(self, outputs: list[Output]) -> dict:
         choices = []
         for index, output in enumerate(outputs):
-            text, logprobs = self._text_and_logprobs(index, output.text, output.logprobs, output.prompt_logprobs,
-                                                     True)
-            choice = self._choice(index, {"text": text}, output.finish_reason, output.stop_reason, output.token_ids,
-                                  logprobs)
+            text, logprobs = self._text_and_logprobs(index, output.text, output.logprobs, output.prompt_logprobs, True)
+            choice = self._choice(
+                index, {"text": text}, output.finish_reason, output.stop_reason, output.token_ids, logprobs
+            )
             if self.return_token_ids:
                 choice["prompt_token_ids"] = self.prompt_ids
             choices.append(choice)
@@ -154,8 +178,17 @@ class ChatFormat(_Format):
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
     keeps_markup = True
 
-    def __init__(self, model: str, prompt_ids: list[int], return_token_ids: bool, tokenizer, n: int = 1,
-                 logprobs: bool = False, tokens_as_ids: bool = False, options: ChatOptions = ChatOptions()):
+    def __init__(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        return_token_ids: bool,
+        tokenizer,
+        n: int = 1,
+        logprobs: bool = False,
+        tokens_as_ids: bool = False,
+        options: ChatOptions = ChatOptions(),
+    ):
         super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
         self.options = options
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
@@ -166,8 +199,10 @@ class ChatFormat(_Format):
 
     def opening_chunks(self) -> list[dict]:
         # As OpenAI and vLLM do: the role first, with no content yet.
-        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for i in range(self.n)]
+        choices = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.n)
+        ]
         return [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
 
     def chunk(self, index: int, delta: Delta) -> dict:
@@ -179,23 +214,31 @@ class ChatFormat(_Format):
         if parsed.reasoning:
             body["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
-            body["tool_calls"] = [{"index": self._num_calls[index] + k, **call.to_openai()}
-                                  for k, call in enumerate(parsed.tool_calls)]
+            body["tool_calls"] = [
+                {"index": self._num_calls[index] + k, **call.to_openai()} for k, call in enumerate(parsed.tool_calls)
+            ]
             self._num_calls[index] += len(parsed.tool_calls)
         finish = self._finish_reason(delta.finish_reason, self._num_calls[index] > 0)
         logprobs = self._logprobs(delta.logprobs) if self.logprobs and delta.token_ids else None
-        return self._envelope(self.chunk_object,
-                              [self._choice(index, {"delta": body}, finish, delta.stop_reason, delta.token_ids,
-                                            logprobs)])
+        return self._envelope(
+            self.chunk_object,
+            [self._choice(index, {"delta": body}, finish, delta.stop_reason, delta.token_ids, logprobs)],
+        )
 
     def response(self, outputs: list[Output]) -> dict:
         choices = []
         for index, output in enumerate(outputs):
             parsed = parse_output(output.text, self.options)
-            choices.append(self._choice(index, {"message": self._message(parsed)},
-                                        self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
-                                        output.stop_reason, output.token_ids,
-                                        self._logprobs(output.logprobs) if self.logprobs else None))
+            choices.append(
+                self._choice(
+                    index,
+                    {"message": self._message(parsed)},
+                    self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
+                    output.stop_reason,
+                    output.token_ids,
+                    self._logprobs(output.logprobs) if self.logprobs else None,
+                )
+            )
         return self._envelope(self.response_object, choices, usage=self._usage(outputs), **self._prompt_ids())
 
     def _logprobs(self, logprobs) -> dict:
@@ -203,14 +246,20 @@ class ChatFormat(_Format):
             token = self.token_text(token_id)
             return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in logprobs or ()]}
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in logprobs or ()
+            ]
+        }
 
     @staticmethod
     def _message(parsed: ParsedDelta) -> dict:
-        message: dict = {"role": "assistant",
-                         "content": parsed.content if parsed.content or not parsed.tool_calls else None,
-                         "reasoning_content": parsed.reasoning or None}
+        message: dict = {
+            "role": "assistant",
+            "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+            "reasoning_content": parsed.reasoning or None,
+        }
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         return message

@@ -33,8 +33,12 @@ class LoadingGate:
 class RequestTooLarge(APIError):
     def __init__(self, size: str, max_bytes: int):
         # Connection: close, so the server drops the connection instead of reading the rest of the body.
-        super().__init__(413, f"The request body is too large: {size} bytes, more than the server's limit of "
-                              f"{max_bytes} bytes (--max-request-bytes)", headers={"Connection": "close"})
+        super().__init__(
+            413,
+            f"The request body is too large: {size} bytes, more than the server's limit of "
+            f"{max_bytes} bytes (--max-request-bytes)",
+            headers={"Connection": "close"},
+        )
 
 
 class BodyLimit:

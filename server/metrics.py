@@ -2,16 +2,17 @@
 
 Latency histograms are measured here, per request, from the server's arrival time (so time to first token
 includes tokenization and queueing, as in vLLM); gauges, token and step counters and finished requests by reason
-are the engine's own counters, read from `engine.stats()` at scrape time (the logs read the same ones). Each app has its own registry, so several apps can live in one process.
+are the engine's own counters, read from `engine.stats()` at scrape time (the logs read the same ones). Each app has
+its own registry, so several apps can live in one process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from typing import Callable
 
 from jaxserve.engine import Engine, EngineStats
 from jaxserve.request.step import ForcedBy
@@ -21,12 +22,74 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "jaxserve:"
 
 # vLLM's buckets, so dashboards built for it read the same.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 # metric name -> (help, its value in an EngineStats); gauges then counters.
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
@@ -40,12 +103,15 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "prefill_steps": ("Steps that prefilled (mixed steps included).", lambda s: s.steps.prefill),
     "decode_steps": ("Decode-only steps.", lambda s: s.steps.decode),
     "mixed_steps": ("Prefill steps that also advanced every decoding request by one token.", lambda s: s.steps.mixed),
-    "forced_decode_steps": ("Decode steps a policy put ahead of waiting prefill work.",
-                            lambda s: s.steps.forced_total),
-    "interleave_decode_steps": ("Decode steps --decode-interleave-every asked for.",
-                                lambda s: s.steps.forced[ForcedBy.INTERLEAVE]),
-    "stall_decode_steps": ("Decode steps the --max-decode-stall-ms budget asked for.",
-                           lambda s: s.steps.forced[ForcedBy.STALL]),
+    "forced_decode_steps": ("Decode steps a policy put ahead of waiting prefill work.", lambda s: s.steps.forced_total),
+    "interleave_decode_steps": (
+        "Decode steps --decode-interleave-every asked for.",
+        lambda s: s.steps.forced[ForcedBy.INTERLEAVE],
+    ),
+    "stall_decode_steps": (
+        "Decode steps the --max-decode-stall-ms budget asked for.",
+        lambda s: s.steps.forced[ForcedBy.STALL],
+    ),
 }
 
 
@@ -61,8 +127,9 @@ class _EngineCollector:
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric([self.model_name], value(stats))
                 yield family
-        finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                       labels=["model_name", "finished_reason"])
+        finished = CounterMetricFamily(
+            PREFIX + "request_success", "Finished requests, by finish reason.", labels=["model_name", "finished_reason"]
+        )
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
@@ -71,7 +138,7 @@ class _EngineCollector:
 class RequestTimer:
     """One request's timing, fed by its Generation (see generation.Observer)."""
 
-    def __init__(self, metrics: "ServerMetrics", arrival: float):
+    def __init__(self, metrics: ServerMetrics, arrival: float):
         self._metrics = metrics
         self._arrival = arrival
         self._last: float | None = None
@@ -93,12 +160,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                             ITL_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
         self.registry.register(_EngineCollector(engine, model_name))
 

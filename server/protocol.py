@@ -15,20 +15,23 @@ requests; choice i samples with seed `seed + i`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
-from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
 from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
+from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
 MAX_CHOICES = 128  # the most `n` OpenAI's API takes
-SEED_RANGE = (-2**63, 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
+SEED_RANGE = (-(2**63), 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
 
 # Accepted only at the value that asks for nothing (None always is): the benchmark tools send e.g. best_of=1.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "suffix": (),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "suffix": (),
 }
 
 
@@ -63,21 +66,33 @@ class GenerationParams:
         InvalidRequest naming the client's field."""
         seed = None if self.seed is None else (self.seed + choice) % 2**32
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, seed=seed, stop_token_ids=self.stop_token_ids,
-                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=self.logit_bias,
-                                  min_tokens=self.min_tokens,
-                                  prompt_logprobs=self.logprobs if self.echo else None)
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=seed,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs,
+                logit_bias=self.logit_bias,
+                min_tokens=self.min_tokens,
+                prompt_logprobs=self.logprobs if self.echo else None,
+            )
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
 
     def renamed(self, error: InvalidRequest, prompt_field: str) -> InvalidRequest:
         """`error` with the engine's field names (prompt, max_tokens, logprobs) replaced by the ones this client
         sent."""
-        names = {"prompt": prompt_field, "max_tokens": self.max_tokens_field, "logprobs": self.logprobs_field,
-                 "prompt_logprobs": "logprobs"}
-        name = names.get(error.param)
-        if name is None or name == error.param:
+        names = {
+            "prompt": prompt_field,
+            "max_tokens": self.max_tokens_field,
+            "logprobs": self.logprobs_field,
+            "prompt_logprobs": "logprobs",
+        }
+        name = None if error.param is None else names.get(error.param)
+        if name is None or error.param is None or name == error.param:
             return error
         message = str(error)
         for old in (error.param, f"parameter={error.param}"):  # the leading field name, the context wording's
@@ -101,14 +116,15 @@ class ChatRequest:
 def parse_completion(body: Any) -> CompletionRequest:
     fields = _Fields(body)
     if fields.raw.get("top_logprobs") is not None:
-        raise bad_request("top_logprobs", "top_logprobs: /v1/completions takes `logprobs` (the number of "
-                                          "alternatives per token) instead")
+        raise bad_request(
+            "top_logprobs",
+            "top_logprobs: /v1/completions takes `logprobs` (the number of alternatives per token) instead",
+        )
     echo = fields.boolean("echo", False)
     max_tokens = fields.integer("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise bad_request("max_tokens", "max_tokens: 0 asks for the prompt alone, which only `echo: true` returns")
-    params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs",
-                                echo)
+    params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs", echo)
     return CompletionRequest(_prompt(body.get("prompt")), params)
 
 
@@ -152,8 +168,14 @@ def _chat_options(fields: _Fields) -> ChatOptions:
         raise bad_request(field, message) from None
 
 
-def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
-                       logprobs_field: str, echo: bool) -> GenerationParams:
+def _generation_params(
+    fields: _Fields,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    logprobs: int | None,
+    logprobs_field: str,
+    echo: bool,
+) -> GenerationParams:
     for name, values in NO_OP_VALUES.items():
         value = fields.raw.get(name)
         if value is not None and not any(_same(value, v) for v in values):
@@ -179,8 +201,9 @@ def _generation_params(fields: _Fields, max_tokens: int | None, max_tokens_field
         top_k=top_k if top_k > 0 else -1,  # <= 0 means off, as in vLLM
         seed=None if seed is None else seed % 2**32,
         stop=_stop_strings(fields.raw.get("stop")),
-        stop_token_ids=tuple(_token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")),
-                                        allow_empty=True)),
+        stop_token_ids=tuple(
+            _token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")), allow_empty=True)
+        ),
         ignore_eos=fields.boolean("ignore_eos", False),
         stream=stream,
         include_usage=_Fields(options, prefix="stream_options.").boolean("include_usage", False),
@@ -254,6 +277,10 @@ class _Fields:
     def _fail(self, name: str, rule: str, value: Any):
         return bad_request(self.prefix + name, f"{self.prefix}{name}: must be {rule}, got {_show(value)}")
 
+    @overload
+    def integer(self, name: str, default: int) -> int: ...
+    @overload
+    def integer(self, name: str, default: None) -> int | None: ...
     def integer(self, name: str, default: int | None) -> int | None:
         value = self.raw.get(name)
         if value is None:
@@ -270,7 +297,11 @@ class _Fields:
             raise self._fail(name, "a number", value)
         return float(value)
 
-    def boolean(self, name: str, default: bool) -> bool:
+    @overload
+    def boolean(self, name: str, default: bool) -> bool: ...
+    @overload
+    def boolean(self, name: str, default: None) -> bool | None: ...
+    def boolean(self, name: str, default: bool | None) -> bool | None:
         value = self.raw.get(name)
         if value is None:
             return default

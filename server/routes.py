@@ -11,25 +11,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
-from jaxserve.text.chat import ChatTemplateError
 from jaxserve.request import InvalidRequest
-from jaxserve.text.tokenizer import TokenizerError
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat
-from jaxserve.text.generation import Delta, Generation, Output
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
+from jaxserve.text.chat import ChatTemplateError
+from jaxserve.text.generation import Delta, Generation, Output
+from jaxserve.text.tokenizer import TokenizerError
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
@@ -44,8 +45,15 @@ HEAD_CUT_MARGIN_TOKENS = 16
 @router.get("/models")
 async def models(request: Request) -> dict:
     state: ServerState = request.app.state.server
-    card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-            "root": state.model_path, "parent": None, "max_model_len": state.context_limit}
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "jaxserve",
+        "root": state.model_path,
+        "parent": None,
+        "max_model_len": state.context_limit,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -58,8 +66,16 @@ async def completions(request: Request) -> Response:
     echo_text = None
     if params.echo:
         echo_text = parsed.prompt if isinstance(parsed.prompt, str) else state.tokenizer.decode(prompt_ids)
-    fmt = CompletionFormat(state.served_model_name, prompt_ids, params.return_token_ids, state.tokenizer, params.n,
-                           params.logprobs is not None, params.tokens_as_ids, echo_text)
+    fmt = CompletionFormat(
+        state.served_model_name,
+        prompt_ids,
+        params.return_token_ids,
+        state.tokenizer,
+        params.n,
+        params.logprobs is not None,
+        params.tokens_as_ids,
+        echo_text,
+    )
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
 
 
@@ -69,16 +85,27 @@ async def chat_completions(request: Request) -> Response:
     state, parsed = await _parse(request, parse_chat)
     prompt_ids = await run_in_threadpool(chat_prompt_ids, state, parsed)
     params = parsed.params
-    fmt = ChatFormat(state.served_model_name, prompt_ids, params.return_token_ids, state.tokenizer, params.n,
-                     params.logprobs is not None, params.tokens_as_ids, parsed.options)
+    fmt = ChatFormat(
+        state.served_model_name,
+        prompt_ids,
+        params.return_token_ids,
+        state.tokenizer,
+        params.n,
+        params.logprobs is not None,
+        params.tokens_as_ids,
+        parsed.options,
+    )
     return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
 
 
 def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
     """The prompt of a chat request: DeepSeek-V4's encoding of its messages, tools and options."""
     if not state.tokenizer.has_text:
-        raise bad_request("messages", "messages: this server has no tokenizer, so it has no chat template; use "
-                                      "/v1/completions with the prompt as a list of token ids")
+        raise bad_request(
+            "messages",
+            "messages: this server has no tokenizer, so it has no chat template; use "
+            "/v1/completions with the prompt as a list of token ids",
+        )
     try:
         return state.tokenizer.apply_chat_template(parsed.messages, parsed.options)
     except ChatTemplateError as error:
@@ -125,24 +152,34 @@ async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
     if not tokenizer.has_text:
         raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
     limit = state.context_limit
-    head = prompt[:limit * HEAD_CHARS_PER_TOKEN]
+    head = prompt[: limit * HEAD_CHARS_PER_TOKEN]
     if len(head) < len(prompt):
         # A prompt whose head alone is longer than the context is refused without tokenizing the rest (up to
         # --max-request-bytes of it). Only the last word of the head can tokenize differently in the whole prompt,
         # hence the margin.
         in_head = await run_in_threadpool(tokenizer.count, head) - HEAD_CUT_MARGIN_TOKENS
         if in_head > limit:
-            raise bad_request("prompt", f"This model's maximum context length is {limit} tokens. However, the "
-                                        f"prompt alone has more than {in_head} tokens. Please reduce the length of "
-                                        "the prompt.")
+            raise bad_request(
+                "prompt",
+                f"This model's maximum context length is {limit} tokens. However, the "
+                f"prompt alone has more than {in_head} tokens. Please reduce the length of "
+                "the prompt.",
+            )
     ids = await run_in_threadpool(tokenizer.encode, prompt)
     if not ids:
         raise bad_request("prompt", "prompt: encodes to no tokens")
     return ids
 
 
-async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams,
-                    prompt_field: str, arrival: float) -> Response:
+async def _generate(
+    request: Request,
+    state: ServerState,
+    fmt,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    prompt_field: str,
+    arrival: float,
+) -> Response:
     max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
     generations = _submit(state, fmt, prompt_ids, params, max_tokens, prompt_field, arrival)
     request.state.generations = generations  # for the access log's token counts
@@ -158,17 +195,33 @@ async def _generate(request: Request, state: ServerState, fmt, prompt_ids: list[
     return JSONResponse(fmt.response(outputs))
 
 
-def _submit(state: ServerState, fmt, prompt_ids: list[int], params: GenerationParams, max_tokens: int,
-            prompt_field: str, arrival: float) -> list[Generation]:
+def _submit(
+    state: ServerState,
+    fmt,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    max_tokens: int,
+    prompt_field: str,
+    arrival: float,
+) -> list[Generation]:
     """One engine request per choice; if any is refused, those already submitted are aborted and the refusal
     answered (429, 503 or 400 naming the client's field)."""
     generations: list[Generation] = []
     try:
         for choice in range(params.n):
-            generations.append(Generation(state.engine, state.tokenizer, prompt_ids,
-                                          params.sampling(max_tokens, choice), params.stop, fmt.request_id(choice),
-                                          state.metrics.timer(arrival), keep_markup=fmt.keeps_markup,
-                                          priority=params.priority))
+            generations.append(
+                Generation(
+                    state.engine,
+                    state.tokenizer,
+                    prompt_ids,
+                    params.sampling(max_tokens, choice),
+                    params.stop,
+                    fmt.request_id(choice),
+                    state.metrics.timer(arrival),
+                    keep_markup=fmt.keeps_markup,
+                    priority=params.priority,
+                )
+            )
     except (QueueFull, EngineDraining, InvalidRequest) as error:
         for generation in generations:
             state.engine.abort(generation.handle.request_id)

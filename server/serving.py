@@ -38,8 +38,9 @@ class BackgroundServer:
     def __init__(self, app, sock: socket.socket):
         # log_config=None: uvicorn's loggers go through the process's logging set-up; at "warning" its start-up
         # chatter is left out (the caller announces listening and ready itself) but its errors are not.
-        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=GRACE_SECONDS)
+        config = uvicorn.Config(
+            app, log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_SECONDS
+        )
         self._server = uvicorn.Server(config)
         self._socket = sock
         self.stopped = threading.Event()  # set when serving ends, for whatever reason

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -38,5 +38,8 @@ async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
     # A client that disconnects makes Starlette cancel this stream; the cancellation reaches the Generation,
     # which aborts its engine request.
-    return StreamingResponse(_events(chunks), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _events(chunks),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

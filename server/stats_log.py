@@ -20,12 +20,14 @@ def stats_line(before: EngineStats, after: EngineStats, seconds: float) -> str |
     prompt, generated = after.prompt_tokens - before.prompt_tokens, after.generation_tokens - before.generation_tokens
     if not (prompt or generated or any(steps.values()) or after.running or after.waiting):
         return None
-    return (f"Avg prompt throughput: {prompt / seconds:.1f} tok/s, "
-            f"Avg generation throughput: {generated / seconds:.1f} tok/s, "
-            f"Running: {after.running} reqs ({after.prefilling} prefilling), Waiting: {after.waiting} reqs, "
-            f"KV cache usage: {after.kv_usage:.1%}, "
-            f"Steps: {steps[StepKind.PREFILL]} prefill, {steps[StepKind.MIXED]} mixed, {steps[StepKind.DECODE]} "
-            f"decode ({forced[ForcedBy.INTERLEAVE]} interleaved, {forced[ForcedBy.STALL]} for the stall budget)")
+    return (
+        f"Avg prompt throughput: {prompt / seconds:.1f} tok/s, "
+        f"Avg generation throughput: {generated / seconds:.1f} tok/s, "
+        f"Running: {after.running} reqs ({after.prefilling} prefilling), Waiting: {after.waiting} reqs, "
+        f"KV cache usage: {after.kv_usage:.1%}, "
+        f"Steps: {steps[StepKind.PREFILL]} prefill, {steps[StepKind.MIXED]} mixed, {steps[StepKind.DECODE]} "
+        f"decode ({forced[ForcedBy.INTERLEAVE]} interleaved, {forced[ForcedBy.STALL]} for the stall budget)"
+    )
 
 
 async def log_stats_forever(engine: Engine, interval: float) -> None:

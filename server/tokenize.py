@@ -39,8 +39,12 @@ async def tokenize(request: Request) -> dict:
         if not isinstance(prompt, str):
             raise bad_request("prompt", f"prompt: must be a string, got {type(prompt).__name__}")
         ids = tokenizer.encode(prompt, add_special_tokens=add_special)
-    return {"count": len(ids), "max_model_len": state.context_limit, "tokens": ids,
-            "token_strs": [tokenizer.id_to_token(i) for i in ids] if return_strs else None}
+    return {
+        "count": len(ids),
+        "max_model_len": state.context_limit,
+        "tokens": ids,
+        "token_strs": [tokenizer.id_to_token(i) for i in ids] if return_strs else None,
+    }
 
 
 @router.post("/detokenize")

@@ -12,14 +12,12 @@ last one ended, two rows of one step sharing a slot or a page, a row whose pages
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
-
-import numpy as np
+from collections.abc import Callable
 
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.request import TokenLogprob
-from jaxserve.runner import Buckets
 from jaxserve.request.step import RowOutput, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.runner import Buckets
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = 2**31 - 1
@@ -38,7 +36,7 @@ def continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
     history = list(prompt)
     for _ in range(n):
         history.append(next_token(history, vocab))
-    return history[len(prompt):]
+    return history[len(prompt) :]
 
 
 class ScriptedModel:
@@ -65,8 +63,13 @@ class ScriptedModel:
 
 
 class FakeRunner:
-    def __init__(self, geometry: CacheGeometry, buckets: Buckets, vocab: int,
-                 model: Callable[[object, list[int]], int] | None = None):
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        buckets: Buckets,
+        vocab: int,
+        model: Callable[[object, list[int]], int] | None = None,
+    ):
         self.geometry = geometry
         self.buckets = buckets
         self.vocab = vocab
@@ -76,9 +79,12 @@ class FakeRunner:
         self.steps: list[StepPlan] = []
         self.fail = None  # a callable(plan) -> Exception | None, to inject failures
         self.lose_cache_on_failure = False
-        self._limits = StepLimits(prefill_tokens=max(buckets.prefill_chunks), prefill_rows=max(buckets.prefill_rows),
-                                  decode_rows=max(buckets.decode_rows),
-                                  mixed_decode_rows=buckets.mixed_decode_group.rows if buckets.mixed else 0)
+        self._limits = StepLimits(
+            prefill_tokens=max(buckets.prefill_chunks),
+            prefill_rows=max(buckets.prefill_rows),
+            decode_rows=max(buckets.decode_rows),
+            mixed_decode_rows=buckets.mixed_decode_group.rows if buckets.mixed else 0,
+        )
         self.reset_cache()
 
     def warmup(self, shapes=None, show_progress: bool = False, stop=None) -> None:
@@ -87,7 +93,6 @@ class FakeRunner:
     def limits(self) -> StepLimits:
         """Every bucket is "compiled"."""
         return self._limits
-
 
     def cache_lost(self) -> bool:
         return self._lost
@@ -103,7 +108,7 @@ class FakeRunner:
     def run(self, plan: StepPlan) -> StepOutput:
         return self.dispatch(plan).result()
 
-    def dispatch(self, plan: StepPlan) -> "FakeStep":
+    def dispatch(self, plan: StepPlan) -> FakeStep:
         """Computes at once; a failure injected by `fail` surfaces when the result is waited for, as a device error
         would. Like the real runner, a decode row's input is the token its slot kept, at the row's position."""
         error = self.fail(plan) if self.fail is not None else None
@@ -121,8 +126,9 @@ class FakeRunner:
         assert len(plan.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
         if plan.kind is StepKind.MIXED:
             assert limits.mixed, "a mixed step before mixed shapes compiled"
-            assert plan.num_prefill_tokens + limits.mixed_decode_rows <= limits.prefill_tokens, \
+            assert plan.num_prefill_tokens + limits.mixed_decode_rows <= limits.prefill_tokens, (
                 "a mixed step whose chunk and decode rows exceed a pure chunk's tokens"
+            )
         out = []
         for row in plan.rows:
             request = row.request
@@ -139,8 +145,11 @@ class FakeRunner:
             token = self.model(request, written)
             if row.samples_output:
                 self._kept[request.slot] = token
-            prompt = None if request.sampling.prompt_logprobs is None or row.decode else \
-                [certain(t, request.sampling.prompt_logprobs) for t in row.prompt_logprob_targets]
+            prompt = (
+                None
+                if request.sampling.prompt_logprobs is None or row.decode
+                else [certain(t, request.sampling.prompt_logprobs) for t in row.prompt_logprob_targets]
+            )
             out.append(RowOutput(token, certain(token, row.logprobs), prompt))
         self.steps.append(plan)
         split = len(plan.prefill)

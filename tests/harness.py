@@ -5,15 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, pages_needed
 from jaxserve.config import ModelConfig
+from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, pages_needed
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.weights import init_weights
 from jaxserve.model.sharding import shardings_for
+from jaxserve.model.weights import init_weights
 
 forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
 
@@ -22,13 +21,25 @@ def geometry_for(cfg: ModelConfig, rows: int, max_len: int, kv_cache_dtype: str 
     rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
     page_size = int(np.lcm.reduce(rates))
     per_seq = pages_needed(max_len, page_size)
-    return CacheGeometry(num_slots=rows, num_pages=rows * per_seq + 1, page_size=page_size,
-                         max_pages_per_seq=per_seq, kv_cache_dtype=kv_cache_dtype)
+    return CacheGeometry(
+        num_slots=rows,
+        num_pages=rows * per_seq + 1,
+        page_size=page_size,
+        max_pages_per_seq=per_seq,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
-def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: list[list[int]],
-                 buckets: tuple[int, ...], forward=forward_all, mesh=None,
-                 kv_cache_dtype: str = "auto") -> list[np.ndarray]:
+def run_schedule(
+    weights,
+    cfg: ModelConfig,
+    prompts: list[np.ndarray],
+    steps: list[list[int]],
+    buckets: tuple[int, ...],
+    forward=forward_all,
+    mesh=None,
+    kv_cache_dtype: str = "auto",
+) -> list[np.ndarray]:
     """steps[k][r] = tokens row r processes at step k (0 = idle). Each step is one call whose chunk length is
     the smallest bucket that holds its longest row, so a whole schedule compiles once per bucket used.
 
@@ -52,10 +63,14 @@ def run_schedule(weights, cfg: ModelConfig, prompts: list[np.ndarray], steps: li
         tokens = np.zeros((rows, chunk), np.int32)
         for r, n in enumerate(sizes):
             assert n <= chunk and done[r] + n <= len(prompts[r]), (r, n, done[r])
-            tokens[r, :n] = prompts[r][done[r]:done[r] + n]
-        inputs = StepInputs(tokens=jnp.asarray(tokens), positions=jnp.asarray(done, jnp.int32),
-                            lengths=jnp.asarray(sizes, jnp.int32), slots=jnp.asarray(slots),
-                            page_table=jnp.asarray(page_table))
+            tokens[r, :n] = prompts[r][done[r] : done[r] + n]
+        inputs = StepInputs(
+            tokens=jnp.asarray(tokens),
+            positions=jnp.asarray(done, jnp.int32),
+            lengths=jnp.asarray(sizes, jnp.int32),
+            slots=jnp.asarray(slots),
+            page_table=jnp.asarray(page_table),
+        )
         if mesh is None:
             logits, cache = forward(weights, cache, inputs, cfg=cfg)
         else:
@@ -94,9 +109,13 @@ def memorizing_weights(cfg: ModelConfig, sequences: np.ndarray, steps: int = 50,
     rows, length = sequences.shape
     geo = geometry_for(cfg, rows, length)
     page_table = np.array([[1 + p * rows + r for p in range(geo.max_pages_per_seq)] for r in range(rows)], np.int32)
-    inputs = StepInputs(tokens=jnp.asarray(sequences), positions=jnp.zeros(rows, jnp.int32),
-                        lengths=jnp.full(rows, length, jnp.int32), slots=jnp.arange(rows, dtype=jnp.int32),
-                        page_table=jnp.asarray(page_table))
+    inputs = StepInputs(
+        tokens=jnp.asarray(sequences),
+        positions=jnp.zeros(rows, jnp.int32),
+        lengths=jnp.full(rows, length, jnp.int32),
+        slots=jnp.arange(rows, dtype=jnp.int32),
+        page_table=jnp.asarray(page_table),
+    )
     targets = jnp.asarray(sequences[:, 1:])
 
     def loss(weights):
@@ -115,7 +134,7 @@ def memorizing_weights(cfg: ModelConfig, sequences: np.ndarray, steps: int = 50,
             if not trained(w):
                 return w, m, v
             m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
-            return w - 3e-3 * (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8), m, v
+            return w - 3e-3 * (m / (1 - 0.9**t)) / (jnp.sqrt(v / (1 - 0.999**t)) + 1e-8), m, v
 
         updated = jax.tree.map(update, weights, grads, m, v)
         part = lambda i: jax.tree.map(lambda u: u[i], updated, is_leaf=lambda u: isinstance(u, tuple))  # noqa: E731

@@ -12,8 +12,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 def build_reference(raw_config: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
     torch.manual_seed(seed)
-    config = DeepseekV4Config(**{k: v for k, v in raw_config.items() if k != "model_type"},
-                              initializer_range=0.15)
+    config = DeepseekV4Config(**{k: v for k, v in raw_config.items() if k != "model_type"}, initializer_range=0.15)
     model = DeepseekV4ForCausalLM(config).float().eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -22,8 +21,9 @@ def build_reference(raw_config: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
                 tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator))
             elif name.endswith("tid2eid"):
                 n_experts = config.n_routed_experts
-                rows = [torch.randperm(n_experts, generator=generator)[: tensor.shape[1]]
-                        for _ in range(tensor.shape[0])]
+                rows = [
+                    torch.randperm(n_experts, generator=generator)[: tensor.shape[1]] for _ in range(tensor.shape[0])
+                ]
                 tensor.copy_(torch.stack(rows))
     return model
 
@@ -62,4 +62,4 @@ def reference_greedy(model: DeepseekV4ForCausalLM, prompt, n: int) -> tuple[list
         row = reference_logprobs(model, tokens)[-1]
         rows.append(row)
         tokens.append(int(np.argmax(row)))
-    return tokens[len(prompt):], np.stack(rows)
+    return tokens[len(prompt) :], np.stack(rows)

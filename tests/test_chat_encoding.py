@@ -10,37 +10,46 @@ import random
 
 import pytest
 
+from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options, parse_output, render_prompt
 from jaxserve.text.chat.output import ChatOutputParser, ParsedDelta
-from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.text.tokenizer import load_tokenizer
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 THINK, END_THINK = "<think>", "</think>"
 
-WEATHER = {"name": "get_weather", "description": "Weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                          "required": ["city"]}}
-SEARCH = {"name": "search", "description": "Búsqueda — web",
-          "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "filters": {"type": "object"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+SEARCH = {
+    "name": "search",
+    "description": "Búsqueda — web",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "filters": {"type": "object"}}},
+}
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": SEARCH}]
 
 # The release's tools section with these two tools, written out (TOOLS_TEMPLATE, schemas as one JSON line each).
 TOOLS_SECTION = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
-    "\"<｜DSML｜tool_calls>\" block like the following:\n\n"
+    '"<｜DSML｜tool_calls>" block like the following:\n\n'
     "<｜DSML｜tool_calls>\n"
-    "<｜DSML｜invoke name=\"$TOOL_NAME\">\n"
-    "<｜DSML｜parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n"
+    '<｜DSML｜invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n'
     "...\n"
     "</｜DSML｜invoke>\n"
-    "<｜DSML｜invoke name=\"$TOOL_NAME2\">\n"
+    '<｜DSML｜invoke name="$TOOL_NAME2">\n'
     "...\n"
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>\n\n"
-    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+    'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
     "<think>...</think> BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
@@ -55,126 +64,216 @@ TOOLS_SECTION = (
 # Two parallel calls, nested JSON and non-ASCII text in the arguments, as the model writes them.
 CALLS_DSML = (
     "<｜DSML｜tool_calls>\n"
-    "<｜DSML｜invoke name=\"get_weather\">\n"
-    "<｜DSML｜parameter name=\"city\" string=\"true\">São Paulo 東京 \"quoted\" \\ back</｜DSML｜parameter>\n"
-    "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">São Paulo 東京 "quoted" \\ back</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n"
-    "<｜DSML｜invoke name=\"search\">\n"
-    "<｜DSML｜parameter name=\"query\" string=\"true\">line one\nline <two> 🙂</｜DSML｜parameter>\n"
-    "<｜DSML｜parameter name=\"filters\" string=\"false\">{\"site\": [\"a.org\", \"b.org\"], \"depth\": {\"max\": 2, "
-    "\"safe\": true, \"note\": \"ünï\"}}</｜DSML｜parameter>\n"
+    '<｜DSML｜invoke name="search">\n'
+    '<｜DSML｜parameter name="query" string="true">line one\nline <two> 🙂</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="filters" string="false">{"site": ["a.org", "b.org"], "depth": {"max": 2, '
+    '"safe": true, "note": "ünï"}}</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>"
 )
-CALLS = [("get_weather", {"city": "São Paulo 東京 \"quoted\" \\ back", "days": 3}),
-         ("search", {"query": "line one\nline <two> 🙂",
-                     "filters": {"site": ["a.org", "b.org"], "depth": {"max": 2, "safe": True, "note": "ünï"}}})]
-OPENAI_CALLS = [{"id": f"call_{k}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-                for k, (name, args) in enumerate(CALLS)]
+CALLS = [
+    ("get_weather", {"city": 'São Paulo 東京 "quoted" \\ back', "days": 3}),
+    (
+        "search",
+        {
+            "query": "line one\nline <two> 🙂",
+            "filters": {"site": ["a.org", "b.org"], "depth": {"max": 2, "safe": True, "note": "ünï"}},
+        },
+    ),
+]
+OPENAI_CALLS = [
+    {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+    for k, (name, args) in enumerate(CALLS)
+]
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------------
 
+
 def test_tools_go_into_the_system_turn_and_a_tool_round_trip_renders_back():
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Weather and news?"},
-                {"role": "assistant", "content": "Checking.", "reasoning_content": "Two lookups.",
-                 "tool_calls": OPENAI_CALLS},
-                # Results come back out of order; the encoding puts them in the order of the calls.
-                {"role": "tool", "tool_call_id": "call_1", "content": "news: none"},
-                {"role": "tool", "tool_call_id": "call_0", "content": [{"type": "text", "text": "sunny"},
-                                                                        {"type": "text", "text": "25C"}]},
-                {"role": "user", "content": "Thanks, and?"}]
-    expected_turn = ("Checking.\n\n" + CALLS_DSML + EOS
-                     + USER + "<tool_result>sunny\n\n25C</tool_result>\n\n<tool_result>news: none</tool_result>"
-                     + "\n\nThanks, and?" + ASSISTANT)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather and news?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two lookups.", "tool_calls": OPENAI_CALLS},
+        # Results come back out of order; the encoding puts them in the order of the calls.
+        {"role": "tool", "tool_call_id": "call_1", "content": "news: none"},
+        {
+            "role": "tool",
+            "tool_call_id": "call_0",
+            "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "25C"}],
+        },
+        {"role": "user", "content": "Thanks, and?"},
+    ]
+    expected_turn = (
+        "Checking.\n\n"
+        + CALLS_DSML
+        + EOS
+        + USER
+        + "<tool_result>sunny\n\n25C</tool_result>\n\n<tool_result>news: none</tool_result>"
+        + "\n\nThanks, and?"
+        + ASSISTANT
+    )
     options = chat_options(tools=TOOLS)
-    assert render_prompt(messages, options) == (BOS + "Be brief.\n\n" + TOOLS_SECTION + USER + "Weather and news?"
-                                                + ASSISTANT + END_THINK + expected_turn + END_THINK)
+    assert render_prompt(messages, options) == (
+        BOS
+        + "Be brief.\n\n"
+        + TOOLS_SECTION
+        + USER
+        + "Weather and news?"
+        + ASSISTANT
+        + END_THINK
+        + expected_turn
+        + END_THINK
+    )
     # Thinking mode with tools keeps every turn's reasoning, and each answered turn opens with <think>.
     thinking = chat_options(thinking=True, tools=TOOLS)
-    assert render_prompt(messages, thinking) == (BOS + "Be brief.\n\n" + TOOLS_SECTION + USER + "Weather and news?"
-                                                 + ASSISTANT + THINK + "Two lookups." + END_THINK + expected_turn
-                                                 + THINK)
+    assert render_prompt(messages, thinking) == (
+        BOS
+        + "Be brief.\n\n"
+        + TOOLS_SECTION
+        + USER
+        + "Weather and news?"
+        + ASSISTANT
+        + THINK
+        + "Two lookups."
+        + END_THINK
+        + expected_turn
+        + THINK
+    )
     # tool_choice "none": no tools section, the history still renders.
     assert TOOLS_SECTION not in render_prompt(messages, chat_options(tools=TOOLS, tool_choice="none"))
 
 
 def test_tools_without_a_system_turn_get_an_empty_one():
     messages = [{"role": "user", "content": "hi"}]
-    assert render_prompt(messages, chat_options(tools=TOOLS)) == (BOS + "\n\n" + TOOLS_SECTION + USER + "hi"
-                                                                  + ASSISTANT + END_THINK)
+    assert render_prompt(messages, chat_options(tools=TOOLS)) == (
+        BOS + "\n\n" + TOOLS_SECTION + USER + "hi" + ASSISTANT + END_THINK
+    )
     developer = [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "hi"}]
-    assert render_prompt(developer, chat_options(tools=TOOLS)) == (BOS + USER + "Rules.\n\n" + TOOLS_SECTION + USER
-                                                                   + "hi" + ASSISTANT + END_THINK)
+    assert render_prompt(developer, chat_options(tools=TOOLS)) == (
+        BOS + USER + "Rules.\n\n" + TOOLS_SECTION + USER + "hi" + ASSISTANT + END_THINK
+    )
 
 
 def test_thinking_without_tools_drops_old_reasoning_and_old_developer_turns():
-    messages = [{"role": "developer", "content": "Old rules."}, {"role": "user", "content": "a"},
-                {"role": "assistant", "content": "b", "reasoning_content": "r1"},
-                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "reasoning_content": "r2"}]
+    messages = [
+        {"role": "developer", "content": "Old rules."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "reasoning_content": "r1"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "reasoning_content": "r2"},
+    ]
     assert render_prompt(messages, chat_options(thinking=True)) == (
-        BOS + USER + "a" + ASSISTANT + END_THINK + "b" + EOS + USER + "c" + ASSISTANT + THINK + "r2" + END_THINK
-        + "d" + EOS)
+        BOS
+        + USER
+        + "a"
+        + ASSISTANT
+        + END_THINK
+        + "b"
+        + EOS
+        + USER
+        + "c"
+        + ASSISTANT
+        + THINK
+        + "r2"
+        + END_THINK
+        + "d"
+        + EOS
+    )
     # Chat mode keeps developer turns and never renders reasoning.
-    assert render_prompt(messages) == (BOS + USER + "Old rules." + USER + "a" + ASSISTANT + END_THINK + "b" + EOS
-                                       + USER + "c" + ASSISTANT + END_THINK + "d" + EOS)
+    assert render_prompt(messages) == (
+        BOS
+        + USER
+        + "Old rules."
+        + USER
+        + "a"
+        + ASSISTANT
+        + END_THINK
+        + "b"
+        + EOS
+        + USER
+        + "c"
+        + ASSISTANT
+        + END_THINK
+        + "d"
+        + EOS
+    )
 
 
 def test_reasoning_effort_max_puts_the_release_preamble_after_bos():
     messages = [{"role": "user", "content": "q"}]
-    preamble = ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your "
-                "thinking and comprehensively decompose the problem to resolve the root cause, rigorously "
-                "stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
-                "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-                "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
-                "unchecked.\n\n")
+    preamble = (
+        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your "
+        "thinking and comprehensively decompose the problem to resolve the root cause, rigorously "
+        "stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
+        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+        "unchecked.\n\n"
+    )
     assert render_prompt(messages, chat_options(thinking=True, reasoning_effort="max")) == (
-        BOS + preamble + USER + "q" + ASSISTANT + THINK)
+        BOS + preamble + USER + "q" + ASSISTANT + THINK
+    )
     plain = BOS + USER + "q" + ASSISTANT + THINK
     assert render_prompt(messages, chat_options(thinking=True, reasoning_effort="high")) == plain
-    assert render_prompt(messages, chat_options(thinking=False, reasoning_effort="max")) == plain.replace(THINK,
-                                                                                                      END_THINK)
+    assert render_prompt(messages, chat_options(thinking=False, reasoning_effort="max")) == plain.replace(
+        THINK, END_THINK
+    )
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call():
     messages = [{"role": "user", "content": "hi"}]
     base = BOS + "\n\n" + TOOLS_SECTION + USER + "hi" + ASSISTANT + END_THINK
     named = chat_options(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}})
-    assert render_prompt(messages, named) == base + "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"search\">\n"
+    assert render_prompt(messages, named) == base + '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n'
     assert render_prompt(messages, chat_options(tools=TOOLS, tool_choice="required")) == (
-        base + "\n\n<｜DSML｜tool_calls>\n")
+        base + "\n\n<｜DSML｜tool_calls>\n"
+    )
 
 
-@pytest.mark.parametrize("kwargs, field, text", [
-    ({"reasoning_effort": "low"}, "reasoning_effort", "high, max"),
-    ({"tools": {"name": "x"}}, "tools", "must be a list"),
-    ({"tools": [{"type": "function"}]}, "tools", "tools[0].function"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}, "tools", "parameters"),
-    ({"tools": TOOLS + TOOLS[:1]}, "tools", "defined twice"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tools": TOOLS, "tool_choice": "required", "thinking": True}, "tool_choice", "thinking"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, text",
+    [
+        ({"reasoning_effort": "low"}, "reasoning_effort", "high, max"),
+        ({"tools": {"name": "x"}}, "tools", "must be a list"),
+        ({"tools": [{"type": "function"}]}, "tools", "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}, "tools", "parameters"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "defined twice"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        ({"tools": TOOLS, "tool_choice": "required", "thinking": True}, "tool_choice", "thinking"),
+    ],
+)
 def test_bad_options_name_the_field(kwargs, field, text):
     with pytest.raises(ChatTemplateError) as error:
         chat_options(**kwargs)
     assert error.value.field == field and text in str(error.value)
 
 
-@pytest.mark.parametrize("message, text", [
-    ({"role": "wizard"}, "messages[0]: role 'wizard'"),
-    ({"role": "user", "content": [{"type": "image_url"}]}, "messages[0].content[0]: only text"),
-    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
-    ({"role": "developer", "content": ""}, "messages[0].content: a developer message"),
-    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
-     "messages[0].tool_calls[0].function.arguments: must be a JSON object"),
-    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "tool_calls[0].function.name"),
-    ({"role": "assistant", "reasoning_content": 5}, "messages[0].reasoning_content"),
-])
+@pytest.mark.parametrize(
+    "message, text",
+    [
+        ({"role": "wizard"}, "messages[0]: role 'wizard'"),
+        ({"role": "user", "content": [{"type": "image_url"}]}, "messages[0].content[0]: only text"),
+        ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "developer", "content": ""}, "messages[0].content: a developer message"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+            "messages[0].tool_calls[0].function.arguments: must be a JSON object",
+        ),
+        ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "tool_calls[0].function.name"),
+        ({"role": "assistant", "reasoning_content": 5}, "messages[0].reasoning_content"),
+    ],
+)
 def test_bad_messages_name_the_message(message, text):
     with pytest.raises(ChatTemplateError) as error:
         render_prompt([message, {"role": "user", "content": "hi"}])
@@ -183,13 +282,21 @@ def test_bad_messages_name_the_message(message, text):
 
 def test_past_arguments_that_are_not_json_render_as_one_string_parameter():
     call = {"function": {"name": "run", "arguments": "ls -la"}}
-    prompt = render_prompt([{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]},
-                            {"role": "tool", "tool_call_id": "", "content": "ok"}])
-    assert ('<｜DSML｜invoke name="run">\n<｜DSML｜parameter name="arguments" string="true">ls -la'
-            '</｜DSML｜parameter>\n</｜DSML｜invoke>') in prompt
+    prompt = render_prompt(
+        [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "", "content": "ok"},
+        ]
+    )
+    assert (
+        '<｜DSML｜invoke name="run">\n<｜DSML｜parameter name="arguments" string="true">ls -la'
+        "</｜DSML｜parameter>\n</｜DSML｜invoke>"
+    ) in prompt
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
+
 
 def _calls(parsed: ParsedDelta) -> list[tuple[str, dict]]:
     return [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
@@ -203,10 +310,20 @@ OUTPUTS = [  # (options, model output, reasoning, content, calls)
     (THINKING_TOOLS, "Two cities… 🤔</think>On it.\n\n" + CALLS_DSML, "Two cities… 🤔", "On it.", CALLS),
     (THINKING_TOOLS, "no end tag, straight to tools\n\n" + CALLS_DSML, "no end tag, straight to tools", "", CALLS),
     (THINKING_TOOLS, "<think>repeated open</think>Answer: 4.", "repeated open", "Answer: 4.", []),
-    (chat_options(thinking=True), "still thinking when the tokens ran out", "still thinking when the tokens ran out",
-     "", []),
-    (ChatOptions(), "Plain answer with <b>tags</b> and \n\n newlines.\n\n", "",
-     "Plain answer with <b>tags</b> and \n\n newlines.\n\n", []),
+    (
+        chat_options(thinking=True),
+        "still thinking when the tokens ran out",
+        "still thinking when the tokens ran out",
+        "",
+        [],
+    ),
+    (
+        ChatOptions(),
+        "Plain answer with <b>tags</b> and \n\n newlines.\n\n",
+        "",
+        "Plain answer with <b>tags</b> and \n\n newlines.\n\n",
+        [],
+    ),
     # Without tools, DSML is not parsed: it is text like any other.
     (ChatOptions(), "x\n\n" + CALLS_DSML, "", "x\n\n" + CALLS_DSML, []),
     (AUTO_TOOLS, "a\n\n" + CALLS_DSML + "\ntrailing", "", "a\ntrailing", CALLS),
@@ -225,16 +342,16 @@ def test_whole_outputs_parse_into_reasoning_content_and_calls(options, text, rea
 
 
 MALFORMED = [
-    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">"
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">'
     "Paris</｜DSML｜parameter>\n",  # the output ends inside the block
     "<｜DSML｜tool_calls>\nnot an invoke\n</｜DSML｜tool_calls>",
     "<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",  # no call at all
-    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"maybe\">1"
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="maybe">1'
     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
-    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"true\">1"
-    "</｜DSML｜parameter>\n<｜DSML｜parameter name=\"a\" string=\"true\">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">1'
+    '</｜DSML｜parameter>\n<｜DSML｜parameter name="a" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
     "</｜DSML｜tool_calls>",  # a parameter twice
-    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n</｜DSML｜tool_calls>",  # invoke never closed
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜tool_calls>',  # invoke never closed
 ]
 
 
@@ -246,24 +363,30 @@ def test_malformed_tool_calls_come_back_verbatim_as_content(block):
 
 
 def test_values_marked_non_string_that_are_not_json_stay_strings():
-    text = ("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"path\" string=\"false\">"
-            "/tmp/a b</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\" string=\"false\"> 2.5 </｜DSML｜parameter>\n"
-            "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"g\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    text = (
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="path" string="false">'
+        '/tmp/a b</｜DSML｜parameter>\n<｜DSML｜parameter name="n" string="false"> 2.5 </｜DSML｜parameter>\n'
+        '</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     assert _calls(parse_output(text, AUTO_TOOLS)) == [("f", {"path": "/tmp/a b", "n": 2.5}), ("g", {})]
 
 
 def test_a_forced_call_is_read_on_from_the_prompt():
     named = chat_options(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    rest = ("<｜DSML｜parameter name=\"city\" string=\"true\">Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
-            "</｜DSML｜tool_calls>")
+    rest = (
+        '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>"
+    )
     parsed = parse_output(rest, named)
     assert (parsed.content, _calls(parsed)) == ("", [("get_weather", {"city": "Oslo"})])
     required = chat_options(tools=TOOLS, tool_choice="required")
-    assert _calls(parse_output("<｜DSML｜invoke name=\"search\">\n" + rest.replace("city", "query"), required)) == [
-        ("search", {"query": "Oslo"})]
+    assert _calls(parse_output('<｜DSML｜invoke name="search">\n' + rest.replace("city", "query"), required)) == [
+        ("search", {"query": "Oslo"})
+    ]
 
 
 # ---- streaming: any split adds up to the whole -----------------------------------------------------------------------
+
 
 def _stream(pieces, options) -> tuple[ParsedDelta, list[ParsedDelta]]:
     parser = ChatOutputParser(options)

@@ -10,18 +10,18 @@ import json
 import httpx
 import openai
 import pytest
-
 from fake_runner import FakeRunner, ScriptedModel
-from jaxserve.model.cache import kv_geometry
-from jaxserve.text.chat import chat_options, render_prompt
+from test_chat_encoding import CALLS, CALLS_DSML, TOOLS
+from test_server import serve_app
+
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
+from jaxserve.model.cache import kv_geometry
 from jaxserve.runner import Buckets
 from jaxserve.server import create_app
+from jaxserve.text.chat import chat_options, render_prompt
 from jaxserve.text.tokenizer import load_tokenizer
-from test_chat_encoding import CALLS, CALLS_DSML, TOOLS
-from test_server import serve_app
 
 MODEL = "tiny-v4"
 QUESTION = [{"role": "user", "content": "Weather in São Paulo and news?"}]
@@ -36,8 +36,9 @@ def tokenizer():
 def served(tokenizer):
     cfg = EngineConfig(max_num_seqs=4, chunked_prefill_size=256, max_prefill_rows=1, page_size=16, max_model_len=2048)
     model_cfg = load_config(default_checkpoint_path())
-    runner = FakeRunner(kv_geometry(cfg, model_cfg), Buckets.for_config(cfg), model_cfg.vocab_size,
-                        ScriptedModel(tokenizer.eos_ids[0]))
+    runner = FakeRunner(
+        kv_geometry(cfg, model_cfg), Buckets.for_config(cfg), model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0])
+    )
     engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids).start()
     try:
         with serve_app(create_app(engine, tokenizer, MODEL), engine) as server:
@@ -97,30 +98,38 @@ def test_a_tool_call_round_trip_non_streaming(client, engine, tokenizer):
     assert choice.message.role == "assistant" and choice.message.content == "Let me check."
     calls = choice.message.tool_calls
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("function", name, args) for name, args in CALLS]
+        ("function", name, args) for name, args in CALLS
+    ]
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
     # The engine got the release's encoding of the messages with the tools.
-    assert engine.prompts[-1] == tokenizer.encode(render_prompt(QUESTION, chat_options(tools=TOOLS)),
-                                                  add_special_tokens=False)
+    assert engine.prompts[-1] == tokenizer.encode(
+        render_prompt(QUESTION, chat_options(tools=TOOLS)), add_special_tokens=False
+    )
     assert "## Tools" in tokenizer.decode(engine.prompts[-1])
 
     # The client sends the calls and their results back: the next prompt renders them as the encoding does.
-    history = QUESTION + [choice.message.model_dump(exclude_none=True)] + [
-        {"role": "tool", "tool_call_id": c.id, "content": f"result {k}"} for k, c in enumerate(calls)]
+    history = (
+        QUESTION
+        + [choice.message.model_dump(exclude_none=True)]
+        + [{"role": "tool", "tool_call_id": c.id, "content": f"result {k}"} for k, c in enumerate(calls)]
+    )
     script(engine, tokenizer, "Sunny; no news.")
     answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
     assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Sunny; no news.", "stop")
     assert answer.choices[0].message.tool_calls is None
     prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
-    assert prompt.endswith("Let me check.\n\n" + CALLS_DSML + "<｜end▁of▁sentence｜><｜User｜>"
-                           "<tool_result>result 0</tool_result>\n\n<tool_result>result 1</tool_result>"
-                           "<｜Assistant｜></think>")
+    assert prompt.endswith(
+        "Let me check.\n\n" + CALLS_DSML + "<｜end▁of▁sentence｜><｜User｜>"
+        "<tool_result>result 0</tool_result>\n\n<tool_result>result 1</tool_result>"
+        "<｜Assistant｜></think>"
+    )
 
 
 def test_a_tool_call_round_trip_streaming(client, engine, tokenizer):
     script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     out = streamed(chunks)
     assert out["content"] == "Let me check." and out["reasoning_content"] == ""
@@ -142,45 +151,62 @@ def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
 
     script(engine, tokenizer, text)
     out = streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True))
-    assert (out["reasoning_content"], out["content"], out["finish_reason"]) == ("The user wants 2+2… 🤔", "It is 4.",
-                                                                                 "stop")
+    assert (out["reasoning_content"], out["content"], out["finish_reason"]) == (
+        "The user wants 2+2… 🤔",
+        "It is 4.",
+        "stop",
+    )
     assert not any("think>" in d.get("content", "") + d.get("reasoning_content", "") for d in out["deltas"])
 
     # The client passes its reasoning back: after the last user turn it is rendered, before it dropped.
     history = QUESTION + [{"role": "assistant", "content": "It is 4.", "reasoning_content": "2+2"}]
     script(engine, tokenizer, "ok")
-    client.chat.completions.create(model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}],
-                                   extra_body=kwargs)
+    client.chat.completions.create(
+        model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}], extra_body=kwargs
+    )
     assert "2+2</think>" not in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
     script(engine, tokenizer, "ok")
-    client.chat.completions.create(model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}],
-                                   tools=TOOLS, extra_body=kwargs)  # with tools, every turn keeps its reasoning
+    client.chat.completions.create(
+        model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}], tools=TOOLS, extra_body=kwargs
+    )  # with tools, every turn keeps its reasoning
     assert "<think>2+2</think>It is 4." in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
 
 
 def test_a_named_tool_choice_is_forced_and_parsed(client, engine, tokenizer):
-    script(engine, tokenizer, "<｜DSML｜parameter name=\"city\" string=\"true\">Lima</｜DSML｜parameter>\n"
-                              "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    script(
+        engine,
+        tokenizer,
+        '<｜DSML｜parameter name="city" string="true">Lima</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+    )
     choice = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("get_weather", {"city": "Lima"})]
+        ("get_weather", {"city": "Lima"})
+    ]
     assert tokenizer.decode(engine.prompts[-1]).endswith('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
 
 
 def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
     script(engine, tokenizer, "No tools.")
-    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
-                                            ).choices[0]
+    choice = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="none",
+    ).choices[0]
     assert (choice.message.content, choice.finish_reason, choice.message.tool_calls) == ("No tools.", "stop", None)
     assert "## Tools" not in tokenizer.decode(engine.prompts[-1])
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_malformed_tool_output_is_plain_content(client, engine, tokenizer, stream):
-    text = "Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\noops"
+    text = 'Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\noops'
     script(engine, tokenizer, text)
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
     if stream:
@@ -208,8 +234,16 @@ BAD = [
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"enable_thinking": "on"}}, "chat_template_kwargs.enable_thinking"),
     ({"messages": [{"role": "tool", "content": "r"}]}, "messages"),
-    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[]"}}]},
-                              {"role": "tool", "tool_call_id": "x", "content": "r"}]}, "messages"),
+    (
+        {
+            "messages": QUESTION
+            + [
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[]"}}]},
+                {"role": "tool", "tool_call_id": "x", "content": "r"},
+            ]
+        },
+        "messages",
+    ),
 ]
 
 
@@ -225,21 +259,28 @@ def test_bad_tool_and_reasoning_fields_are_a_400_naming_them(http, engine, extra
 
 # ---- tokenizer endpoints ---------------------------------------------------------------------------------------------
 
+
 def test_tokenize_detokenize_and_tokenizer_info(http, tokenizer, served):
     text = "Olá, 東京! <｜DSML｜x>"
     body = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
     ids = tokenizer.encode(text)
-    assert body == {"count": len(ids), "max_model_len": served.engine.context_limit, "tokens": ids,
-                    "token_strs": [tokenizer.id_to_token(i) for i in ids]}
+    assert body == {
+        "count": len(ids),
+        "max_model_len": served.engine.context_limit,
+        "tokens": ids,
+        "token_strs": [tokenizer.id_to_token(i) for i in ids],
+    }
     assert http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["token_strs"] is None
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
     bos_eos = [tokenizer.bos_id, *ids, tokenizer.eos_ids[0]]
     assert http.post("/detokenize", json={"tokens": bos_eos}).json()["prompt"] == (
-        "<｜begin▁of▁sentence｜>" + text + "<｜end▁of▁sentence｜>")  # special tokens kept, as in vLLM
+        "<｜begin▁of▁sentence｜>" + text + "<｜end▁of▁sentence｜>"
+    )  # special tokens kept, as in vLLM
 
     chat = {"messages": QUESTION, "tools": TOOLS, "chat_template_kwargs": {"thinking": True}}
     assert http.post("/tokenize", json=chat).json()["tokens"] == tokenizer.apply_chat_template(
-        QUESTION, chat_options(thinking=True, tools=TOOLS))
+        QUESTION, chat_options(thinking=True, tools=TOOLS)
+    )
 
     info = http.get("/tokenizer_info").json()
     assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
@@ -249,18 +290,21 @@ def test_tokenize_detokenize_and_tokenizer_info(http, tokenizer, served):
     assert eos == [tokenizer.eos_ids[0]]
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
-    ("/tokenize", {"messages": [{"role": "nobody"}]}, "messages"),
-    ("/tokenize", {"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
-    ("/detokenize", {"tokens": [1, 100000]}, "tokens"),
-    ("/detokenize", {"tokens": "1 2"}, "tokens"),
-    ("/tokenize", {"prompt": "a", "model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"messages": [{"role": "nobody"}]}, "messages"),
+        ("/tokenize", {"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
+        ("/detokenize", {"tokens": [1, 100000]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/tokenize", {"prompt": "a", "model": 3}, "model"),
+    ],
+)
 def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(http, path, body, field):
     response = http.post(path, json=body)
     assert response.status_code == 400, response.text

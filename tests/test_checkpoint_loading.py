@@ -14,13 +14,13 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from harness import run_schedule
 from safetensors.numpy import save_file
 from safetensors.torch import load_file as load_torch_file
 
 from jaxserve.checkpoints.deepseek import load_weights, weight_sources
 from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint, write_config
-from harness import run_schedule
 from jaxserve.config import ConfigError, load_config
 from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.weights import init_weights, layer_arrays
@@ -32,18 +32,20 @@ TOL = 1e-4
 CFG = preset("tiny", dtype="float32", hidden_size=160, moe_intermediate_size=64)
 
 # Which release tensors are FP8 (128x128 scales) and which packed FP4 (1x32 scales).
-FP8_NAME = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
-                      r"\.weight$")
+FP8_NAME = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
+    r"\.weight$"
+)
 FP4_NAME = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 # The release's decoding of them, written out again here so the loader's own tables are not the oracle.
-E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
+E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
 def decode_e4m3(codes: np.ndarray) -> np.ndarray:
     bits = codes.view(np.uint8).astype(np.int64)
     sign = np.where(bits >> 7, -1.0, 1.0)
     exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
-    value = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    value = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
     return np.where((exponent == 15) & (mantissa == 7), np.nan, sign * value)
 
 
@@ -54,11 +56,11 @@ def decode_e8m0(scale: np.ndarray) -> np.ndarray:
 def expected_dequantized(raw: dict[str, np.ndarray], name: str) -> np.ndarray:
     weight = raw[name]
     if FP8_NAME.match(name):
-        scale = decode_e8m0(raw[name[:-len("weight")] + "scale"])
+        scale = decode_e8m0(raw[name[: -len("weight")] + "scale"])
         rows, cols = np.arange(weight.shape[0])[:, None] // 128, np.arange(weight.shape[1])[None, :] // 128
         return decode_e4m3(weight) * scale[rows, cols]
     if FP4_NAME.match(name):
-        scale = decode_e8m0(raw[name[:-len("weight")] + "scale"])
+        scale = decode_e8m0(raw[name[: -len("weight")] + "scale"])
         byte = weight.view(np.uint8)
         values = np.empty((byte.shape[0], 2 * byte.shape[1]))
         values[:, 0::2] = np.array(E2M1)[byte & 0xF]  # low nibble: the even element
@@ -70,9 +72,12 @@ def expected_dequantized(raw: dict[str, np.ndarray], name: str) -> np.ndarray:
 def read_file(file) -> dict[str, np.ndarray]:
     """The safetensors library's own reading (through torch: its numpy side has no E8M0), not the loader's."""
     import torch
-    views = {torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
-             torch.float8_e8m0fnu: (torch.uint8, ml_dtypes.float8_e8m0fnu),
-             torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+
+    views = {
+        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+        torch.float8_e8m0fnu: (torch.uint8, ml_dtypes.float8_e8m0fnu),
+        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+    }
     out = {}
     for name, tensor in load_torch_file(file).items():
         if tensor.dtype in views:
@@ -109,6 +114,7 @@ def quantized(tmp_path_factory):
 def hf_model(quantized, tmp_path_factory):
     """transformers' DeepSeek-V4 reading the dequantized weights, written unquantized in the official naming."""
     from transformers import DeepseekV4ForCausalLM
+
     folder = tmp_path_factory.mktemp("dequantized")
     write_checkpoint(quantized["loaded"], CFG, folder, dtype="float32")
     model, info = DeepseekV4ForCausalLM.from_pretrained(folder, output_loading_info=True)
@@ -128,7 +134,7 @@ def test_quantized_tensors_are_stored_like_the_release(quantized):
     fp8, fp4 = [n for n in weights if FP8_NAME.match(n)], [n for n in weights if FP4_NAME.match(n)]
     # per layer 5 attention projections and 3 shared-expert ones, plus the indexer wq_b of the 2 CSA layers
     assert len(fp8) == 5 * (5 + 3) + 2 and len(fp4) == 5 * 8 * 3
-    assert sorted(n for n in raw if n.endswith(".scale")) == sorted(n[:-len("weight")] + "scale" for n in fp8 + fp4)
+    assert sorted(n for n in raw if n.endswith(".scale")) == sorted(n[: -len("weight")] + "scale" for n in fp8 + fp4)
     for name in fp8:
         o, i = raw[name].shape
         assert raw[name].dtype == ml_dtypes.float8_e4m3fn, name
@@ -157,13 +163,14 @@ def test_dequantized_weights_match_the_spec_decoding(quantized):
         # ... and the quantization is faithful: e4m3 keeps 3 mantissa bits, e2m1 one.
         err, scale = np.abs(got - original[path]), np.abs(original[path]).max()
         if FP8_NAME.match(names[0]):
-            assert np.all(err <= np.abs(original[path]) / 16 + scale * 2.0 ** -9), path
+            assert np.all(err <= np.abs(original[path]) / 16 + scale * 2.0**-9), path
         elif FP4_NAME.match(names[0]):
             assert err.max() <= scale / 4, path
 
 
 def test_forward_matches_transformers_on_the_dequantized_weights(quantized, hf_model):
     import torch
+
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (41, 29)]
     got = run_schedule(quantized["loaded"], CFG, prompts, [[41, 29]], buckets=(48,))
@@ -171,8 +178,10 @@ def test_forward_matches_transformers_on_the_dequantized_weights(quantized, hf_m
         want = [hf_model["model"](torch.as_tensor(p[None].astype(np.int64))).logits[0].numpy() for p in prompts]
     error = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     scale = max(float(np.abs(w).max()) for w in want)
-    print(f"jaxserve vs transformers on FP8/FP4-dequantized weights: max abs logit error {error:.2e} "
-          f"(logit scale {scale:.2f})")
+    print(
+        f"jaxserve vs transformers on FP8/FP4-dequantized weights: max abs logit error {error:.2e} "
+        f"(logit scale {scale:.2f})"
+    )
     assert scale > 0.5 and error < TOL
 
 
@@ -190,9 +199,14 @@ def test_both_naming_schemes_give_identical_weights(quantized, hf_model, tmp_pat
 
 def test_mtp_tensors_are_skipped_with_one_log_line(quantized, tmp_path, caplog):
     shutil.copytree(quantized["folder"], tmp_path, dirs_exist_ok=True)
-    save_file({"mtp.0.e_proj.weight": np.zeros((160, 160), ml_dtypes.bfloat16),
-               "mtp.0.enorm": np.ones(160, ml_dtypes.bfloat16),
-               "mtp.0.hc_head_base": np.zeros(4, np.float32)}, str(tmp_path / "mtp.safetensors"))
+    save_file(
+        {
+            "mtp.0.e_proj.weight": np.zeros((160, 160), ml_dtypes.bfloat16),
+            "mtp.0.enorm": np.ones(160, ml_dtypes.bfloat16),
+            "mtp.0.hc_head_base": np.zeros(4, np.float32),
+        },
+        str(tmp_path / "mtp.safetensors"),
+    )
     caplog.set_level(logging.INFO, logger="jaxserve.checkpoints")
     loaded, _ = load_weights(tmp_path, CFG)
     mentions = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
@@ -202,6 +216,7 @@ def test_mtp_tensors_are_skipped_with_one_log_line(quantized, tmp_path, caplog):
 
 
 # ---- damaged checkpoints --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good_tensors(quantized):
@@ -220,12 +235,14 @@ def _drop(*names):
     def change(tensors):
         for name in names:
             del tensors[name]
+
     return change
 
 
 def _replace(name, array):
     def change(tensors):
         tensors[name] = array
+
     return change
 
 
@@ -255,40 +272,73 @@ def _set_model_type(folder, model_type):
 
 DAMAGE = {  # name: (damage(folder, good tensors), error type, where the message starts, phrases it contains)
     "missing tensors": (
-        lambda f, t: _rewrite(f, t, _drop("norm.weight", "layers.4.hc_ffn_base", "layers.2.ffn.experts.5.w2.weight",
-                                          "layers.2.ffn.experts.5.w2.scale")),
-        CheckpointError, "{folder}", ["3 tensors missing", "norm.weight", "layers.4.hc_ffn_base",
-                                      "layers.2.ffn.experts.5.w2.weight"]),
+        lambda f, t: _rewrite(
+            f,
+            t,
+            _drop(
+                "norm.weight",
+                "layers.4.hc_ffn_base",
+                "layers.2.ffn.experts.5.w2.weight",
+                "layers.2.ffn.experts.5.w2.scale",
+            ),
+        ),
+        CheckpointError,
+        "{folder}",
+        ["3 tensors missing", "norm.weight", "layers.4.hc_ffn_base", "layers.2.ffn.experts.5.w2.weight"],
+    ),
     "wrong shape": (
         lambda f, t: _rewrite(f, t, _replace("layers.3.attn.kv_norm.weight", np.ones(31, ml_dtypes.bfloat16))),
-        CheckpointError, "{file}", ["tensor 'layers.3.attn.kv_norm.weight' has shape [31]", "needs [32]"]),
+        CheckpointError,
+        "{file}",
+        ["tensor 'layers.3.attn.kv_norm.weight' has shape [31]", "needs [32]"],
+    ),
     "wrong packed expert shape": (
-        lambda f, t: _rewrite(f, t, lambda ts: ts.update({
-            "layers.0.ffn.experts.6.w2.weight": np.zeros((150, 32), np.int8),
-            "layers.0.ffn.experts.6.w2.scale": np.ones((150, 2), ml_dtypes.float8_e8m0fnu)})),
-        CheckpointError, "{file}", ["tensor 'layers.0.ffn.experts.6.w2.weight' has shape [150, 32]",
-                                    "[150, 64] dequantized", "needs [160, 64]"]),
+        lambda f, t: _rewrite(
+            f,
+            t,
+            lambda ts: ts.update(
+                {
+                    "layers.0.ffn.experts.6.w2.weight": np.zeros((150, 32), np.int8),
+                    "layers.0.ffn.experts.6.w2.scale": np.ones((150, 2), ml_dtypes.float8_e8m0fnu),
+                }
+            ),
+        ),
+        CheckpointError,
+        "{file}",
+        ["tensor 'layers.0.ffn.experts.6.w2.weight' has shape [150, 32]", "[150, 64] dequantized", "needs [160, 64]"],
+    ),
     "wrong scale shape": (
         lambda f, t: _rewrite(f, t, _replace("layers.1.attn.wq_a.scale", np.ones((2, 2), ml_dtypes.float8_e8m0fnu))),
-        CheckpointError, "{file}", ["tensor 'layers.1.attn.wq_a.scale' has shape [2, 2]", "shape [1, 2]"]),
+        CheckpointError,
+        "{file}",
+        ["tensor 'layers.1.attn.wq_a.scale' has shape [2, 2]", "shape [1, 2]"],
+    ),
     "missing scale": (
         lambda f, t: _rewrite(f, t, _drop("layers.2.attn.wo_b.scale")),
-        CheckpointError, "{file}", ["tensor 'layers.2.attn.wo_b.weight'", "'layers.2.attn.wo_b.scale' is missing"]),
-    "unknown model_type": (
-        lambda f, t: _set_model_type(f, "llama"),
-        ConfigError, "{config}", ["model_type='llama'"]),
+        CheckpointError,
+        "{file}",
+        ["tensor 'layers.2.attn.wo_b.weight'", "'layers.2.attn.wo_b.scale' is missing"],
+    ),
+    "unknown model_type": (lambda f, t: _set_model_type(f, "llama"), ConfigError, "{config}", ["model_type='llama'"]),
     "truncated file": (
         lambda f, t: _edit_bytes(f / "model.safetensors", _truncate),
-        CheckpointError, "{file}", ["truncated safetensors file: tensor '"]),
+        CheckpointError,
+        "{file}",
+        ["truncated safetensors file: tensor '"],
+    ),
     "corrupted header": (
         lambda f, t: _edit_bytes(f / "model.safetensors", _break_header_json),
-        CheckpointError, "{file}", ["corrupted safetensors header"]),
+        CheckpointError,
+        "{file}",
+        ["corrupted safetensors header"],
+    ),
     "corrupted header length": (
         lambda f, t: _edit_bytes(f / "model.safetensors", _huge_header_length),
-        CheckpointError, "{file}", ["corrupted safetensors header", str(10**12)]),
-    "missing config.json": (
-        lambda f, t: (f / "config.json").unlink(),
-        ConfigError, "{config}", ["not found"]),
+        CheckpointError,
+        "{file}",
+        ["corrupted safetensors header", str(10**12)],
+    ),
+    "missing config.json": (lambda f, t: (f / "config.json").unlink(), ConfigError, "{config}", ["not found"]),
 }
 
 

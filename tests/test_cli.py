@@ -29,8 +29,20 @@ from jaxserve.server.config import ServerConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
 # The engine of tests/test_server.py, as flags: its compiled shapes are then in the persistent cache.
-SMALL = ["--dtype", "float32", "--max-num-seqs", "4", "--chunked-prefill-size", "64", "--max-prefill-rows", "1",
-         "--page-size", "16", "--max-model-len", "256"]
+SMALL = [
+    "--dtype",
+    "float32",
+    "--max-num-seqs",
+    "4",
+    "--chunked-prefill-size",
+    "64",
+    "--max-prefill-rows",
+    "1",
+    "--page-size",
+    "16",
+    "--max-model-len",
+    "256",
+]
 
 
 def cli_env() -> dict[str, str]:
@@ -55,13 +67,16 @@ def test_help_explains_decode_interleave_every():
     assert "--scheduling-policy {fcfs,priority}" in text
 
 
-@pytest.mark.parametrize("flags, policies", [
-    ([], ["MixedSteps"]),  # the default protects streams: mixed steps
-    (["--no-mixed-batches"], []),  # prefill-first (the benchmarks' baseline)
-    (["--decode-interleave-every", "4"], ["DecodeInterleavePolicy"]),
-    (["--max-decode-stall-ms", "50"], ["DecodeStallPolicy"]),
-    (["--decode-interleave-every", "4", "--mixed-batches"], ["DecodeInterleavePolicy", "MixedSteps"]),
-])
+@pytest.mark.parametrize(
+    "flags, policies",
+    [
+        ([], ["MixedSteps"]),  # the default protects streams: mixed steps
+        (["--no-mixed-batches"], []),  # prefill-first (the benchmarks' baseline)
+        (["--decode-interleave-every", "4"], ["DecodeInterleavePolicy"]),
+        (["--max-decode-stall-ms", "50"], ["DecodeStallPolicy"]),
+        (["--decode-interleave-every", "4", "--mixed-batches"], ["DecodeInterleavePolicy", "MixedSteps"]),
+    ],
+)
 def test_scheduling_flags_compose_in_one_place(flags, policies):
     _, args = parse(["serve", *flags])
     cfg = engine_config(args)
@@ -80,9 +95,26 @@ def test_every_config_field_is_a_flag_with_the_same_default():
 
 
 def test_flags_reach_the_engine():
-    command, args = parse(["serve", *SMALL, "--decode-interleave-every", "3", "--max-queued-requests", "5",
-                           "--num-kv-pages", "40", "--api-key", "k", "--port", "0", "--seed", "9",
-                           "--scheduling-policy", "priority"])
+    command, args = parse(
+        [
+            "serve",
+            *SMALL,
+            "--decode-interleave-every",
+            "3",
+            "--max-queued-requests",
+            "5",
+            "--num-kv-pages",
+            "40",
+            "--api-key",
+            "k",
+            "--port",
+            "0",
+            "--seed",
+            "9",
+            "--scheduling-policy",
+            "priority",
+        ]
+    )
     cfg, server = engine_config(args), server_config(args)
     assert command is serve and (server.api_key, server.port, cfg.seed) == ("k", 0, 9)
     engine, loaded = build_engine(cfg)  # not started: nothing is compiled
@@ -111,8 +143,9 @@ def test_generate_has_the_engine_flags_but_not_the_server_ones():
 
 
 def test_generate_streams_one_prompt_to_the_terminal():
-    result = run_cli("generate", "Where does the river run?", "--max-tokens", "6", "--ignore-eos", "--chat", *SMALL,
-                     timeout=600)
+    result = run_cli(
+        "generate", "Where does the river run?", "--max-tokens", "6", "--ignore-eos", "--chat", *SMALL, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
     # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 7 shapes in all).
@@ -126,8 +159,9 @@ def test_a_split_the_mesh_cannot_make_is_refused_naming_axis_size_and_parallel_s
 
     cfg = preset("tiny", dtype="float32", num_attention_heads=6)  # every other sharded axis divides by 4
     folder = write_checkpoint(init_weights(jax.random.key(0), cfg), cfg, tmp_path / "six-heads", dtype="float32")
-    result = run_cli("serve", "--model", str(folder), "--dtype", "float32", "--tensor-parallel-size", "4",
-                     "--port", "0")
+    result = run_cli(
+        "serve", "--model", str(folder), "--dtype", "float32", "--tensor-parallel-size", "4", "--port", "0"
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     (line,) = [line for line in result.stderr.splitlines() if "error" in line]
     assert "cannot split heads (6) over tensor_parallel_size=4" in line and "vocab" not in line
@@ -138,8 +172,7 @@ def test_convert(tmp_path):
     pytest.importorskip("jaxserve.checkpoints.orbax_io")
     from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint
 
-    command, args = parse(["convert", str(default_checkpoint_path()), str(tmp_path / "orbax"), "--dtype",
-                           "float32"])
+    command, args = parse(["convert", str(default_checkpoint_path()), str(tmp_path / "orbax"), "--dtype", "float32"])
     assert command(args) == 0 and is_orbax_checkpoint(tmp_path / "orbax")
 
 
@@ -215,8 +248,9 @@ class ServeProcess:
 
     def __init__(self, *flags: str, compile_cache: Path | None = None):
         env = cli_env() if compile_cache is None else {**cli_env(), "JAXSERVE_COMPILE_CACHE": str(compile_cache)}
-        self.process = subprocess.Popen([JAXSERVE, "serve", *flags], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env)
+        self.process = subprocess.Popen(
+            [JAXSERVE, "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.output: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -255,8 +289,11 @@ def test_sigterm_drains_running_requests_and_exits_zero():
         assert httpx.get(url + "/health").status_code == 200
         serve_process.wait_for_line("compiled all 7 step shapes", 600)
         output = "".join(serve_process.output)
-        assert ("KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 "
-                "tokens): 4" in output and "compiled 2 step shapes in" in output)
+        assert (
+            "KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 tokens): 4"
+            in output
+            and "compiled 2 step shapes in" in output
+        )
 
         streams: list[list[dict]] = []
         started = threading.Semaphore(0)
@@ -305,8 +342,9 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     # The access log: one line per request, with its status, token counts and time.
     access = [line for line in lines if " jaxserve.access: " in line]
     completions = [line for line in access if '"POST /v1/completions" 200 ' in line]
-    assert len(completions) == 4 and all(re.search(r"prompt_tokens=3 completion_tokens=250 \d+\.\d+ s$", line)
-                                          for line in completions), completions
+    assert len(completions) == 4 and all(
+        re.search(r"prompt_tokens=3 completion_tokens=250 \d+\.\d+ s$", line) for line in completions
+    ), completions
     health = [line for line in access if '"GET /health" ' in line]
     assert [int(line.split('"GET /health" ')[1].split()[0]) for line in health] == [200, *statuses], health
     assert len(access) == 4 + len(health)

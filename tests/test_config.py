@@ -26,27 +26,36 @@ def test_transformers_rope_parameters_form(tmp_path):
     del raw["rope_scaling"]
     raw["rope_parameters"] = {
         "main": {"rope_type": "default", "rope_theta": 10000.0},
-        "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
-                     "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-                     "attention_factor": 1.0},
+        "compress": {
+            "rope_type": "yarn",
+            "rope_theta": 160000.0,
+            "factor": 16,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "attention_factor": 1.0,
+        },
     }
     raw["mlp_layer_types"] = ["hash_moe", "hash_moe", "moe", "moe", "moe"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_config(tmp_path, dtype="float32") == preset("tiny")
 
 
-@pytest.mark.parametrize("override, field", [
-    ({"model_type": "llama"}, "model_type='llama'"),
-    ({"num_attention_heads": 6, "o_groups": 4}, "o_groups=4"),
-    ({"compress_ratios": [0, 4, 64, 4, 0], "layer_types": None}, "compress_ratios contains [64]"),
-    ({"layer_types": ["sliding_attention"] * 3}, "layer_types="),
-    ({"layer_types": ["full_attention"] * 5}, "layer_types=['full_attention'"),
-    ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
-    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
-    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
-    ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type='linear'"),
-    ({"vocab_size": 0}, "vocab_size=0"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"model_type": "llama"}, "model_type='llama'"),
+        ({"num_attention_heads": 6, "o_groups": 4}, "o_groups=4"),
+        ({"compress_ratios": [0, 4, 64, 4, 0], "layer_types": None}, "compress_ratios contains [64]"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types="),
+        ({"layer_types": ["full_attention"] * 5}, "layer_types=['full_attention'"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+        ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type='linear'"),
+        ({"vocab_size": 0}, "vocab_size=0"),
+    ],
+)
 def test_bad_config_names_field_and_value(override, field):
     raw = preset_dict("tiny")
     raw.update(override)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from harness import run_schedule
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.make_default import SPECIAL_TOKENS, generate
-from harness import run_schedule
 from jaxserve.config import CSA, HCA, SWA, load_config
 from jaxserve.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -47,4 +47,6 @@ def test_make_default_regenerates_identical_files(tmp_path):
     shipped = sorted(p for p in FOLDER.iterdir() if p.is_file())
     assert [p.name for p in written] == [p.name for p in shipped]
     for new, old in zip(written, shipped):
-        assert new.read_bytes() == old.read_bytes(), f"{old.name} differs: run python -m jaxserve.checkpoints.make_default"
+        assert new.read_bytes() == old.read_bytes(), (
+            f"{old.name} differs: run python -m jaxserve.checkpoints.make_default"
+        )

@@ -15,17 +15,17 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from fake_runner import FakeRunner, continuation
-from jaxserve.model.cache import kv_geometry
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine, EngineDraining, QueueFull
+from jaxserve.model.cache import kv_geometry
+from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import InvalidRequest, SamplingParams
-from jaxserve.runner import Buckets, build_runner
-from jaxserve.model.sharding import make_mesh, place
 from jaxserve.request.step import ForcedBy, StepKind, StepLimits
+from jaxserve.runner import Buckets, build_runner
 
 CFG = preset("tiny", dtype="float32")
 CHUNK = 16
@@ -33,8 +33,15 @@ EOS = (1,)
 
 
 def engine_config(**overrides) -> EngineConfig:
-    base = dict(max_num_seqs=4, chunked_prefill_size=CHUNK, max_prefill_rows=2, page_size=8, max_model_len=400,
-                num_kv_pages=120, decode_log_interval=1000)
+    base = dict(
+        max_num_seqs=4,
+        chunked_prefill_size=CHUNK,
+        max_prefill_rows=2,
+        page_size=8,
+        max_model_len=400,
+        num_kv_pages=120,
+        decode_log_interval=1000,
+    )
     return EngineConfig(**{**base, **overrides})
 
 
@@ -85,7 +92,7 @@ def burst(engine: Engine, attacker: str) -> str:
     """The engine's own step record from the attacker's first chunk to its last: P prefill, D decode, M mixed."""
     record = list(engine.step_record)
     prefills = [i for i, r in enumerate(record) if r.kind is not StepKind.DECODE and attacker in r.request_ids]
-    return "".join(r.kind.value[0].upper() for r in record[prefills[0]:prefills[-1] + 1])
+    return "".join(r.kind.value[0].upper() for r in record[prefills[0] : prefills[-1] + 1])
 
 
 ATTACKER_CHUNKS = 25  # not a multiple of 2, 3 or 8, so the last chunk is not itself followed by a due decode
@@ -110,8 +117,11 @@ def test_victim_decodes_during_a_long_prefill_only_with_the_flag(every):
         assert decodes >= chunks // every
         # Exactly where the policy puts them: one decode after every N prefill steps, none elsewhere.
         assert steps == ("P" * every + "D") * (chunks // every) + "P" * (chunks % every)
-        assert engine.stats().steps.forced[ForcedBy.INTERLEAVE] == sum(
-            r.forced_by is ForcedBy.INTERLEAVE for r in engine.step_record) >= decodes
+        assert (
+            engine.stats().steps.forced[ForcedBy.INTERLEAVE]
+            == sum(r.forced_by is ForcedBy.INTERLEAVE for r in engine.step_record)
+            >= decodes
+        )
     assert victim_tokens == continuation(prompt(5, 1), 60, CFG.vocab_size)
     assert_nothing_leaked(engine)
 
@@ -121,7 +131,7 @@ def expected_output(ids: list[int], sampling: SamplingParams, eos: tuple[int, ..
     out = continuation(ids, sampling.max_tokens, CFG.vocab_size)
     for i, token in enumerate(out):
         if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-            return out[:i + 1], "stop"
+            return out[: i + 1], "stop"
     return out, "length"
 
 
@@ -140,8 +150,9 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
             future = continuation(ids, n, CFG.vocab_size)
             kind = rng.choice(["plain", "stop token", "eos"])
             stop = [future[rng.randrange(n)]] if kind == "stop token" else []
-            specs.append((ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=kind != "eos",
-                                              stop_token_ids=stop)))
+            specs.append(
+                (ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=kind != "eos", stop_token_ids=stop))
+            )
         # The EOS ids: tokens of some continuations, so some requests stop early on them.
         eos = tuple({continuation(ids, s.max_tokens, CFG.vocab_size)[-1] for ids, s in specs[::5]})
         engine.eos_token_ids = frozenset(eos)
@@ -149,7 +160,9 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         doomed = [engine.submit(prompt(60, 900 + i), greedy(30), request_id=f"doomed{i}") for i in range(3)]
         engine.abort("doomed0")  # before it ever runs
         # While the workload runs (from inside a step, so it lands at the next step boundary, however fast).
-        engine.runner.fail = lambda batch: engine.abort("doomed1") if len(engine.runner.steps) == 10 else None
+        engine.runner.fail = lambda batch, engine=engine: (
+            engine.abort("doomed1") if len(engine.runner.steps) == 10 else None
+        )
         engine.start()
         try:
             results = [h.wait(timeout=60) for h in handles]
@@ -164,8 +177,9 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         delivered = sum(len(tokens) for tokens, _ in expected)
         # Nothing is counted past a request's end (a token computed for it by a step in flight is dropped).
         assert engine.stats().generation_tokens == delivered + sum(len(t) for t, _, _ in doomed_results)
-        sampled = collections.Counter(row.request.request_id for b in engine.runner.steps for row in b.rows
-                                      if row.samples_output)
+        sampled = collections.Counter(
+            row.request.request_id for b in engine.runner.steps for row in b.rows if row.samples_output
+        )
         computed_past_the_end = sum(sampled[f"r{i}"] - len(tokens) for i, (tokens, _) in enumerate(expected))
         # Only a step in flight computes past a stop (max_tokens is never overrun: it is known when scheduling).
         assert computed_past_the_end > 0 if async_scheduling else computed_past_the_end == 0, computed_past_the_end
@@ -211,8 +225,11 @@ def test_a_completed_prompt_decodes_in_the_very_next_step(async_scheduling):
     assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
     steps = engine.runner.steps
     for i in range(len(specs)):
-        last_chunk = next(k for k, b in enumerate(steps) if any(c.samples_output and c.request.request_id == f"r{i}"
-                                                               for c in b.prefill))
+        last_chunk = next(
+            k
+            for k, b in enumerate(steps)
+            if any(c.samples_output and c.request.request_id == f"r{i}" for c in b.prefill)
+        )
         assert f"r{i}" in [r.request.request_id for r in steps[last_chunk + 1].decode], (i, last_chunk)
     assert_nothing_leaked(engine)
 
@@ -222,8 +239,9 @@ def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
     grow. The fake runner asserts that no step exceeds what is compiled when it is dispatched."""
     engine = fake_engine(max_num_seqs=4, mixed_batches=True, async_scheduling=True)
     full = engine.runner.limits()
-    engine.runner._limits = StepLimits(prefill_tokens=min(engine.runner.buckets.prefill_chunks), prefill_rows=1,
-                                       decode_rows=1)
+    engine.runner._limits = StepLimits(
+        prefill_tokens=min(engine.runner.buckets.prefill_chunks), prefill_rows=1, decode_rows=1
+    )
     grown = {20: dataclasses.replace(full, prefill_rows=1, decode_rows=2, mixed_decode_rows=0), 60: full}
 
     def compile_more(batch):
@@ -274,8 +292,9 @@ def test_random_workload_matches_running_each_request_alone_and_returns_every_pa
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving(async_scheduling):
     engine = fake_engine(async_scheduling=async_scheduling)
-    engine.runner.fail = lambda batch: RuntimeError("injected failure") if any(
-        c.token_ids[:3] == [7, 7, 7] for c in batch.prefill) else None
+    engine.runner.fail = lambda batch: (
+        RuntimeError("injected failure") if any(c.token_ids[:3] == [7, 7, 7] for c in batch.prefill) else None
+    )
     bad, good = engine.submit([7, 7, 7, 7], greedy(4)), engine.submit(prompt(9, 3), greedy(4))
     engine.start()
     try:
@@ -314,8 +333,9 @@ def test_a_step_that_cannot_start_fails_after_the_step_before_it_delivered(async
 def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_resets_it(async_scheduling):
     engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.lose_cache_on_failure = True
-    engine.runner.fail = lambda batch: RuntimeError("device lost") if any(
-        c.request.request_id == "late" for c in batch.prefill) else None
+    engine.runner.fail = lambda batch: (
+        RuntimeError("device lost") if any(c.request.request_id == "late" for c in batch.prefill) else None
+    )
     streaming = engine.submit(prompt(5, 1), greedy(390), request_id="streaming")
     engine.start()
     try:
@@ -333,14 +353,17 @@ def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_
     assert_nothing_leaked(engine)
 
 
-@pytest.mark.parametrize("prompt_ids, sampling, param, message", [
-    (prompt(390, 1), greedy(20), "max_tokens", "maximum context length is 400 tokens"),
-    (prompt(400, 1), greedy(1), "prompt", "(parameter=prompt, value=400)"),
-    ([1, CFG.vocab_size], greedy(2), "prompt", "prompt[1]: token id 96 is outside the vocabulary [0, 96)"),
-    ([1, -1], greedy(2), "prompt", "prompt[1]: token id -1"),
-    ([], greedy(2), "prompt", "prompt: must not be empty"),
-    ([5], greedy(2, stop_token_ids=[3, 500]), "stop_token_ids", "stop_token_ids[1]: token id 500"),
-])
+@pytest.mark.parametrize(
+    "prompt_ids, sampling, param, message",
+    [
+        (prompt(390, 1), greedy(20), "max_tokens", "maximum context length is 400 tokens"),
+        (prompt(400, 1), greedy(1), "prompt", "(parameter=prompt, value=400)"),
+        ([1, CFG.vocab_size], greedy(2), "prompt", "prompt[1]: token id 96 is outside the vocabulary [0, 96)"),
+        ([1, -1], greedy(2), "prompt", "prompt[1]: token id -1"),
+        ([], greedy(2), "prompt", "prompt: must not be empty"),
+        ([5], greedy(2, stop_token_ids=[3, 500]), "stop_token_ids", "stop_token_ids[1]: token id 500"),
+    ],
+)
 def test_admission_refuses_at_submit_naming_the_field(prompt_ids, sampling, param, message):
     engine = fake_engine()
     with pytest.raises(InvalidRequest) as refused:
@@ -387,16 +410,19 @@ def test_generation_stops_on_any_eos_id_and_on_stop_tokens_naming_them():
     sampled = SamplingParams(max_tokens=40, temperature=0.0)
     ended_by = {t: c.index(t) for c in (c1, c2) for t in (eos_a, eos_b) if t in c}
     stop_id = c1[2]
-    handles = [engine.submit(p1, sampled), engine.submit(p2, sampled),
-               engine.submit(p1, greedy(40)),  # ignore_eos
-               engine.submit(p1, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_id]))]
+    handles = [
+        engine.submit(p1, sampled),
+        engine.submit(p2, sampled),
+        engine.submit(p1, greedy(40)),  # ignore_eos
+        engine.submit(p1, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_id])),
+    ]
     results = run(engine, *handles)
     first_eos_1 = min(i for i, t in enumerate(c1) if t in (eos_a, eos_b))
     first_eos_2 = min(i for i, t in enumerate(c2) if t in (eos_a, eos_b))
-    assert ended_by and results[0][:2] == (c1[:first_eos_1 + 1], "stop")
-    assert results[1][:2] == (c2[:first_eos_2 + 1], "stop") and c2[first_eos_2] == eos_b
+    assert ended_by and results[0][:2] == (c1[: first_eos_1 + 1], "stop")
+    assert results[1][:2] == (c2[: first_eos_2 + 1], "stop") and c2[first_eos_2] == eos_b
     assert results[2][:2] == (c1, "length")
-    assert results[3][:2] == (c1[:c1.index(stop_id) + 1], "stop")
+    assert results[3][:2] == (c1[: c1.index(stop_id) + 1], "stop")
     # vLLM's stop_reason: None for EOS, the id for a stop token.
     assert [h.last_event.stop_reason for h in handles] == [None, None, None, stop_id]
     assert engine.stats().finished == {"stop": 3, "length": 1}
@@ -412,11 +438,14 @@ def test_the_log_shows_forced_decodes(caplog):
     assert any(line.startswith("Decode batch (interleaved after 2 prefill steps)") for line in lines)
 
 
-@pytest.mark.parametrize("async_scheduling, pattern", [
-    (False, "PD" * 8 + "P"),
-    # With a step in flight the victim's first token arrives one decision late: one more chunk goes first.
-    (True, "PP" + "DP" * 7),
-])
+@pytest.mark.parametrize(
+    "async_scheduling, pattern",
+    [
+        (False, "PD" * 8 + "P"),
+        # With a step in flight the victim's first token arrives one decision late: one more chunk goes first.
+        (True, "PP" + "DP" * 7),
+    ],
+)
 def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefill(async_scheduling, pattern):
     # 1 ns: every prefill step breaks it
     engine = fake_engine(max_decode_stall_ms=1e-6, async_scheduling=async_scheduling)
@@ -426,8 +455,11 @@ def test_a_stall_budget_tighter_than_any_step_alternates_without_starving_prefil
     steps = burst(engine, "attacker")
     assert steps == pattern  # a decode after every chunk, and the prompt still completes
     assert len(attacker_tokens) == 2
-    assert engine.stats().steps.forced[ForcedBy.STALL] == sum(
-        r.forced_by is ForcedBy.STALL for r in engine.step_record) >= 8
+    assert (
+        engine.stats().steps.forced[ForcedBy.STALL]
+        == sum(r.forced_by is ForcedBy.STALL for r in engine.step_record)
+        >= 8
+    )
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,32 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_roofline.p
 sys.path.insert(0, str(SCRIPT.parent))  # the script and its `common` helpers
 
 import gpu_roofline  # noqa: E402
+
 KINDS = ("swa_hash", "csa_hash", "hca")  # the Flash plan's first four layers: SWA x 2 and CSA hash-routed, HCA
-FIELDS = ("device", "decode", "prefill_fraction_of_peak", "tiny_decode_period_s", "profile", "command_buffers",
-          "bytes_counted", "kernels", "commands")
+FIELDS = (
+    "device",
+    "decode",
+    "prefill_fraction_of_peak",
+    "tiny_decode_period_s",
+    "profile",
+    "command_buffers",
+    "bytes_counted",
+    "kernels",
+    "commands",
+)
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("roofline")
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS as this session has them
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "gpu_roofline_cpu_smoke.json").read_text()), out
 
@@ -67,8 +82,11 @@ def test_bounds_are_the_counted_bytes_and_flops_over_the_peaks(smoke):
         assert all(value >= 0 for value in counted.values()) and counted["routed_experts"] > 0
         steps = [r for r in report["decode"] if r["batch"] == int(batch)]
         layer_step = next(r for r in steps if r["part"] == "layer_step")
-        per_part = sum(r["bytes"] * r["layers"] for r in steps
-                       if r["implementation"] == layer_step["implementation"] and r["part"] != "layer_step")
+        per_part = sum(
+            r["bytes"] * r["layers"]
+            for r in steps
+            if r["implementation"] == layer_step["implementation"] and r["part"] != "layer_step"
+        )
         assert per_part == pytest.approx(layer_step["bytes"], rel=1e-12)  # the parts' bytes add up to the step's
     for prefill in report["prefill"]:
         flops = prefill["flops"]
@@ -96,8 +114,14 @@ def test_markdown_names_the_device_and_tabulates_the_figures(smoke):
     report, out = smoke
     text = (out / "gpu_roofline_cpu_smoke.md").read_text()
     assert report["device"]["device_kind"] in text.splitlines()[0]
-    for heading in ("Decode step against the HBM bound", "Prefill chunk", "Tiny default model", "Profile of the",
-                    "command buffers", "How the bounds are counted"):
+    for heading in (
+        "Decode step against the HBM bound",
+        "Prefill chunk",
+        "Tiny default model",
+        "Profile of the",
+        "command buffers",
+        "How the bounds are counted",
+    ):
         assert heading in text
     assert text.count("| layer_step |") == len(report["settings"]["batches"]) * len(report["kernels"])
 
@@ -126,21 +150,25 @@ def _event(tid, name, ts, dur, **args):
 def gpu_trace(steps: int) -> dict:
     """Steps of three kernels (one named after its fusion, two naming their HLO op), an input copy and a token copy
     back, on a GPU's stream lines; a kernel again on the derived "XLA Ops" line, which must not count."""
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0 NVIDIA H200"}},
-            {"ph": "M", "pid": 1, "tid": 13, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
-            {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(MemcpyD2H)"}},
-            {"ph": "M", "pid": 1, "tid": 200, "name": "thread_name", "args": {"name": "XLA Ops"}},
-            {"ph": "M", "pid": 700, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0 NVIDIA H200"}},
+        {"ph": "M", "pid": 1, "tid": 13, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(MemcpyD2H)"}},
+        {"ph": "M", "pid": 1, "tid": 200, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 700, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
     events = []
     for step in range(steps):
         t = 1000.0 * step
-        events += [_event(14, "MemcpyH2D", t, 2.0),
-                   _event(13, "dynamic_slice", t + 2, 3.0, hlo_op="dynamic-slice.2"),
-                   _event(13, "loop_add_fusion_3", t + 5, 30.0),
-                   _event(13, "sm90_xmma_gemm_bf16", t + 35, 10.0, hlo_op="custom-call.5", hlo_module="jit__step_fn"),
-                   _event(200, "custom-call.5", t + 35, 10.0),
-                   _event(14, "MemcpyD2H", t + 50, 1.0),
-                   {"ph": "X", "pid": 700, "tid": 1, "name": "PjitFunction(_step_fn)", "ts": t, "dur": 60.0}]
+        events += [
+            _event(14, "MemcpyH2D", t, 2.0),
+            _event(13, "dynamic_slice", t + 2, 3.0, hlo_op="dynamic-slice.2"),
+            _event(13, "loop_add_fusion_3", t + 5, 30.0),
+            _event(13, "sm90_xmma_gemm_bf16", t + 35, 10.0, hlo_op="custom-call.5", hlo_module="jit__step_fn"),
+            _event(200, "custom-call.5", t + 35, 10.0),
+            _event(14, "MemcpyD2H", t + 50, 1.0),
+            {"ph": "X", "pid": 700, "tid": 1, "name": "PjitFunction(_step_fn)", "ts": t, "dur": 60.0},
+        ]
     return {"traceEvents": meta + events}
 
 

@@ -3,8 +3,8 @@
 import pytest
 
 from jaxserve.request import Request
-from jaxserve.scheduler import DecodeInterleavePolicy
 from jaxserve.request.step import ForcedBy, StepPlan, StepRow
+from jaxserve.scheduler import DecodeInterleavePolicy
 
 PREFILL = StepPlan(prefill=(StepRow.chunk(Request("p", [1, 2, 3]), 0, 2),))
 DECODE = StepPlan(decode=(StepRow.next_token(Request("d", [1])),))
@@ -21,14 +21,17 @@ def test_a_count_that_asks_for_nothing_is_refused(every):
         DecodeInterleavePolicy(every)
 
 
-@pytest.mark.parametrize("every, scheduled, expected", [
-    # after each scheduled step: is a decode due (0 tokens of prefill allowed)?
-    (3, [PREFILL, PREFILL, PREFILL], [False, False, True]),
-    (3, [PREFILL, PREFILL, PREFILL, DECODE], [False, False, True, False]),
-    (1, [PREFILL, DECODE, PREFILL], [True, False, True]),
-    (2, [PREFILL, MIXED, PREFILL, PREFILL], [False, False, False, True]),  # a mixed step decodes: it resets
-    (2, [PREFILL, PREFILL, PREFILL, PREFILL, PREFILL], [False, True, True, True, True]),  # latched until a decode
-])
+@pytest.mark.parametrize(
+    "every, scheduled, expected",
+    [
+        # after each scheduled step: is a decode due (0 tokens of prefill allowed)?
+        (3, [PREFILL, PREFILL, PREFILL], [False, False, True]),
+        (3, [PREFILL, PREFILL, PREFILL, DECODE], [False, False, True, False]),
+        (1, [PREFILL, DECODE, PREFILL], [True, False, True]),
+        (2, [PREFILL, MIXED, PREFILL, PREFILL], [False, False, False, True]),  # a mixed step decodes: it resets
+        (2, [PREFILL, PREFILL, PREFILL, PREFILL, PREFILL], [False, True, True, True, True]),  # latched until a decode
+    ],
+)
 def test_truth_table(every, scheduled, expected):
     policy = DecodeInterleavePolicy(every)
     assert not due(policy)  # starts with prefill

@@ -8,19 +8,18 @@ import functools
 import subprocess
 from pathlib import Path
 
-import jax
-from jax.extend.core import jaxprs_in_params
 import pytest
+from jax.extend.core import jaxprs_in_params
 
-from jaxserve.model.cache import CacheGeometry
 from jaxserve.kernels import attention, indexer, moe, quant
 from jaxserve.kernels.table import KERNEL_CHOICES, kernels_for
-from jaxserve.model.weights import abstract_weights
-from jaxserve.runner.plan import AbstractRunner
-from jaxserve.presets import preset
-from jaxserve.runner import Buckets
+from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.sharding import make_mesh, shape_dtype_structs
+from jaxserve.model.weights import abstract_weights
+from jaxserve.presets import preset
 from jaxserve.request.step import GroupShape, StepShape
+from jaxserve.runner import Buckets
+from jaxserve.runner.plan import AbstractRunner
 
 REPO = Path(__file__).parent.parent
 PALLAS_OPS = ("grouped_matmul", "einsum", "sink_attention")
@@ -29,7 +28,11 @@ PALLAS_OPS = ("grouped_matmul", "einsum", "sink_attention")
 def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():
     cpu = kernels_for("auto", "cpu")
     assert (cpu.grouped_matmul, cpu.einsum, cpu.sink_attention, cpu.indexer_topk) == (
-        moe.grouped_matmul, quant.einsum, attention.sink_attention, indexer.indexer_topk)
+        moe.grouped_matmul,
+        quant.einsum,
+        attention.sink_attention,
+        indexer.indexer_topk,
+    )
     assert kernels_for("reference", "gpu") == cpu
     gpu = dict(kernels_for("auto", "gpu").implementations)
     assert all(gpu[op] == "pallas" for op in PALLAS_OPS) and gpu["indexer_topk"] == "reference"
@@ -45,12 +48,43 @@ def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():
 
 
 def test_no_code_but_the_table_asks_which_backend_it_runs_on():
-    found = subprocess.run(["git", "grep", "--untracked", "-n", "default_backend", "--", "jaxserve", "kernels", "server",
-                            "checkpoints", "cli"], cwd=REPO, capture_output=True, text=True).stdout
+    found = subprocess.run(
+        [
+            "git",
+            "grep",
+            "--untracked",
+            "-n",
+            "default_backend",
+            "--",
+            "jaxserve",
+            "kernels",
+            "server",
+            "checkpoints",
+            "cli",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert found == ""
-    platform_tests = subprocess.run(["git", "grep", "--untracked", "-ln", "PALLAS_PLATFORMS\\|\\.platform ==\\|platform in",
-                                     "--", "jaxserve", "kernels", "server", "checkpoints", "cli"],
-                                    cwd=REPO, capture_output=True, text=True).stdout.split()
+    platform_tests = subprocess.run(
+        [
+            "git",
+            "grep",
+            "--untracked",
+            "-ln",
+            "PALLAS_PLATFORMS\\|\\.platform ==\\|platform in",
+            "--",
+            "jaxserve",
+            "kernels",
+            "server",
+            "checkpoints",
+            "cli",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert platform_tests == ["kernels/table.py"]
 
 
@@ -59,8 +93,9 @@ def _abstract_runner(cfg, rows: int, kernels: str, max_len: int = 4096) -> Abstr
     pages = rows * -(-max_len // 128)
     geometry = CacheGeometry(num_slots=rows, num_pages=pages, page_size=128, max_pages_per_seq=pages // rows)
     buckets = Buckets(prefill_rows=(1,), prefill_chunks=(16,), decode_rows=(rows,))
-    return AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets,
-                          kernels=kernels)
+    return AbstractRunner(
+        cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets, kernels=kernels
+    )
 
 
 def _primitives(jaxpr) -> set[str]:

@@ -1,7 +1,8 @@
 """The FP8 KV cache (`--kv-cache-dtype fp8`): the block quantization of jaxserve.kernels.kv_quant (its error bound,
 power-of-two scales, RoPE dims kept exactly, each scale on its own block), the layout jaxserve.model.cache builds from
 the knob, and the tiny model with FP8 KV: logits near bfloat16 KV's, the real Engine's greedy tokens those of the
-forward it runs, and, once the model is sure of its continuations, the same greedy tokens as bfloat16 KV. (Bytes per token: tests/test_cache.py; the plan: tests/test_plan.py.)"""
+forward it runs, and, once the model is sure of its continuations, the same greedy tokens as bfloat16 KV. (Bytes per
+token: tests/test_cache.py; the plan: tests/test_plan.py.)"""
 
 from __future__ import annotations
 
@@ -11,20 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from harness import memorizing_weights, prefill_then_decode, run_schedule
-from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
+
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.kernels.kv_quant import Fp8KV, dequantize_kv, quantize_kv
+from jaxserve.model.cache import CacheGeometry, abstract_cache, kv_geometry
+from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights, is_info
 from jaxserve.presets import preset
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
-from jaxserve.model.sharding import make_mesh, place
 
-E4M3_REL = 2.0 ** -4  # half an ulp of a 3-bit mantissa, relative to the value
-E4M3_SUBNORMAL_ABS = 2.0 ** -10  # half the subnormal step (2^-9), relative to the block's scale
+E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the value
+E4M3_SUBNORMAL_ABS = 2.0**-10  # half the subnormal step (2^-9), relative to the block's scale
 
 
 def _blocky(shape: tuple[int, ...], block: int, seed: int = 0) -> np.ndarray:
@@ -52,17 +53,18 @@ def test_round_trip_is_within_e4m3_rounding_scales_are_the_smallest_fitting_powe
     q = quantize_kv(jnp.asarray(x), block, rope, jnp.uint8)
     assert (q.codes.dtype, q.scales.dtype, q.rope.dtype) == (jnp.float8_e4m3fn, jnp.uint8, jnp.bfloat16)
     assert (q.codes.shape, q.scales.shape, q.rope.shape, q.block, q.shape) == ((6, 128), (6, 2), (6, 8), 64, x.shape)
-    nope = x[:, :2 * block]
+    nope = x[:, : 2 * block]
     scale = 2.0 ** (np.asarray(q.scales, np.float64) - 127)
     amax = _block_amax(nope, block)
     assert ((amax / 448 <= scale) & (scale < 2 * amax / 448)).all()  # the smallest power of two that fits
 
     got = np.asarray(dequantize_kv(q, jnp.float32))
     bound = E4M3_REL * np.abs(nope) + E4M3_SUBNORMAL_ABS * np.repeat(scale, block, axis=-1)
-    assert (np.abs(got[:, :2 * block] - nope) <= bound).all()
-    assert _worst_block_error(got[:, :2 * block], nope, block) <= E4M3_REL
-    np.testing.assert_array_equal(got[:, 2 * block:], np.asarray(jnp.asarray(x[:, 2 * block:], jnp.bfloat16),
-                                                                 np.float32))
+    assert (np.abs(got[:, : 2 * block] - nope) <= bound).all()
+    assert _worst_block_error(got[:, : 2 * block], nope, block) <= E4M3_REL
+    np.testing.assert_array_equal(
+        got[:, 2 * block :], np.asarray(jnp.asarray(x[:, 2 * block :], jnp.bfloat16), np.float32)
+    )
     # Codes times a power of two are exact in bfloat16: decoding there loses nothing.
     np.testing.assert_array_equal(np.asarray(dequantize_kv(q, jnp.bfloat16), np.float32), got)
 
@@ -102,18 +104,27 @@ def test_fp8_layout_flash_and_tiny():
     csa = next(layer for layer in flash if layer.index_entries is not None)
     assert isinstance(csa.entries, Fp8KV) and isinstance(csa.window, Fp8KV)
     assert [(info.shape[-1], np.dtype(info.dtype)) for info in _store_infos(csa.entries)] == [
-        (448, jnp.float8_e4m3fn), (7, np.uint8), (64, jnp.bfloat16)]
+        (448, jnp.float8_e4m3fn),
+        (7, np.uint8),
+        (64, jnp.bfloat16),
+    ]
     assert [(info.shape[-1], np.dtype(info.dtype)) for info in _store_infos(csa.index_entries)] == [
-        (128, jnp.float8_e4m3fn), (1, np.float32)]
-    for store, lead in ((csa.window, ("layers", "slots", None)), (csa.entries, ("layers", "pages", None)),
-                        (csa.index_entries, ("layers", "pages", None))):
+        (128, jnp.float8_e4m3fn),
+        (1, np.float32),
+    ]
+    for store, lead in (
+        (csa.window, ("layers", "slots", None)),
+        (csa.entries, ("layers", "pages", None)),
+        (csa.index_entries, ("layers", "pages", None)),
+    ):
         infos = _store_infos(store)
         assert {info.shape[:3] for info in infos} == {infos[0].shape[:3]}
         assert {info.axes[:3] for info in infos} == {lead}
     assert all(np.dtype(info.dtype) == np.float32 for info in _store_infos(csa.state))
 
-    tiny = abstract_cache(preset("tiny"), CacheGeometry(num_slots=2, num_pages=3, page_size=8, max_pages_per_seq=3,
-                                                        kv_cache_dtype="fp8"))
+    tiny = abstract_cache(
+        preset("tiny"), CacheGeometry(num_slots=2, num_pages=3, page_size=8, max_pages_per_seq=3, kv_cache_dtype="fp8")
+    )
     window = tiny[0][0].window
     assert (window.codes.shape[-1], window.scales.shape[-1], window.rope.shape[-1]) == (24, 1, 8)
 
@@ -125,8 +136,9 @@ def test_the_knob_reaches_the_geometry_auto_stores_the_model_dtype_and_bad_value
         geo = kv_geometry(EngineConfig(kv_cache_dtype=knob, **engine), cfg)
         assert geo.kv_cache_dtype == knob
         assert all(np.dtype(layer.window.dtype) == stored for segment in abstract_cache(cfg, geo) for layer in segment)
-    assert isinstance(abstract_cache(cfg, kv_geometry(EngineConfig(kv_cache_dtype="fp8", **engine), cfg))[0][0].window,
-                      Fp8KV)
+    assert isinstance(
+        abstract_cache(cfg, kv_geometry(EngineConfig(kv_cache_dtype="fp8", **engine), cfg))[0][0].window, Fp8KV
+    )
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp16': must be one of \('auto', 'bfloat16', 'fp8'\)"):
         EngineConfig(kv_cache_dtype="fp16")
     geo = CacheGeometry(num_slots=1, num_pages=1, page_size=8, max_pages_per_seq=1, kv_cache_dtype="fp8")
@@ -155,19 +167,26 @@ def test_logits_with_fp8_kv_stay_near_bfloat16_kv_as_its_four_fewer_mantissa_bit
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, MODEL.vocab_size, n).astype(np.int32) for n in (37, 21, 50)]
     steps = prefill_then_decode([32, 16, 32], [len(p) for p in prompts])
-    logits = {kv: run_schedule(weights, MODEL, prompts, steps, (1, 32), kv_cache_dtype=kv)
-              for kv in ("auto", "bfloat16", "fp8")}
+    logits = {
+        kv: run_schedule(weights, MODEL, prompts, steps, (1, 32), kv_cache_dtype=kv)
+        for kv in ("auto", "bfloat16", "fp8")
+    }
     fp8 = _logit_errors(logits["fp8"], logits["bfloat16"])
     bf16 = _logit_errors(logits["bfloat16"], logits["auto"])
-    print(f"fp8 vs bf16 KV: median {np.median(fp8):.4f}, max {fp8.max():.4f}; bf16 vs f32 KV: median "
-          f"{np.median(bf16):.4f}, max {bf16.max():.4f}")
+    print(
+        f"fp8 vs bf16 KV: median {np.median(fp8):.4f}, max {fp8.max():.4f}; bf16 vs f32 KV: median "
+        f"{np.median(bf16):.4f}, max {bf16.max():.4f}"
+    )
     assert np.median(fp8) < 0.25 and fp8.max() < 3.5
     assert np.median(fp8) < 50 * np.median(bf16)
 
 
-ENGINE_PROMPTS = [[5, 17, 40, 33, 2], [9] * 12 + [70, 71],
-                  [88, 3, 61, 24, 24, 7, 50, 12, 6, 31, 27, 1, 2, 90, 4, 44, 8],
-                  [int(t) for t in np.random.default_rng(3).integers(2, 96, 40)]]
+ENGINE_PROMPTS = [
+    [5, 17, 40, 33, 2],
+    [9] * 12 + [70, 71],
+    [88, 3, 61, 24, 24, 7, 50, 12, 6, 31, 27, 1, 2, 90, 4, 44, 8],
+    [int(t) for t in np.random.default_rng(3).integers(2, 96, 40)],
+]
 # |logprob| differences between the Engine and the forward along the same tokens, measured: bf16 KV 0.005, fp8 KV
 # 0.24. The two compute the same maths in different step shapes; a last-bit difference that moves a value across
 # a rounding boundary of the cache changes it by one step of the stored format (2^-8 or 2^-4 relative), which the
@@ -178,16 +197,26 @@ ENGINE_LOGPROB_TOL = {"bfloat16": 0.0125, "fp8": 0.6}
 def _engine_greedy(weights, kv: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
     """20 greedy tokens for each prompt (all at once) through the real Engine, and their logprobs."""
     cfg = preset("tiny", dtype="float32")
-    engine_cfg = EngineConfig(dtype="float32", kv_cache_dtype=kv, max_num_seqs=4, chunked_prefill_size=64,
-                              max_prefill_rows=1, page_size=16, max_model_len=96, decode_log_interval=1000)
+    engine_cfg = EngineConfig(
+        dtype="float32",
+        kv_cache_dtype=kv,
+        max_num_seqs=4,
+        chunked_prefill_size=64,
+        max_prefill_rows=1,
+        page_size=16,
+        max_model_len=96,
+        decode_log_interval=1000,
+    )
     mesh = make_mesh(1, 1, jax.devices()[:1])
-    engine = Engine(engine_cfg, cfg, build_runner(engine_cfg, cfg, place(weights, abstract_weights(cfg), mesh),
-                                                  mesh), (1,))
+    engine = Engine(
+        engine_cfg, cfg, build_runner(engine_cfg, cfg, place(weights, abstract_weights(cfg), mesh), mesh), (1,)
+    )
     sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
 
     async def run():
         async def events(handle):
             return [event async for event in handle.events()]
+
         return await asyncio.gather(*(events(engine.submit(p, sampling)) for p in prompts))
 
     engine.start()
@@ -195,8 +224,10 @@ def _engine_greedy(weights, kv: str, prompts: list[list[int]]) -> tuple[list[lis
         streams = asyncio.run(asyncio.wait_for(run(), 300))
     finally:
         engine.shutdown()
-    return ([[t for event in stream for t in event.token_ids] for stream in streams],
-            [[lp.logprob for event in stream for lp in event.logprobs] for stream in streams])
+    return (
+        [[t for event in stream for t in event.token_ids] for stream in streams],
+        [[lp.logprob for event in stream for lp in event.logprobs] for stream in streams],
+    )
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
@@ -214,10 +245,14 @@ def test_engine_greedy_tokens_are_the_forwards_with_either_kv_dtype(kv):
     # at a time): a float32 last-bit difference of another batch shape that crosses a bf16 rounding boundary of the
     # cache can flip a near-tie of the CSA indexer's top-k, which moved one logprob by 0.25 on one CPU and none on
     # another.
-    forward = [run_schedule(weights, cfg, [sequence], prefill_then_decode([len(prompt)], [len(sequence)]), (1, 64),
-                            kv_cache_dtype=kv)[0] for prompt, sequence in zip(ENGINE_PROMPTS, sequences)]
+    forward = [
+        run_schedule(
+            weights, cfg, [sequence], prefill_then_decode([len(prompt)], [len(sequence)]), (1, 64), kv_cache_dtype=kv
+        )[0]
+        for prompt, sequence in zip(ENGINE_PROMPTS, sequences)
+    ]
     for prompt, got, got_logprobs, logits in zip(ENGINE_PROMPTS, tokens, logprobs, forward):
-        want = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[len(prompt) - 1:]), axis=-1))
+        want = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[len(prompt) - 1 :]), axis=-1))
         np.testing.assert_allclose(got_logprobs, want[np.arange(len(got)), got], atol=tol, rtol=0)
         best = want.max(-1)
         assert (want[np.arange(len(got)), got] >= best - tol).all()  # the argmax, or tied with it

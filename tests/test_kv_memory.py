@@ -23,6 +23,7 @@ def test_flash_fixed_state_per_slot_matches_the_formula():
     n_csa, n_hca = FLASH.layer_kinds.count("csa"), FLASH.layer_kinds.count("hca")
     d, c_i, m_csa, m_hca = FLASH.head_dim, FLASH.index_head_dim, FLASH.csa_rate, FLASH.hca_rate
     window = FLASH.num_layers * FLASH.sliding_window * d * BF16_BYTES  # 43 x 128 x 512 x 2 B
+
     # Overlapped (CSA) compressor of width c: kv + gate of the partial window [m, 2c], and the last window's
     # A-half [m, c], all float32. HCA: kv + gate of the partial window [m, c].
     def csa_state(c):

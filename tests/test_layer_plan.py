@@ -7,19 +7,19 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from harness import geometry_for, prefill_then_decode, run_schedule
 
-from jaxserve.model.cache import abstract_cache
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import convert_checkpoint, restore_weights
 from jaxserve.checkpoints.writer import write_checkpoint
-from harness import geometry_for, prefill_then_decode, run_schedule
 from jaxserve.config import CSA, HCA, SWA
+from jaxserve.model.cache import abstract_cache
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.segments import LayerKind, Segment, layer_segments
+from jaxserve.model.sharding import make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
 from jaxserve.presets import preset
-from jaxserve.model.sharding import make_mesh, shape_dtype_structs, shardings_for
 
 _SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 SWA_HASH, CSA_HASH = LayerKind(SWA, True), LayerKind(CSA, True)
@@ -29,8 +29,9 @@ HCA_TOPK, CSA_TOPK, SWA_TOPK = LayerKind(HCA, False), LayerKind(CSA, False), Lay
 def flash_like(repeats: int, **overrides):
     """The tiny preset with Flash's layer pattern: 2 SWA, `repeats` x (CSA, HCA), CSA; the first 3 hash-routed."""
     types = [_SWA, _SWA] + [_CSA, _HCA] * repeats + [_CSA]
-    return preset("tiny", dtype="float32", num_hidden_layers=len(types), layer_types=types, num_hash_layers=3,
-                  **overrides)
+    return preset(
+        "tiny", dtype="float32", num_hidden_layers=len(types), layer_types=types, num_hash_layers=3, **overrides
+    )
 
 
 CFG = flash_like(2)  # [SWA hash] x 2, [CSA hash], [HCA, CSA] x 2
@@ -38,21 +39,32 @@ CFG = flash_like(2)  # [SWA hash] x 2, [CSA hash], [HCA, CSA] x 2
 
 def test_flash_compiles_four_layer_bodies():
     assert layer_segments(preset("flash")) == (
-        Segment(0, (SWA_HASH,), 2), Segment(2, (CSA_HASH,), 1), Segment(3, (HCA_TOPK, CSA_TOPK), 20))
+        Segment(0, (SWA_HASH,), 2),
+        Segment(2, (CSA_HASH,), 1),
+        Segment(3, (HCA_TOPK, CSA_TOPK), 20),
+    )
     # Cut to 4 layers, the (CSA hash, HCA) tail is one pattern repeated once: fewer segments for the same bodies.
     assert layer_segments(preset("flash", num_hidden_layers=4)) == (
-        Segment(0, (SWA_HASH,), 2), Segment(2, (CSA_HASH, HCA_TOPK), 1))
+        Segment(0, (SWA_HASH,), 2),
+        Segment(2, (CSA_HASH, HCA_TOPK), 1),
+    )
 
 
-@pytest.mark.parametrize("types, hashed, want", [
-    # No repetition: one segment of every layer once.
-    ([_SWA, _CSA, _HCA, _CSA, _SWA], 2, [((SWA_HASH, CSA_HASH, HCA_TOPK, CSA_TOPK, SWA_TOPK), 1)]),
-    # Routing splits what attention alone would repeat.
-    ([_CSA] * 5, 2, [((CSA_HASH,), 2), ((CSA_TOPK,), 3)]),
-    # A two-layer pattern between runs of other kinds.
-    ([_SWA, _HCA, _CSA, _HCA, _CSA, _SWA, _SWA], 0,
-     [((SWA_TOPK,), 1), ((HCA_TOPK, CSA_TOPK), 2), ((SWA_TOPK,), 2)]),
-])
+@pytest.mark.parametrize(
+    "types, hashed, want",
+    [
+        # No repetition: one segment of every layer once.
+        ([_SWA, _CSA, _HCA, _CSA, _SWA], 2, [((SWA_HASH, CSA_HASH, HCA_TOPK, CSA_TOPK, SWA_TOPK), 1)]),
+        # Routing splits what attention alone would repeat.
+        ([_CSA] * 5, 2, [((CSA_HASH,), 2), ((CSA_TOPK,), 3)]),
+        # A two-layer pattern between runs of other kinds.
+        (
+            [_SWA, _HCA, _CSA, _HCA, _CSA, _SWA, _SWA],
+            0,
+            [((SWA_TOPK,), 1), ((HCA_TOPK, CSA_TOPK), 2), ((SWA_TOPK,), 2)],
+        ),
+    ],
+)
 def test_segments_cover_every_layer_once_with_its_kind(types, hashed, want):
     cfg = preset("tiny", num_hidden_layers=len(types), layer_types=types, num_hash_layers=hashed)
     segments = layer_segments(cfg)
@@ -67,8 +79,13 @@ def _jaxpr_size(cfg) -> int:
     weights = shape_dtype_structs(abstract_weights(cfg), make_mesh(1, 1))
     cache = shape_dtype_structs(abstract_cache(cfg, geo), make_mesh(1, 1))
     ints = jax.ShapeDtypeStruct((2,), np.int32)
-    inputs = StepInputs(tokens=jax.ShapeDtypeStruct((2, 8), np.int32), positions=ints, lengths=ints, slots=ints,
-                        page_table=jax.ShapeDtypeStruct((2, geo.max_pages_per_seq), np.int32))
+    inputs = StepInputs(
+        tokens=jax.ShapeDtypeStruct((2, 8), np.int32),
+        positions=ints,
+        lengths=ints,
+        slots=ints,
+        page_table=jax.ShapeDtypeStruct((2, geo.max_pages_per_seq), np.int32),
+    )
     return _equations(jax.make_jaxpr(lambda w, c, i: logits_all(w, c, i, cfg))(weights, cache, inputs).jaxpr)
 
 

@@ -25,8 +25,12 @@ FORBIDDEN = {
     "jaxserve/request": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler", "jaxserve.runner", "jaxserve.model"),
 }
 # The folders as the import system would also find them from the repository root.
-TOP_LEVEL_ALIASES = {"server": "jaxserve.server", "checkpoints": "jaxserve.checkpoints", "cli": "jaxserve.cli",
-                     "kernels": "jaxserve.kernels"}
+TOP_LEVEL_ALIASES = {
+    "server": "jaxserve.server",
+    "checkpoints": "jaxserve.checkpoints",
+    "cli": "jaxserve.cli",
+    "kernels": "jaxserve.kernels",
+}
 NEVER_AT_RUN_TIME = ("torch", "transformers")
 
 
@@ -38,8 +42,12 @@ def imported_modules(source: str) -> list[str]:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
-                "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             names.append(str(node.args[0].value))
     return names
 
@@ -66,8 +74,15 @@ def test_each_layer_imports_only_the_layers_below_it(folder):
 
 
 def test_the_scan_sees_every_form_of_import():
-    source = ("import server.app\nfrom checkpoints import load\nfrom jaxserve.server.routes import router\n"
-              "def f():\n    import jaxserve.cli.main\n    importlib.import_module('jaxserve.checkpoints.load')\n")
+    source = (
+        "import server.app\nfrom checkpoints import load\nfrom jaxserve.server.routes import router\n"
+        "def f():\n    import jaxserve.cli.main\n    importlib.import_module('jaxserve.checkpoints.load')\n"
+    )
     names = {canonical(n) for n in imported_modules(source)}
-    assert {"jaxserve.server.app", "jaxserve.checkpoints.load", "jaxserve.server.routes", "jaxserve.cli.main",
-            "jaxserve.checkpoints"} <= names
+    assert {
+        "jaxserve.server.app",
+        "jaxserve.checkpoints.load",
+        "jaxserve.server.routes",
+        "jaxserve.cli.main",
+        "jaxserve.checkpoints",
+    } <= names

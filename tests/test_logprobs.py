@@ -9,13 +9,13 @@ import httpx
 import jax
 import numpy as np
 import pytest
+from reference import load_reference, reference_greedy, reference_logprobs
+from test_server import CONFIG, MODEL, loaded, runner, serving, settled, sse_payloads, wait_for  # noqa: F401
 
 import jaxserve.runner.logprobs as logprobs_module
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from jaxserve.request import MAX_LOGPROBS
-from reference import load_reference, reference_greedy, reference_logprobs
-from test_server import CONFIG, MODEL, loaded, runner, serving, settled, sse_payloads, wait_for  # noqa: F401
+from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 
 TOL = 1e-4
 VOCAB = 512
@@ -29,6 +29,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 # ---- the device functions ------------------------------------------------------------------------------------------
+
 
 def test_device_logprobs_are_the_log_softmax_in_blocks_and_nothing_unless_asked(monkeypatch):
     # 3 rows x 11 positions with blocks of 8 // 3 = 2 positions: six blocks, the last one padded.
@@ -59,6 +60,7 @@ def test_device_logprobs_are_the_log_softmax_in_blocks_and_nothing_unless_asked(
 
 # ---- over HTTP, against the reference ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def reference():
     return load_reference(default_checkpoint_path())
@@ -84,18 +86,26 @@ def complete(http, **body) -> dict:
 
 def token_id(name: str) -> int:
     assert name.startswith("token_id:"), name
-    return int(name[len("token_id:"):])
+    return int(name[len("token_id:") :])
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, reference, loaded, max_tokens):  # noqa: F811
-    body = complete(http, prompt=PROMPT, echo=True, logprobs=5, max_tokens=max_tokens, temperature=0,
-                    ignore_eos=True, return_tokens_as_token_ids=True)
+    body = complete(
+        http,
+        prompt=PROMPT,
+        echo=True,
+        logprobs=5,
+        max_tokens=max_tokens,
+        temperature=0,
+        ignore_eos=True,
+        return_tokens_as_token_ids=True,
+    )
     (choice,) = body["choices"]
     expected = reference_logprobs(reference, PROMPT)  # row p: the distribution of the token after position p
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(PROMPT) + max_tokens
-    assert [token_id(t) for t in logprobs["tokens"][:len(PROMPT)]] == PROMPT
+    assert [token_id(t) for t in logprobs["tokens"][: len(PROMPT)]] == PROMPT
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     for p in range(1, len(logprobs["tokens"])):
         row = expected[p - 1]
@@ -109,16 +119,20 @@ def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, refere
         assert token_id(logprobs["tokens"][-1]) == int(np.argmax(expected[-1]))
     assert choice["text"].startswith(loaded.tokenizer.decode(PROMPT))
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": max_tokens,
-                             "total_tokens": len(PROMPT) + max_tokens}
+    assert body["usage"] == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": max_tokens,
+        "total_tokens": len(PROMPT) + max_tokens,
+    }
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
 
 
 def test_greedy_tokens_and_their_logprobs_match_the_reference_streaming_and_not(http, reference):
     prompt = PROMPT[:20]
     tokens, rows = reference_greedy(reference, prompt, 8)
-    args = dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, logprobs=3,
-                return_tokens_as_token_ids=True)
+    args = dict(
+        prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, return_tokens_as_token_ids=True
+    )
     logprobs = complete(http, **args)["choices"][0]["logprobs"]
     assert [token_id(t) for t in logprobs["tokens"]] == tokens
     for i, (token, row) in enumerate(zip(tokens, rows)):
@@ -134,9 +148,19 @@ def test_greedy_tokens_and_their_logprobs_match_the_reference_streaming_and_not(
 
 
 def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, reference, loaded):  # noqa: F811
-    response = http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Where does the river run?"}], "max_tokens": 6,
-        "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "return_token_ids": True})
+    response = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Where does the river run?"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_token_ids": True,
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     (choice,) = body["choices"]
@@ -155,6 +179,7 @@ def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, 
 
 # ---- n -------------------------------------------------------------------------------------------------------------
 
+
 def test_n_choices_are_seeded_reproducible_and_count_the_prompt_once(http, server):
     args = dict(prompt=PROMPT[:12], max_tokens=6, temperature=1.0, seed=1234, ignore_eos=True, return_token_ids=True)
     body = complete(http, n=3, **args)
@@ -167,16 +192,23 @@ def test_n_choices_are_seeded_reproducible_and_count_the_prompt_once(http, serve
     # Choice i is the request with seed + i.
     assert [complete(http, **{**args, "seed": 1234 + i})["choices"][0]["token_ids"] for i in range(3)] == ids
 
-    with http.stream("POST", "/v1/completions", json={"model": MODEL, "n": 3, "stream": True,
-                                                        "stream_options": {"include_usage": True}, **args}) as r:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": MODEL, "n": 3, "stream": True, "stream_options": {"include_usage": True}, **args},
+    ) as r:
         chunks = [p for p in sse_payloads(r.iter_lines()) if p != "[DONE]"]
-    streamed = {i: [t for c in chunks for choice in c["choices"] if choice["index"] == i for t in choice["token_ids"]]
-                for i in range(3)}
+    streamed = {
+        i: [t for c in chunks for choice in c["choices"] if choice["index"] == i for t in choice["token_ids"]]
+        for i in range(3)
+    }
     assert [streamed[i] for i in range(3)] == ids
     assert chunks[-1]["usage"] == body["usage"]
 
-    chat = http.post("/v1/chat/completions", json={"model": MODEL, "n": 2, "max_tokens": 3, "seed": 5,
-                                                   "messages": [{"role": "user", "content": "Hi"}]}).json()
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "n": 2, "max_tokens": 3, "seed": 5, "messages": [{"role": "user", "content": "Hi"}]},
+    ).json()
     assert [c["index"] for c in chat["choices"]] == [0, 1] and chat["usage"]["completion_tokens"] <= 6
     wait_for(lambda: settled(server.engine), 5, "every page back")
 

@@ -5,10 +5,26 @@ import random
 
 import pytest
 
-from jaxserve.request import LEGAL_TRANSITIONS, IllegalTransition, InvalidRequest, Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import (DecodeInterleavePolicy, DecodeManager, Exhausted, FirstComeFirstServed, IdAllocator,
-                                MixedSteps, PrefillManager, Priority, Scheduler)
+from jaxserve.request import (
+    LEGAL_TRANSITIONS,
+    IllegalTransition,
+    InvalidRequest,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from jaxserve.request.step import StepKind
+from jaxserve.scheduler import (
+    DecodeInterleavePolicy,
+    DecodeManager,
+    Exhausted,
+    FirstComeFirstServed,
+    IdAllocator,
+    MixedSteps,
+    PrefillManager,
+    Priority,
+    Scheduler,
+)
 
 PAGE = 4  # tokens per KV page in these tests
 
@@ -38,9 +54,21 @@ def next_rows(dm):
 
 # --- request records -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", -1), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
-    ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", 21)])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", -1),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("prompt_logprobs", 21),
+    ],
+)
 def test_sampling_params_reject_bad_values_naming_field_and_value(field, value):
     with pytest.raises(InvalidRequest, match=f"{field}={value!r}") as refused:
         SamplingParams(**{field: value})
@@ -83,6 +111,7 @@ def test_id_allocator_hands_out_low_ids_all_or_nothing_and_checks_frees():
 
 
 # --- prefill manager -----------------------------------------------------------------------------------------
+
 
 def test_long_prompt_is_split_into_budget_sized_chunks():
     pm, pool = manager(budget=8)
@@ -164,6 +193,7 @@ def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once
 
 # --- decode manager ------------------------------------------------------------------------------------------
 
+
 def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
     dm = DecodeManager(max_num_seqs=2)
     assert next_rows(dm) == () and not dm.has_work
@@ -181,6 +211,7 @@ def test_decode_manager_batches_oldest_first_up_to_max_num_seqs():
 
 
 # --- hand-off through the Scheduler --------------------------------------------------------------------------
+
 
 def test_completed_prompts_decode_in_the_next_step_even_before_their_step_ran():
     pm, pool = manager(budget=12)
@@ -239,6 +270,7 @@ def test_random_workload_returns_every_page_and_slot():
 
 # --- mixed batches ---------------------------------------------------------------------------------------------
 
+
 def test_mixed_steps_carry_every_running_request_inside_a_pure_chunks_token_budget():
     prefill, _ = manager(budget=8)
     scheduler = Scheduler(prefill, DecodeManager(4), [DecodeInterleavePolicy(3), MixedSteps()])
@@ -266,12 +298,16 @@ def test_mixed_steps_carry_every_running_request_inside_a_pure_chunks_token_budg
 
 # --- the lifecycle -----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("start", list(RequestStatus))
 @pytest.mark.parametrize("end", list(RequestStatus))
 def test_every_move_follows_the_one_table(start, end):
     legal = {(RequestStatus.WAITING, RequestStatus.PREFILLING), (RequestStatus.PREFILLING, RequestStatus.DECODING)}
-    legal |= {(s, e) for s in (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING)
-              for e in (RequestStatus.FINISHED, RequestStatus.ABORTED)}
+    legal |= {
+        (s, e)
+        for s in (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING)
+        for e in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+    }
     assert (end in LEGAL_TRANSITIONS[start]) == ((start, end) in legal)
     r = req("a", 2)
     r.status = start  # set up the state under test directly
@@ -295,20 +331,24 @@ def test_a_request_is_added_to_the_queue_only_while_waiting():
 
 # --- queue orders ------------------------------------------------------------------------------------------------
 
+
 def prioritized(rid, priority):
     r = req(rid, 4)
     r.priority = priority
     return r
 
 
-@pytest.mark.parametrize("order, arrivals, expected", [
-    # (request id, priority) in arrival order -> admission order, one request per step (a 4-token budget)
-    (FirstComeFirstServed(), [("a", 0), ("b", 0), ("c", 0)], "abc"),
-    (FirstComeFirstServed(), [("a", 5), ("b", -1), ("c", 0)], "abc"),  # fcfs ignores priorities
-    (Priority(), [("a", 0), ("b", 0), ("c", 0)], "abc"),  # equals: first come, first served
-    (Priority(), [("a", 0), ("b", -1), ("c", 0)], "bac"),  # lower first
-    (Priority(), [("a", 2), ("b", 1), ("c", 1), ("d", -3)], "dbca"),
-])
+@pytest.mark.parametrize(
+    "order, arrivals, expected",
+    [
+        # (request id, priority) in arrival order -> admission order, one request per step (a 4-token budget)
+        (FirstComeFirstServed(), [("a", 0), ("b", 0), ("c", 0)], "abc"),
+        (FirstComeFirstServed(), [("a", 5), ("b", -1), ("c", 0)], "abc"),  # fcfs ignores priorities
+        (Priority(), [("a", 0), ("b", 0), ("c", 0)], "abc"),  # equals: first come, first served
+        (Priority(), [("a", 0), ("b", -1), ("c", 0)], "bac"),  # lower first
+        (Priority(), [("a", 2), ("b", 1), ("c", 1), ("d", -3)], "dbca"),
+    ],
+)
 def test_queue_order_truth_table(order, arrivals, expected):
     pm, _ = manager(budget=4, rows=1, order=order)
     for rid, priority in arrivals:
@@ -339,8 +379,11 @@ def test_fcfs_refuses_a_priority_naming_the_flag_and_priority_takes_any():
 
 # --- the rules SamplingParams owns -------------------------------------------------------------------------------
 
+
 def test_stop_rules_and_the_bias_follow_min_tokens():
-    p = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(7,), eos_token_ids=(1, 2), logit_bias={5: 2.0, 7: 1.0})
+    p = SamplingParams(
+        max_tokens=8, min_tokens=3, stop_token_ids=(7,), eos_token_ids=(1, 2), logit_bias={5: 2.0, 7: 1.0}
+    )
     assert [p.may_stop(n) for n in range(5)] == [False, False, False, True, True]
     assert p.stop_reason(1, 2) == (None, None) and p.stop_reason(7, 2) == (None, None)  # held back
     assert p.stop_reason(1, 3) == ("stop", None) and p.stop_reason(7, 3) == ("stop", 7)
@@ -352,13 +395,16 @@ def test_stop_rules_and_the_bias_follow_min_tokens():
     assert ignoring.logit_bias_at(0) == () and ignoring.stop_reason(1, 5) == (None, None)
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 1, "stop_token_ids": tuple(range(60)), "eos_token_ids": tuple(range(60, 65))}, "min_tokens"),
-    ({"logit_bias": {3: 100.5}}, "logit_bias"),
-    ({"logit_bias": {t: 1.0 for t in range(65)}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1, "stop_token_ids": tuple(range(60)), "eos_token_ids": tuple(range(60, 65))}, "min_tokens"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"logit_bias": {t: 1.0 for t in range(65)}}, "logit_bias"),
+    ],
+)
 def test_sampling_rules_refuse_what_they_cannot_do_naming_the_field(fields, param):
     with pytest.raises(InvalidRequest) as refused:
         SamplingParams(**fields)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from harness import chunk_schedule, prefill_then_decode, run_schedule
+from reference import build_reference, reference_logits
 
 import jaxserve.model.forward as forward_module
 from jaxserve.checkpoints.deepseek import load_weights
-from harness import chunk_schedule, prefill_then_decode, run_schedule
 from jaxserve.config import config_from_dict
 from jaxserve.presets import preset_dict
-from reference import build_reference, reference_logits
 
 TOL = 1e-4
 _CSA, _HCA, _SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -33,8 +33,7 @@ CASES = {
     "A": dict(raw=preset_dict("tiny"), **SCHEDULE_A),
     # Config B: the real HCA ratio 128 and window 128 over 300 tokens, top-8.
     "B": dict(
-        raw=preset_dict("tiny", sliding_window=128, index_topk=8,
-                        compress_rates={_CSA: 4, _HCA: 128}),
+        raw=preset_dict("tiny", sliding_window=128, index_topk=8, compress_rates={_CSA: 4, _HCA: 128}),
         lengths=[300, 257, 180],
         buckets=(1, 128, 320),
         full=[300, 257, 180],
@@ -46,9 +45,15 @@ CASES = {
     ),
     # Config C: another layer pattern (HCA first, SWA in the middle), three hash layers, HCA ratio 16, window 12.
     "C": dict(
-        raw=preset_dict("tiny", num_hidden_layers=5, layer_types=[_HCA, _CSA, _SWA, _CSA, _HCA],
-                        num_hash_layers=3, sliding_window=12, index_topk=5,
-                        compress_rates={_CSA: 4, _HCA: 16}),
+        raw=preset_dict(
+            "tiny",
+            num_hidden_layers=5,
+            layer_types=[_HCA, _CSA, _SWA, _CSA, _HCA],
+            num_hash_layers=3,
+            sliding_window=12,
+            index_topk=5,
+            compress_rates={_CSA: 4, _HCA: 16},
+        ),
         lengths=[70, 53, 66],
         buckets=(1, 32, 80),
         full=[70, 53, 66],
@@ -60,8 +65,12 @@ CASES = {
     ),
     # Config D: Flash's layer pattern (2 SWA, (CSA, HCA) x 3, CSA; 3 hash layers), so the forward scans repeated
     # layers: [SWA hash] x 2, [CSA hash], [HCA, CSA] x 3.
-    "D": dict(raw=preset_dict("tiny", num_hidden_layers=9, layer_types=[_SWA, _SWA] + [_CSA, _HCA] * 3 + [_CSA],
-                              num_hash_layers=3), **SCHEDULE_A),
+    "D": dict(
+        raw=preset_dict(
+            "tiny", num_hidden_layers=9, layer_types=[_SWA, _SWA] + [_CSA, _HCA] * 3 + [_CSA], num_hash_layers=3
+        ),
+        **SCHEDULE_A,
+    ),
 }
 
 
@@ -76,8 +85,16 @@ def case(request, tmp_path_factory):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in spec["lengths"]]
     expected = [reference_logits(model, p) for p in prompts]
-    return dict(spec, name=request.param, cfg=cfg, weights=weights, prompts=prompts, expected=expected,
-                model=model, folder=folder)
+    return dict(
+        spec,
+        name=request.param,
+        cfg=cfg,
+        weights=weights,
+        prompts=prompts,
+        expected=expected,
+        model=model,
+        folder=folder,
+    )
 
 
 def _max_error(got: list[np.ndarray], expected: list[np.ndarray]) -> float:
@@ -131,8 +148,10 @@ def test_bfloat16_stays_close(case):
     diffs = np.concatenate([np.abs(g - e).max(-1) for g, e in zip(got, case["expected"])])
     agree = np.concatenate([g.argmax(-1) == e.argmax(-1) for g, e in zip(got, case["expected"])])
     scale = max(float(np.abs(e).max()) for e in case["expected"])
-    print(f"bf16 vs f32 reference: max abs logit error per position: median {np.median(diffs):.3f}, "
-          f"max {diffs.max():.3f} (logit scale {scale:.2f}); greedy agreement {agree.mean():.1%}")
+    print(
+        f"bf16 vs f32 reference: max abs logit error per position: median {np.median(diffs):.3f}, "
+        f"max {diffs.max():.3f} (logit scale {scale:.2f}); greedy agreement {agree.mean():.1%}"
+    )
     assert all(np.isfinite(g).all() for g in got)
     # Rounding moves most positions a little; a few move more where a routing or top-k choice flips.
     assert np.median(diffs) < 0.05 * scale

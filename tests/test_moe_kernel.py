@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import moe, quant
+from jaxserve.kernels import quant
 from jaxserve.kernels.moe import gathered_matmul, grouped_matmul, tiled_matmul
 from jaxserve.kernels.quant import FP4, FP8, dequantize, quantize
 
@@ -26,13 +26,12 @@ def test_cpu_forms_equal_ragged_dot(seed):
     grouped = np.asarray(grouped_matmul(x, w, sizes))
     for got in (grouped, gathered_matmul(x, w, sizes), tiled_matmul(x, w, sizes, tile=int(rng.choice([1, 3, 8, 32])))):
         np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4, rtol=1e-5)
-    assert not grouped[int(sizes.sum()):].any()
+    assert not grouped[int(sizes.sum()) :].any()
 
 
 @pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("pass_bytes", [64 << 20, 4 * 48 * 4, 1])
-def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_of_layers(fmt, pass_bytes,
-                                                                                          monkeypatch):
+def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_of_layers(fmt, pass_bytes, monkeypatch):
     # pass_bytes: the whole weight in one pass; passes of a few input rows (gathered form) or items (tiled form);
     # one row / one item per pass.
     monkeypatch.setattr(quant, "DECODE_PASS_BYTES", pass_bytes)
@@ -45,16 +44,20 @@ def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_
         x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
         sizes = jnp.asarray(rng.multinomial(m - 1, np.full(e, 1 / e)), jnp.int32)  # the last row in no group
         for layer in range(layers):
-            expected = jax.lax.ragged_dot(x, decoded[layer * e:(layer + 1) * e], sizes,
-                                          preferred_element_type=jnp.float32)
+            expected = jax.lax.ragged_dot(
+                x, decoded[layer * e : (layer + 1) * e], sizes, preferred_element_type=jnp.float32
+            )
             got = grouped_matmul(x, w, sizes, expert_offset=jnp.int32(layer * e))
             np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec, x_shape, w_shape, blocks", [
-    ("btd,dr->btr", (2, 3, 384), (384, 40), (128, 128)),
-    ("btr,rhk->bthk", (1, 5, 256), (256, 4, 16), (128, 2, 16)),
-])
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape, blocks",
+    [
+        ("btd,dr->btr", (2, 3, 384), (384, 40), (128, 128)),
+        ("btr,rhk->bthk", (1, 5, 256), (256, 4, 16), (128, 2, 16)),
+    ],
+)
 def test_fp8_einsum_decoded_a_slice_at_a_time_equals_the_whole_decode(spec, x_shape, w_shape, blocks, monkeypatch):
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)

@@ -10,6 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from harness import prefill_then_decode, run_schedule
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import load_weights
@@ -17,10 +18,9 @@ from jaxserve.checkpoints.load import load_model
 from jaxserve.checkpoints.orbax_io import convert_checkpoint, is_orbax_checkpoint, restore_weights
 from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.checkpoints.writer import write_checkpoint
-from harness import prefill_then_decode, run_schedule
+from jaxserve.model.sharding import make_mesh, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights
 from jaxserve.presets import preset
-from jaxserve.model.sharding import make_mesh, shardings_for
 from jaxserve.text.tokenizer import Tokenizer
 
 CFG = preset("tiny", dtype="float32")
@@ -41,8 +41,9 @@ def test_restore_is_exact_carries_target_shardings_and_gives_the_same_logits(con
     mesh = make_mesh(tp, ep)
     shardings = shardings_for(abstract_weights(CFG), mesh)
     restored = restore_weights(dst, CFG, mesh)
-    for (path, got), (_, want), (_, sharding) in zip(flatten_with_names(restored), flatten_with_names(weights),
-                                                     flatten_with_names(shardings)):
+    for (path, got), (_, want), (_, sharding) in zip(
+        flatten_with_names(restored), flatten_with_names(weights), flatten_with_names(shardings)
+    ):
         assert got.dtype == want.dtype, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
         assert got.sharding.is_equivalent_to(sharding, got.ndim), (path, got.sharding, sharding)
@@ -64,7 +65,8 @@ def test_load_model_restores_a_conversion_with_its_tokenizer(tmp_path):
     assert converted.config == original.config
     assert isinstance(converted.tokenizer, Tokenizer)
     assert converted.tokenizer.encode("Where does the river run?") == original.tokenizer.encode(
-        "Where does the river run?")
+        "Where does the river run?"
+    )
     for (path, got), (_, want) in zip(flatten_with_names(converted.weights), flatten_with_names(original.weights)):
         assert got.dtype == want.dtype and got.sharding == want.sharding, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)

@@ -34,10 +34,10 @@ def _weight(rng, shape: tuple[int, ...], blocks: tuple[int, ...]) -> Quantized:
     codes[tuple(slice(None, None, b) for b in blocks)] = FP8_MAX
     # Block index i_a along axis a adds STEPS[a] * i_a (mod 13) to a random start: neighbours along any axis differ.
     index = np.indices(scales_shape(shape, blocks))
-    exponents = (rng.integers(13) + np.tensordot(STEPS[:len(shape)], index, axes=1)) % 13 - 6
-    factor = 2.0 ** exponents
+    exponents = (rng.integers(13) + np.tensordot(STEPS[: len(shape)], index, axes=1)) % 13 - 6
+    factor = 2.0**exponents
     for axis, b in enumerate(blocks):
-        factor = np.repeat(factor, b, axis=axis)[tuple(slice(None, n) for n in shape[:axis + 1])]
+        factor = np.repeat(factor, b, axis=axis)[tuple(slice(None, n) for n in shape[: axis + 1])]
     w = jax.jit(quantize, static_argnums=(1, 2))(jnp.asarray(codes * factor, jnp.float32), FP8, blocks)  # one compile
     np.testing.assert_array_equal(np.asarray(w.codes, np.float32), codes)
     np.testing.assert_array_equal(np.asarray(w.scales), exponents + 127)
@@ -52,10 +52,10 @@ def _assert_close(spec: str, got: jax.Array, x: jax.Array, w: Quantized, **kwarg
     a block's share by a factor of 2 or more, far outside both."""
     want = reference(spec, x, w, **kwargs)
     assert got.dtype == want.dtype and got.shape == want.shape
-    rounding = 2.0 ** -7 if want.dtype == jnp.bfloat16 else 0.0
+    rounding = 2.0**-7 if want.dtype == jnp.bfloat16 else 0.0
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     bound = np.einsum(spec, np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(dequantize(w, jnp.float32))))
-    tolerance = 2 * x.shape[-1] * 2.0 ** -24 * bound + rounding * np.abs(want)
+    tolerance = 2 * x.shape[-1] * 2.0**-24 * bound + rounding * np.abs(want)
     excess = np.abs(got - want) - tolerance
     assert np.all(excess <= 0), f"{np.sum(excess > 0)} of {excess.size} outside the tolerance, worst by {excess.max()}"
 
@@ -107,8 +107,11 @@ def test_every_finite_code():
     _assert_close("nd,df->nf", einsum("nd,df->nf", x, w, interpret=True), x, w)
 
 
-@pytest.mark.parametrize("byte, x_scale", [(0, 2.0 ** 110), (1, 2.0 ** 110), (127, 1.0), (254, 2.0 ** -120)],
-                         ids=["byte0", "byte1", "byte127", "byte254"])
+@pytest.mark.parametrize(
+    "byte, x_scale",
+    [(0, 2.0**110), (1, 2.0**110), (127, 1.0), (254, 2.0**-120)],
+    ids=["byte0", "byte1", "byte127", "byte254"],
+)
 def test_scale_extremes(byte, x_scale):
     """Every block at scale byte 0 (2^-127), 1, 127 or 254 (2^127), x scaled to keep the products normal floats.
     Under 2^127 the codes are kept below 2 so the decoded weight stays finite. XLA on CPU flushes denormals, so the
@@ -116,8 +119,12 @@ def test_scale_extremes(byte, x_scale):
     rng = np.random.default_rng(3)
     codes = FINITE_CODES[np.abs(FINITE_CODES) < 2] if byte == 254 else FINITE_CODES
     shape, blocks = (200, 150), (128, 128)
-    w = Quantized(jnp.asarray(rng.choice(codes, size=shape), jnp.float8_e4m3fn),
-                  jnp.full(scales_shape(shape, blocks), byte, jnp.uint8), FP8, blocks)
+    w = Quantized(
+        jnp.asarray(rng.choice(codes, size=shape), jnp.float8_e4m3fn),
+        jnp.full(scales_shape(shape, blocks), byte, jnp.uint8),
+        FP8,
+        blocks,
+    )
     x = jnp.asarray(rng.normal(size=(3, 200)) * x_scale, jnp.float32)
     got = einsum("nd,df->nf", x, w, interpret=True)
     assert np.isfinite(np.asarray(got)).all() and (byte == 0 or np.asarray(got).any())

@@ -63,14 +63,15 @@ def _check(x, w, sizes, offset: int, **blocks) -> np.ndarray:
     group exactly zero."""
     sizes, offset_array = jnp.asarray(sizes, jnp.int32), jnp.asarray(offset, jnp.int32)  # traced, as in the model
     got = np.asarray(kernel(x, w, sizes, offset_array, interpret=True, **blocks))
-    dense = _dense(w, x.dtype)[offset:offset + len(sizes)]
+    dense = _dense(w, x.dtype)[offset : offset + len(sizes)]
     # Float32 accumulation in another order (k tiles, FP4's even/odd split): each of the d additions rounds by at
     # most 2^-24 of a partial sum bounded by sum_k |x w|. bfloat16 inputs add nothing: their products are exact in
     # float32 and every side rounds the decoded weights to bfloat16 the same way (exactly: codes times powers of 2).
     group = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
     magnitude = np.zeros(got.shape)
-    magnitude[: len(group)] = np.einsum("md,mdf->mf", np.abs(np.asarray(x, np.float64))[: len(group)],
-                                        np.nan_to_num(np.abs(dense[group]), posinf=0))
+    magnitude[: len(group)] = np.einsum(
+        "md,mdf->mf", np.abs(np.asarray(x, np.float64))[: len(group)], np.nan_to_num(np.abs(dense[group]), posinf=0)
+    )
     tolerance = x.shape[1] * 2.0**-24 * magnitude
     oracles = [np.asarray(reference(x, w, sizes, offset_array))]
     if np.isfinite(dense).all():  # XLA:CPU's ragged_dot is dense (all rows times all experts): NaN reaches all rows
@@ -79,7 +80,7 @@ def _check(x, w, sizes, offset: int, **blocks) -> np.ndarray:
         np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
         finite = ~np.isnan(expected)
         assert (np.abs(got - expected)[finite] <= tolerance[finite]).all(), np.abs(got - expected).max()
-    assert not got[len(group):].any()  # rows in no group
+    assert not got[len(group) :].any()  # rows in no group
     return got
 
 
@@ -87,8 +88,9 @@ def _rows(rng: np.random.Generator, m: int, d: int, dtype) -> jax.Array:
     return jnp.asarray(rng.normal(size=(m, d)), dtype)
 
 
-@pytest.mark.parametrize("fmt,x_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16),
-                                         (FP8, jnp.float32), (FP4, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "fmt,x_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), (FP8, jnp.float32), (FP4, jnp.bfloat16)]
+)
 def test_group_layouts(fmt, x_dtype):
     rng = np.random.default_rng(0)
     d = D_FP4 if fmt == FP4 else D
@@ -111,13 +113,22 @@ def test_few_rows(m, fmt, x_dtype):
         _check(x, w, [3, 0, 0, 4, 0, 0], E)  # a row past the last group
 
 
-@pytest.mark.parametrize("fmt,x_dtype,d,f,blocks", [
-    ("float32", jnp.float32, D, F, dict(block_m=16, block_k=16, block_f=16)),  # 5 k tiles, 3 f tiles, both partial
-    # 2 scale rows per k tile (the last k tile's second one past the 3 of d = 260), 5 f tiles within 2 scale columns
-    (FP8, jnp.bfloat16, 260, 160, dict(block_m=16, block_k=256, block_f=32)),
-    (FP8, jnp.float32, 260, 160, dict(block_m=32, block_k=32, block_f=256)),  # 2 scale columns per f tile, 1 partial
-    (FP4, jnp.float32, 200, F, dict(block_m=16, block_k=32, block_f=16)),  # one scale row per k step, 7 steps
-])  # (FP4's default block_k = 128 spans 4 scale rows: test_group_layouts)
+@pytest.mark.parametrize(
+    "fmt,x_dtype,d,f,blocks",
+    [
+        ("float32", jnp.float32, D, F, dict(block_m=16, block_k=16, block_f=16)),  # 5 k tiles, 3 f tiles, both partial
+        # 2 scale rows per k tile (the last k tile's second one past the 3 of d = 260), 5 f tiles within 2 scale columns
+        (FP8, jnp.bfloat16, 260, 160, dict(block_m=16, block_k=256, block_f=32)),
+        (
+            FP8,
+            jnp.float32,
+            260,
+            160,
+            dict(block_m=32, block_k=32, block_f=256),
+        ),  # 2 scale columns per f tile, 1 partial
+        (FP4, jnp.float32, 200, F, dict(block_m=16, block_k=32, block_f=16)),  # one scale row per k step, 7 steps
+    ],
+)  # (FP4's default block_k = 128 spans 4 scale rows: test_group_layouts)
 def test_tiles_and_partial_edges(fmt, x_dtype, d, f, blocks):
     rng = np.random.default_rng(2)
     x, w = _rows(rng, M, d, x_dtype), _stack(fmt, rng, d, f)
@@ -179,9 +190,11 @@ def _fp8_bytes(rng, shape, exponents, big_fraction=0.0) -> np.ndarray:
 def _fp4_bytes(rng, shape, magnitudes, big_fraction=0.0) -> np.ndarray:
     """Packed e2m1 bytes whose two nibbles have magnitude codes (0..7) in `magnitudes`, random signs, and a fraction
     `big_fraction` of magnitude codes 4..7 (2, 3, 4, 6)."""
+
     def nibbles():
         magnitude = np.where(rng.random(shape) < big_fraction, rng.integers(4, 8, shape), rng.choice(magnitudes, shape))
         return (rng.integers(0, 2, shape) << 3) | magnitude
+
     return (nibbles() | (nibbles() << 4)).astype(np.uint8)
 
 
@@ -202,7 +215,7 @@ def _extreme_case(fmt: str, rng: np.random.Generator):
             c = _fp4_bytes(rng, shape, range(8)) if fmt == FP4 else _fp8_bytes(rng, shape, (10, 15))
             x = rng.integers(-1, 2, (ROWS_PER_GROUP, d)) * (2.0 if fmt == FP4 else 1.0)
         elif u == 254:
-            c = (_fp4_bytes(rng, shape, range(4), 0.02) if fmt == FP4 else _fp8_bytes(rng, shape, (0, 2), 0.02))
+            c = _fp4_bytes(rng, shape, range(4), 0.02) if fmt == FP4 else _fp8_bytes(rng, shape, (0, 2), 0.02)
             x = rng.integers(-4, 5, (ROWS_PER_GROUP, d)) * (2.0**-10 if fmt == FP4 else 2.0**-3)
         elif u == 255:  # positive: a NaN scale taken for infinity would give +inf instead of NaN
             c = _fp4_bytes(rng, shape, range(1, 8)) & 0x77 if fmt == FP4 else _fp8_bytes(rng, shape, (1, 10)) & 0x7F
@@ -216,8 +229,12 @@ def _extreme_case(fmt: str, rng: np.random.Generator):
     codes = jnp.asarray(np.stack(codes))
     scale_rows = -(-d // (32 if fmt == FP4 else 128))
     scales = np.broadcast_to(np.asarray(EXTREME_SCALES)[:, None, None], (E, scale_rows, F if fmt == FP4 else 1))
-    w = Quantized(codes if fmt == FP4 else jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
-                  jnp.asarray(scales, jnp.uint8), fmt, FP4_BLOCKS if fmt == FP4 else FP8_BLOCKS)
+    w = Quantized(
+        codes if fmt == FP4 else jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
+        jnp.asarray(scales, jnp.uint8),
+        fmt,
+        FP4_BLOCKS if fmt == FP4 else FP8_BLOCKS,
+    )
     return np.concatenate(rows), w, [ROWS_PER_GROUP] * E
 
 
@@ -235,11 +252,12 @@ def test_scale_extremes(fmt, x_dtype):
     assert group[127].any() and np.isfinite(group[127]).all() and np.isfinite(group[128]).all()
     assert np.isinf(group[254]).any() and (np.abs(group[254][np.isfinite(group[254])]) > 2.0**120).any()
     assert np.isnan(group[255]).all()
-    assert not got[E * ROWS_PER_GROUP:].any()
+    assert not got[E * ROWS_PER_GROUP :].any()
 
 
-@pytest.mark.parametrize("fmt,x_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), (FP8, jnp.bfloat16),
-                                         (FP4, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "fmt,x_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), (FP8, jnp.bfloat16), (FP4, jnp.bfloat16)]
+)
 def test_lowers_to_triton(fmt, x_dtype):
     """Lowered for CUDA (no GPU needed), the kernel passes Pallas' Triton lowering rules and becomes a Triton call.
     Only that: Triton's own compiler and a GPU run are not exercised here."""

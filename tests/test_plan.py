@@ -14,17 +14,17 @@ import pytest
 from jaxserve.cli.main import main
 from jaxserve.config import EngineConfig
 from jaxserve.kernels.quant import FP4
-from jaxserve.model.weights import init_weights
 from jaxserve.model.cache import bytes_per_token
-from jaxserve.runner.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
-from jaxserve.presets import preset
 from jaxserve.model.sharding import make_mesh, place
-from jaxserve.model.weights import abstract_weights
+from jaxserve.model.weights import abstract_weights, init_weights
+from jaxserve.presets import preset
+from jaxserve.runner.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
 
 FLASH = preset("flash", dtype="bfloat16")
 TINY = preset("tiny", dtype="bfloat16")
-SMALL_ENGINE = EngineConfig(max_num_seqs=4, chunked_prefill_size=16, max_prefill_rows=1, page_size=16,
-                            max_model_len=128)
+SMALL_ENGINE = EngineConfig(
+    max_num_seqs=4, chunked_prefill_size=16, max_prefill_rows=1, page_size=16, max_model_len=128
+)
 
 
 def test_flash_as_released_fits_8_devices_on_its_weights_and_dequantized_is_over_three_times_larger():
@@ -46,8 +46,10 @@ MEMORY = 4_000_000
 @pytest.fixture(scope="module")
 def tiny_plans() -> dict[str, Plan]:
     """Tiny's plan on 2 x 4 devices of MEMORY bytes, by KV cache dtype (each compiles its two steps)."""
-    return {kv: make_plan(TINY, dataclasses.replace(SMALL_ENGINE, kv_cache_dtype=kv), make_mesh(2, 4), MEMORY)
-            for kv in ("bfloat16", "fp8")}
+    return {
+        kv: make_plan(TINY, dataclasses.replace(SMALL_ENGINE, kv_cache_dtype=kv), make_mesh(2, 4), MEMORY)
+        for kv in ("bfloat16", "fp8")
+    }
 
 
 def test_plan_matches_hand_arithmetic_and_the_live_arrays(tiny_plans):
@@ -58,7 +60,8 @@ def test_plan_matches_hand_arithmetic_and_the_live_arrays(tiny_plans):
     assert plan.weights_bytes_per_device * mesh.size >= live >= plan.weights_bytes_per_device  # some replicated
     assert plan.weights_bytes_per_device == max(
         sum(s.data.nbytes for leaf in jax.tree.leaves(weights) for s in leaf.addressable_shards if s.device == d)
-        for d in mesh.devices.flat)
+        for d in mesh.devices.flat
+    )
     # Tiny's layers: SWA, CSA, HCA, CSA, SWA; bf16 entries: a CSA token adds (32 + 16) x 2 bytes / 4, an HCA one
     # 32 x 2 / 8.
     assert plan.kv_bytes_per_token == 2 * (32 + 16) * 2 / 4 + 32 * 2 / 8
@@ -72,8 +75,16 @@ def test_step_temporaries_hold_one_layer_of_converted_weights_not_a_copy_of_ever
     """XLA:CPU computes bf16 dots in f32; were the conversion hoisted out of the layer scan, the plan would count an
     f32 copy of every layer's weights (here 2x the weights) as temporaries, which no accelerator needs."""
     hca = "heavily_compressed_attention"
-    experts_heavy = preset("tiny", dtype="bfloat16", hidden_size=256, moe_intermediate_size=512, n_routed_experts=64,
-                           num_hash_layers=0, num_hidden_layers=6, layer_types=[hca] * 6)
+    experts_heavy = preset(
+        "tiny",
+        dtype="bfloat16",
+        hidden_size=256,
+        moe_intermediate_size=512,
+        n_routed_experts=64,
+        num_hash_layers=0,
+        num_hidden_layers=6,
+        layer_types=[hca] * 6,
+    )
     plan = make_plan(experts_heavy, SMALL_ENGINE, make_mesh(1, 1, jax.devices()[:1]), 10**12)
     assert plan.temp_bytes_per_device < plan.weights_bytes_per_device / 4
 
@@ -91,20 +102,49 @@ def test_fp8_kv_fits_more_tokens_in_the_same_memory(tiny_plans):
 
 def test_cli_plan_reports_fp8_kv_bytes_per_token(capsys):
     # 1 GB devices: Flash's weights alone do not fit, so nothing is compiled; the KV sizes are reported anyway.
-    status = main(["plan", "--preset", "flash", "--tensor-parallel-size", "8", "--device-memory", "1GB",
-                   "--kv-cache-dtype", "fp8", "--json"])
+    status = main(
+        [
+            "plan",
+            "--preset",
+            "flash",
+            "--tensor-parallel-size",
+            "8",
+            "--device-memory",
+            "1GB",
+            "--kv-cache-dtype",
+            "fp8",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert status == 1 and report["reason"].startswith("weights need")
     assert report["kv_bytes_per_token"] == bytes_per_token(FLASH, "fp8") == 3844.84375
 
 
 def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_path):
-    status = main(["plan", "--preset", "tiny", "--tensor-parallel-size", "2", "--expert-parallel-size", "4",
-                   "--device-memory", "100KB", "--json"])
+    status = main(
+        [
+            "plan",
+            "--preset",
+            "tiny",
+            "--tensor-parallel-size",
+            "2",
+            "--expert-parallel-size",
+            "4",
+            "--device-memory",
+            "100KB",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert status == 1 and not report["fits"] and report["reason"].startswith("weights need")
-    for key in ("weights_bytes_per_device", "temp_bytes_per_device", "kv_bytes_per_token", "max_kv_tokens",
-                "compile_s"):
+    for key in (
+        "weights_bytes_per_device",
+        "temp_bytes_per_device",
+        "kv_bytes_per_token",
+        "max_kv_tokens",
+        "compile_s",
+    ):
         assert key in report
 
     status = main(["serve", "--device-memory", "100KB", "--port", "0"])
@@ -112,10 +152,19 @@ def test_cli_plan_json_and_serve_refuse_a_model_that_does_not_fit(capsys, tmp_pa
     assert status == 2 and "does not fit" in err and "weights need" in err
 
 
-def test_only_jax_share_of_a_device_is_usable_so_flash_in_bf16_does_not_fit_80gib_on_its_weights(capsys,
-                                                                                                monkeypatch):
-    flash_bf16 = ["plan", "--preset", "flash", "--tensor-parallel-size", "8", "--device-memory", "80GiB",
-                  "--quantization", "none", "--json"]
+def test_only_jax_share_of_a_device_is_usable_so_flash_in_bf16_does_not_fit_80gib_on_its_weights(capsys, monkeypatch):
+    flash_bf16 = [
+        "plan",
+        "--preset",
+        "flash",
+        "--tensor-parallel-size",
+        "8",
+        "--device-memory",
+        "80GiB",
+        "--quantization",
+        "none",
+        "--json",
+    ]
     monkeypatch.delenv(MEMORY_FRACTION_ENV, raising=False)
     status = main(flash_bf16)
     report = json.loads(capsys.readouterr().out)
@@ -127,6 +176,7 @@ def test_only_jax_share_of_a_device_is_usable_so_flash_in_bf16_does_not_fit_80gi
 
 def test_device_memory_sizes_parse():
     from jaxserve.config import ConfigError, parse_bytes
+
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("24e9") == 24e9
     with pytest.raises(ConfigError, match="not a size"):
         parse_bytes("lots")

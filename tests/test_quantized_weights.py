@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import prefill_then_decode, run_schedule
 
 from jaxserve.checkpoints.load import load_model
 from jaxserve.checkpoints.orbax_io import convert_checkpoint, restore_weights
@@ -21,14 +22,13 @@ from jaxserve.checkpoints.writer import write_checkpoint
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.kernels.quant import FP4, FP8, Quantized, dequantize
+from jaxserve.model.sharding import ShardingError, make_mesh, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, init_weights, is_weight
 from jaxserve.presets import preset
 from jaxserve.runner import build_runner
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
-from jaxserve.model.sharding import ShardingError, make_mesh, shardings_for
-from harness import prefill_then_decode, run_schedule
 
 # head_dim 64 and o_lora 128: wq_b's 128-row blocks cover 2 of the 4 heads, wo_a's 2 heads of a group; hidden 160:
 # a full and a partial 128-block along the input of every projection; experts 64 wide: two FP4 blocks per row.
@@ -45,15 +45,19 @@ def _block_pattern(shape: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarra
     for axis, (n, b) in enumerate(zip(shape[lead:], blocks)):
         index = np.arange(n) // b
         exponent = exponent + ((axis + 1) * index % 3).reshape([-1 if i == axis else 1 for i in range(len(blocks))])
-    return np.broadcast_to(4.0 ** exponent, shape)  # 4x apart: more than block maxima vary by chance
+    return np.broadcast_to(4.0**exponent, shape)  # 4x apart: more than block maxima vary by chance
 
 
 def _with_block_patterns(weights):
     abstract = abstract_weights(QUANTIZED)
     dense_leaves = flatten_with_names(weights)
     infos = dict(flatten_with_names(abstract, is_weight))
-    leaves = [np.asarray(leaf) * _block_pattern(leaf.shape, infos[path].blocks) if isinstance(infos[path], Quantized)
-              else leaf for path, leaf in dense_leaves]
+    leaves = [
+        np.asarray(leaf) * _block_pattern(leaf.shape, infos[path].blocks)
+        if isinstance(infos[path], Quantized)
+        else leaf
+        for path, leaf in dense_leaves
+    ]
     return jax.tree.unflatten(jax.tree.structure(weights), [jnp.asarray(x, jnp.float32) for x in leaves])
 
 
@@ -63,8 +67,9 @@ def safetensors_bytes(folder) -> int:
     for file in folder.glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(end - start for name, t in header.items() if name != "__metadata__"
-                     for start, end in [t["data_offsets"]])
+        total += sum(
+            end - start for name, t in header.items() if name != "__metadata__" for start, end in [t["data_offsets"]]
+        )
     return total
 
 
@@ -91,7 +96,7 @@ def test_dequantize_applies_each_scale_to_its_own_block():
     fp8 = Quantized(jnp.asarray(values, jnp.float8_e4m3fn), jnp.asarray(exponents), FP8, (2, 3))
     np.testing.assert_array_equal(np.asarray(dequantize(fp8, jnp.float32)), want)
 
-    e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
     nibbles = rng.integers(0, 16, (6, 5))  # [in, out]: packed pairs along the input
     packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
     scales = rng.integers(120, 134, (2, 5)).astype(np.uint8)  # blocks of 4 inputs (the last partial) x 1 output
@@ -106,7 +111,18 @@ def test_decoded_weights_equal_the_dequantized_load_and_scales_vary_on_every_blo
     kept = dict(flatten_with_names(auto.weights, lambda x: isinstance(x, Quantized)))
     quantized = [path for path, leaf in kept.items() if isinstance(leaf, Quantized)]
     assert {path.rsplit(".", 1)[-1] for path in quantized} == {
-        "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_gate", "shared_up", "shared_down", "w_gate", "w_up", "w_down"}
+        "wq_a",
+        "wq_b",
+        "wkv",
+        "wo_a",
+        "wo_b",
+        "shared_gate",
+        "shared_up",
+        "shared_down",
+        "w_gate",
+        "w_up",
+        "w_down",
+    }
     for path, want in flatten_with_names(none.weights):
         got = kept[path]
         if isinstance(got, Quantized):
@@ -125,8 +141,10 @@ def test_logits_match_the_dequantized_model(folder):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(2, CFG.vocab_size, n).astype(np.int32) for n in (19, 11)]
     schedule = prefill_then_decode([16, 8], [19, 11])
-    for got, want in zip(run_schedule(auto.weights, auto.config, prompts, schedule, (1, 16)),
-                         run_schedule(none.weights, none.config, prompts, schedule, (1, 16))):
+    for got, want in zip(
+        run_schedule(auto.weights, auto.config, prompts, schedule, (1, 16)),
+        run_schedule(none.weights, none.config, prompts, schedule, (1, 16)),
+    ):
         np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
 
 
@@ -143,8 +161,11 @@ def test_sharded_load_keeps_codes_and_scales_together_and_refuses_cut_blocks(fol
     for (path, want), (_, got) in zip(flatten_with_names(single.weights), flatten_with_names(sharded.weights)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
     assert device_bytes(sharded.weights) < 8 * device_bytes(single.weights)  # experts are split, not copied
-    with pytest.raises(ShardingError, match=r"cannot split heads \(4\) over tensor_parallel_size=4: a shard of 1 "
-                                            r"would cut its fp8_e4m3 scale blocks of 2"):
+    with pytest.raises(
+        ShardingError,
+        match=r"cannot split heads \(4\) over tensor_parallel_size=4: a shard of 1 "
+        r"would cut its fp8_e4m3 scale blocks of 2",
+    ):
         shardings_for(abstract_weights(QUANTIZED), make_mesh(4, 2))
 
 
@@ -160,22 +181,49 @@ def test_orbax_conversion_keeps_the_quantization(folder, tmp_path):
         restore_weights(dst, CFG, mesh)
 
 
-def _greedy_over_http(folder, quantization: str, prompts: list[list[int]], kernels: str = "auto",
-                      dtype: str = "bfloat16", max_num_seqs: int = 4) -> list[list[int]]:
-    cfg = EngineConfig(model=str(folder), dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
-                       chunked_prefill_size=32, max_prefill_rows=1, page_size=16, max_model_len=64, kernels=kernels)
+def _greedy_over_http(
+    folder,
+    quantization: str,
+    prompts: list[list[int]],
+    kernels: str = "auto",
+    dtype: str = "bfloat16",
+    max_num_seqs: int = 4,
+) -> list[list[int]]:
+    cfg = EngineConfig(
+        model=str(folder),
+        dtype=dtype,
+        quantization=quantization,
+        max_num_seqs=max_num_seqs,
+        chunked_prefill_size=32,
+        max_prefill_rows=1,
+        page_size=16,
+        max_model_len=64,
+        kernels=kernels,
+    )
     model = loaded(folder, quantization, cfg.dtype)
-    engine = Engine(cfg, model.config, build_runner(cfg, model.config, model.weights, make_mesh(1, 1)),
-                    model.tokenizer.eos_ids)
+    engine = Engine(
+        cfg, model.config, build_runner(cfg, model.config, model.weights, make_mesh(1, 1)), model.tokenizer.eos_ids
+    )
     engine.start()
-    server = BackgroundServer(create_app(engine, model.tokenizer, "q", ServerConfig(log_stats_interval=0)),
-                              bind("127.0.0.1", 0))
+    server = BackgroundServer(
+        create_app(engine, model.tokenizer, "q", ServerConfig(log_stats_interval=0)), bind("127.0.0.1", 0)
+    )
     try:
         server.start()
         with httpx.Client(base_url=f"http://127.0.0.1:{server.address[1]}", timeout=120) as http:
-            return [http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0,
-                                                       "ignore_eos": True, "return_token_ids": True}
-                              ).json()["choices"][0]["token_ids"] for prompt in prompts]
+            return [
+                http.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": prompt,
+                        "max_tokens": 20,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                ).json()["choices"][0]["token_ids"]
+                for prompt in prompts
+            ]
     finally:
         server.stop()
         engine.shutdown()

@@ -49,12 +49,14 @@ def test_readme_quick_start_from_a_fresh_clone(tmp_path):
     port = str(free_port())
     serve_block, query_block = (block.replace("8000", port) for block in blocks)
     env = {key: value for key, value in os.environ.items() if key not in TEST_ONLY_ENV}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if Path(p) != Path(sys.executable).parent)  # not this test run's venv
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != Path(sys.executable).parent
+    )  # not this test run's venv
 
     started = time.monotonic()
-    server = subprocess.Popen(["bash", "-ec", serve_block], cwd=clone, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        ["bash", "-ec", serve_block], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     output = []
     try:
         for line in server.stdout:
@@ -64,8 +66,9 @@ def test_readme_quick_start_from_a_fresh_clone(tmp_path):
         else:
             raise AssertionError(f"the serve block ended without serving:\n{''.join(output)[-3000:]}")
         ready = time.monotonic() - started
-        query = subprocess.run(["bash", "-ec", query_block], cwd=clone, env=env, capture_output=True, text=True,
-                               timeout=600)
+        query = subprocess.run(
+            ["bash", "-ec", query_block], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
         assert query.returncode == 0, query.stdout[-2000:] + query.stderr[-2000:]
         # curl's JSON (no newline after it), then the openai client's text (random weights: any text).
         completion, end = json.JSONDecoder().raw_decode(query.stdout)
@@ -78,5 +81,8 @@ def test_readme_quick_start_from_a_fresh_clone(tmp_path):
         for pid in (children.read_text().split() if children.exists() else []) or [server.pid]:
             os.kill(int(pid), signal.SIGTERM)
         status = server.wait(timeout=120)
-    print(f"README quick start: ready {ready:.0f} s after the first command, all blocks {time.monotonic() - started:.0f} s")
+    print(
+        f"README quick start: ready {ready:.0f} s after the first command, all blocks {time.monotonic() - started:.0f}"
+        f" s"
+    )
     assert status == 0, "".join(output)[-3000:]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from harness import chunk_schedule, prefill_then_decode, run_schedule
+
 from jaxserve.model.cache import CacheGeometry
+from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
-from jaxserve.runner import Buckets, CompileCounter, ModelRunner, step_limits
-from jaxserve.model.sharding import make_mesh, place
 from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepPlan, StepRow, StepShape
+from jaxserve.runner import Buckets, CompileCounter, ModelRunner, step_limits
 
 CFG = preset("tiny", dtype="float32")
 
@@ -55,15 +55,22 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     counter = CompileCounter()
     mesh = make_mesh(2, 4)
     geometry = CacheGeometry(num_slots=4, num_pages=24, page_size=8, max_pages_per_seq=6)
-    runner = ModelRunner(CFG, place(weights, abstract_weights(CFG), mesh), geometry, mesh,
-                         Buckets(prefill_rows=(1, 2), prefill_chunks=(16, 32), decode_rows=(1, 2, 4)))
+    runner = ModelRunner(
+        CFG,
+        place(weights, abstract_weights(CFG), mesh),
+        geometry,
+        mesh,
+        Buckets(prefill_rows=(1, 2), prefill_chunks=(16, 32), decode_rows=(1, 2, 4)),
+    )
     runner.warmup()
     assert set(runner.times.compile_s) == {prefill(r, c) for r, c in [(1, 16), (1, 32), (2, 16), (2, 32)]} | {
-        decode(r) for r in (1, 2, 4)}
+        decode(r) for r in (1, 2, 4)
+    }
     before = counter.count
     greedy = SamplingParams(temperature=0.0)
-    requests = [Request(f"r{i}", p.tolist(), greedy, slot=i, pages=list(range(6 * i, 6 * i + 6)))
-                for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"r{i}", p.tolist(), greedy, slot=i, pages=list(range(6 * i, 6 * i + 6))) for i, p in enumerate(prompts)
+    ]
     a, b, c = requests
 
     def run_prefill(*chunks):
@@ -111,7 +118,9 @@ def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_pr
     assert shapes[:2] == buckets.first_shapes() == [prefill(1, 16), decode(1)]
     assert len(shapes) == len(set(shapes)) == 6 + 4 + 6  # prefill, decode, mixed (every decode row in each)
     # A mixed step holds a pure chunk's tokens: its chunk is shortened by its decode rows (all 8, padded).
-    assert {s for s in shapes if s.kind is StepKind.MIXED} == {mixed(r, c - 8, 8) for r in (1, 2) for c in (16, 64, 256)}
+    assert {s for s in shapes if s.kind is StepKind.MIXED} == {
+        mixed(r, c - 8, 8) for r in (1, 2) for c in (16, 64, 256)
+    }
     assert buckets.prompt_shapes(40) == [prefill(1, 64), decode(1)] and buckets.prompt_shapes(999)[0] == prefill(1, 256)
     # A chunk no longer than the decode rows has no mixed form.
     narrow = Buckets.for_limits(max_prefill_rows=1, chunked_prefill_size=64, max_num_seqs=16, mixed=True)

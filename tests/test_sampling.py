@@ -7,20 +7,29 @@ import jax
 import numpy as np
 
 from jaxserve.request import Request, SamplingParams
-from jaxserve.runner.sampling import SamplingArrays, sample
 from jaxserve.request.step import StepRow
+from jaxserve.runner.sampling import SamplingArrays, sample
 
 sample_jit = jax.jit(sample)
 
 
 def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=1, logit_bias=(), bucket=None):
     """Arrays for n decode rows (of one-token prompts) sampling at `position`, in a bucket of `bucket` rows."""
+
     def fill(value):
         return value if isinstance(value, list) else [value] * n
-    rows = [StepRow(Request(f"r{i}", [1], SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logit_bias=b)),
-                    position - 1, 1, decode=True)
-            for i, (t, k, p, s, b, position) in enumerate(zip(fill(temperature), fill(top_k), fill(top_p), fill(seed),
-                                                               fill(logit_bias), fill(position)))]
+
+    rows = [
+        StepRow(
+            Request(f"r{i}", [1], SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logit_bias=b)),
+            position - 1,
+            1,
+            decode=True,
+        )
+        for i, (t, k, p, s, b, position) in enumerate(
+            zip(fill(temperature), fill(top_k), fill(top_p), fill(seed), fill(logit_bias), fill(position))
+        )
+    ]
     return SamplingArrays.for_rows(rows, bucket or n)
 
 
@@ -56,10 +65,11 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 def test_seeded_rows_do_not_depend_on_their_batch():
     logits = _logits(rows=6, seed=5)
-    alone = [int(sample_jit(logits[i:i + 1], _params(1, seed=100 + i, position=7 + i))[0]) for i in range(6)]
+    alone = [int(sample_jit(logits[i : i + 1], _params(1, seed=100 + i, position=7 + i))[0]) for i in range(6)]
     batched = sample_jit(logits, _params(6, seed=[100 + i for i in range(6)], position=[7 + i for i in range(6)]))
-    reversed_rows = sample_jit(logits[::-1], _params(6, seed=[105 - i for i in range(6)],
-                                                     position=[12 - i for i in range(6)]))
+    reversed_rows = sample_jit(
+        logits[::-1], _params(6, seed=[105 - i for i in range(6)], position=[12 - i for i in range(6)])
+    )
     assert batched.tolist() == alone
     assert reversed_rows.tolist()[::-1] == alone
     other_seed = sample_jit(logits, _params(6, seed=[7 for _ in range(6)], position=[7 + i for i in range(6)]))
@@ -72,13 +82,13 @@ def test_a_row_draws_the_same_token_whatever_its_batch_mates_filter():
     logits = np.tile(_logits(1, seed=3), (64, 1))
     plain = sample_jit(logits, _params(64, temperature=1.5, position=list(range(64))))
     assert len(set(plain.tolist())) > 3  # really sampled
-    with_filtering_mate = sample_jit(np.concatenate([logits, logits[:1]]),
-                                     _params(65, temperature=[1.5] * 64 + [1.0], top_k=[-1] * 64 + [3],
-                                             position=list(range(64)) + [0]))
+    with_filtering_mate = sample_jit(
+        np.concatenate([logits, logits[:1]]),
+        _params(65, temperature=[1.5] * 64 + [1.0], top_k=[-1] * 64 + [3], position=list(range(64)) + [0]),
+    )
     np.testing.assert_array_equal(with_filtering_mate[:64], plain)
     greedy_rows = sample_jit(logits, _params(64, temperature=0.0))
-    with_sampling_mate = sample_jit(np.concatenate([logits, logits[:1]]),
-                                    _params(65, temperature=[0.0] * 64 + [1.0]))
+    with_sampling_mate = sample_jit(np.concatenate([logits, logits[:1]]), _params(65, temperature=[0.0] * 64 + [1.0]))
     np.testing.assert_array_equal(with_sampling_mate[:64], greedy_rows)
     np.testing.assert_array_equal(greedy_rows, logits.argmax(-1))
 
@@ -87,8 +97,9 @@ def test_logit_bias_moves_greedy_and_sampled_rows_and_padding_rows_carry_none():
     logits = _logits(rows=3, vocab=50, seed=2)
     best = logits.argmax(-1)
     favoured, banned = 7, [int(t) for t in best]
-    params = _params(3, temperature=[0.0, 0.0, 5.0], logit_bias=[{favoured: 100.0}, {banned[1]: -100.0},
-                                                                  {favoured: 100.0}], bucket=4)
+    params = _params(
+        3, temperature=[0.0, 0.0, 5.0], logit_bias=[{favoured: 100.0}, {banned[1]: -100.0}, {favoured: 100.0}], bucket=4
+    )
     out = sample_jit(np.concatenate([logits, logits[:1]]), params)
     assert out[0] == favoured and out[1] != banned[1] and out[2] == favoured
     assert out[3] == best[0]  # the padding row: no bias

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from jaxserve.request import Request
-from jaxserve.scheduler import DecodeInterleavePolicy, MixedSteps, Scheduler
 from jaxserve.request.step import ForcedBy, StepKind, StepRow
+from jaxserve.scheduler import DecodeInterleavePolicy, MixedSteps, Scheduler
 
 
 class StubManager:
@@ -61,12 +61,15 @@ def steps(scheduler, n):
     return "".join(letter(scheduler.schedule()) for _ in range(n))
 
 
-@pytest.mark.parametrize("every, expected", [
-    (None, "PPPPPPPPP"),
-    (1, "PDPDPDPDP"),
-    (3, "PPPDPPPDP"),
-    (8, "PPPPPPPPD"),
-])
+@pytest.mark.parametrize(
+    "every, expected",
+    [
+        (None, "PPPPPPPPP"),
+        (1, "PDPDPDPDP"),
+        (3, "PPPDPPPDP"),
+        (8, "PPPPPPPPD"),
+    ],
+)
 def test_truth_table_with_both_always_runnable(every, expected):
     scheduler, _, _ = make_scheduler(every)
     assert steps(scheduler, 9) == expected
@@ -145,7 +148,11 @@ def test_forced_flag_marks_policy_decodes_only():
     prefill.runnable = False
     batches.append(scheduler.schedule())  # D (fallback)
     assert [(letter(b), b.forced_by) for b in batches] == [
-        ("P", None), ("P", None), ("D", ForcedBy.INTERLEAVE), ("D", None)]
+        ("P", None),
+        ("P", None),
+        ("D", ForcedBy.INTERLEAVE),
+        ("D", None),
+    ]
     assert counts(scheduler) == (2, 2, 1)
 
 
@@ -159,12 +166,15 @@ def test_fallback_decode_also_restarts_the_count():
     assert trace == "PDPPD"
 
 
-@pytest.mark.parametrize("prefill, decode, expected", [
-    (True, True, "MMMM"),  # every prefill step carries the decode rows
-    (True, False, "PPPP"),  # nothing decoding: pure prefill steps
-    (False, True, "DDDD"),  # nothing to prefill: the decode rows run alone
-    (False, False, "----"),
-])
+@pytest.mark.parametrize(
+    "prefill, decode, expected",
+    [
+        (True, True, "MMMM"),  # every prefill step carries the decode rows
+        (True, False, "PPPP"),  # nothing decoding: pure prefill steps
+        (False, True, "DDDD"),  # nothing to prefill: the decode rows run alone
+        (False, False, "----"),
+    ],
+)
 def test_mixed_steps_truth_table(prefill, decode, expected):
     scheduler, _, _ = make_scheduler(prefill=prefill, decode=decode, mixed=True)
     assert steps(scheduler, 4) == expected

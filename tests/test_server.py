@@ -29,18 +29,26 @@ from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
+from jaxserve.model.sharding import make_mesh
 from jaxserve.request import SamplingParams
 from jaxserve.runner import build_runner
-from jaxserve.model.sharding import make_mesh
-from jaxserve.text.tokenizer import TokenIdOnly
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
+from jaxserve.text.tokenizer import TokenIdOnly
 
-# Small on purpose: 2 prefill + 3 decode + 2 mixed shapes to compile. tests/test_cli.py serves with the same flags, so its
-# subprocess finds these shapes in the persistent compilation cache.
-CONFIG = EngineConfig(dtype="float32", max_num_seqs=4, chunked_prefill_size=64, max_prefill_rows=1, page_size=16,
-                      max_model_len=256, max_queued_requests=64, decode_log_interval=1000)
+# Small on purpose: 2 prefill + 3 decode + 2 mixed shapes to compile. tests/test_cli.py serves with the same flags, so
+# its subprocess finds these shapes in the persistent compilation cache.
+CONFIG = EngineConfig(
+    dtype="float32",
+    max_num_seqs=4,
+    chunked_prefill_size=64,
+    max_prefill_rows=1,
+    page_size=16,
+    max_model_len=256,
+    max_queued_requests=64,
+    decode_log_interval=1000,
+)
 MODEL = "tiny-v4"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -74,14 +82,12 @@ def runner(loaded):
 
 
 @contextmanager
-def serving(runner, loaded, tokenizer=None, start=True, server_config=ServerConfig(log_stats_interval=0),
-            **overrides):
+def serving(runner, loaded, tokenizer=None, start=True, server_config=ServerConfig(log_stats_interval=0), **overrides):
     tokenizer = tokenizer or loaded.tokenizer
     engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner, tokenizer.eos_ids)
     if start:
         engine.start()
-    app = create_app(engine, tokenizer, MODEL, server_config,
-                     model_path=str(default_checkpoint_path()))
+    app = create_app(engine, tokenizer, MODEL, server_config, model_path=str(default_checkpoint_path()))
     # As `jaxserve serve` does once compiled: the heap so far (here also what earlier tests left in JAX's caches)
     # is frozen, so no full collection walks it in the middle of a stream (one took 0.5 s after the plan tests).
     gc.collect()
@@ -145,7 +151,7 @@ def sse_payloads(lines) -> list:
     payloads = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             payloads.append(data if data == "[DONE]" else json.loads(data))
         else:
             assert line == "", f"unexpected SSE line {line!r}"
@@ -159,9 +165,11 @@ def settled(engine: Engine) -> bool:
 
 # ---- the openai client ---------------------------------------------------------------------------------------------
 
+
 def test_openai_completions_streaming_and_not(client):
-    args = dict(model=MODEL, prompt="Where does the river run?", max_tokens=8, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL, prompt="Where does the river run?", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**args)
     assert whole.object == "text_completion" and whole.model == MODEL
     assert whole.choices[0].finish_reason == "length"
@@ -177,8 +185,13 @@ def test_openai_completions_streaming_and_not(client):
 
 
 def test_openai_chat_streaming_and_not(client):
-    args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**args)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
@@ -192,9 +205,14 @@ def test_openai_chat_streaming_and_not(client):
 
 def test_seeded_sampling_repeats_and_max_completion_tokens_is_honoured(client):
     def sample(seed):
-        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me"}],
-                                              temperature=1.0, seed=seed, max_completion_tokens=10,
-                                              extra_body={"ignore_eos": True})
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me"}],
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=10,
+            extra_body={"ignore_eos": True},
+        )
 
     first, again = sample(7), sample(7)
     assert first.choices[0].message.content == again.choices[0].message.content
@@ -212,18 +230,30 @@ def test_openai_client_errors(server, client):
 
 # ---- raw HTTP ------------------------------------------------------------------------------------------------------
 
+
 def test_token_id_prompt_and_return_token_ids(http, loaded):
     prompt = [5, 17, 99, 250, 3]
-    body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 7, "temperature": 0,
-                                              "ignore_eos": True, "return_token_ids": True}).json()
+    body = http.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+    ).json()
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 7
     assert choice["text"] == loaded.tokenizer.decode(choice["token_ids"])
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
 
-    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 7, "temperature": 0,
-                                                      "ignore_eos": True, "stream": True,
-                                                      "return_token_ids": True}) as response:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 7,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as response:
         chunks = sse_payloads(response.iter_lines())[:-1]
     assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
     assert "prompt_token_ids" not in chunks[1]["choices"][0]
@@ -231,8 +261,9 @@ def test_token_id_prompt_and_return_token_ids(http, loaded):
 
 
 def test_sse_framing(http):
-    with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "ignore_eos": True,
-                                                      "stream": True}) as response:
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         payloads = sse_payloads(response.iter_lines())
@@ -243,15 +274,23 @@ def test_sse_framing(http):
 
 
 def greedy_text(http, max_tokens: int = 24) -> tuple[str, list[int]]:
-    choice = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": max_tokens, "temperature": 0,
-                                                "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
+    choice = http.post(
+        "/v1/completions",
+        json={
+            "prompt": [7, 8, 9],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     return choice["text"], choice["token_ids"]
 
 
 def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
     text, _ = greedy_text(http)
     stop = text[6:8]
-    expected = text[:text.find(stop)]
+    expected = text[: text.find(stop)]
     request = {"prompt": [7, 8, 9], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": ["zzzz", stop]}
     choice = http.post("/v1/completions", json=request).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
@@ -262,19 +301,27 @@ def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
     assert "".join(streamed) == expected and chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_every_eos_id_of_the_generation_config_ends_generation_in_the_engine_and_over_http(http, runner, loaded,
-                                                                                          tmp_path):
+def test_every_eos_id_of_the_generation_config_ends_generation_in_the_engine_and_over_http(
+    http, runner, loaded, tmp_path
+):
     prompts = [[7, 8, 9], [20, 21, 22, 23]]
-    ids = [http.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                                              "return_token_ids": True}).json()["choices"][0]["token_ids"]
-           for p in prompts]
+    ids = [
+        http.post(
+            "/v1/completions",
+            json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        ).json()["choices"][0]["token_ids"]
+        for p in prompts
+    ]
     # Two EOS ids, each ending one prompt's greedy continuation first: the checkpoint's config.json says 1.
     eos_a = next(t for t in ids[0][2:] if t != 1)
     stop_a = ids[0].index(eos_a)
-    eos_b = next(t for i, t in enumerate(ids[1][2:], 2) if t not in ids[0][:stop_a + 1] + [1]
-                 and not {eos_a, 1} & set(ids[1][:i]))
+    eos_b = next(
+        t
+        for i, t in enumerate(ids[1][2:], 2)
+        if t not in ids[0][: stop_a + 1] + [1] and not {eos_a, 1} & set(ids[1][:i])
+    )
     stop_b = ids[1].index(eos_b)
-    assert 1 not in ids[0][:stop_a] and eos_b not in ids[0][:stop_a + 1] and eos_a not in ids[1][:stop_b + 1]
+    assert 1 not in ids[0][:stop_a] and eos_b not in ids[0][: stop_a + 1] and eos_a not in ids[1][: stop_b + 1]
     folder = tmp_path / "two-eos"
     shutil.copytree(default_checkpoint_path(), folder)
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [eos_a, eos_b]}))
@@ -287,24 +334,39 @@ def test_every_eos_id_of_the_generation_config_ends_generation_in_the_engine_and
         through_engine = [h.wait(timeout=60) for h in handles]
     finally:
         engine.shutdown()
-    assert through_engine == [(ids[0][:stop_a + 1], "stop", None), (ids[1][:stop_b + 1], "stop", None)]
+    assert through_engine == [(ids[0][: stop_a + 1], "stop", None), (ids[1][: stop_b + 1], "stop", None)]
 
-    with serving(runner, loaded, tokenizer=tokenizer) as two_eos, httpx.Client(base_url=two_eos.url,
-                                                                              timeout=60) as client:
-        choices = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0,
-                                                        "return_token_ids": True}).json()["choices"][0]
-                   for p in prompts]
+    with (
+        serving(runner, loaded, tokenizer=tokenizer) as two_eos,
+        httpx.Client(base_url=two_eos.url, timeout=60) as client,
+    ):
+        choices = [
+            client.post(
+                "/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+            ).json()["choices"][0]
+            for p in prompts
+        ]
     assert [(c["token_ids"], c["finish_reason"], c["stop_reason"]) for c in choices] == [
-        (ids[0][:stop_a + 1], "stop", None), (ids[1][:stop_b + 1], "stop", None)]
+        (ids[0][: stop_a + 1], "stop", None),
+        (ids[1][: stop_b + 1], "stop", None),
+    ]
 
 
 def test_stop_token_ids(http):
     _, ids = greedy_text(http)
     stop_id = ids[3]
-    choice = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 24, "temperature": 0,
-                                                "ignore_eos": True, "stop_token_ids": [stop_id],
-                                                "return_token_ids": True}).json()["choices"][0]
-    assert choice["token_ids"] == ids[:ids.index(stop_id) + 1]
+    choice = http.post(
+        "/v1/completions",
+        json={
+            "prompt": [7, 8, 9],
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop_token_ids": [stop_id],
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
+    assert choice["token_ids"] == ids[: ids.index(stop_id) + 1]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
 
 
@@ -316,25 +378,39 @@ def test_logit_bias_moves_the_sampled_token_in_both_apis(http, loaded):
     assert first["token_ids"][0] != ids[0]
     first = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}}).json()["choices"][0]
     assert first["token_ids"] == [favoured]
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0,
-            "return_token_ids": True}
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     plain = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["token_ids"]
     biased = http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(favoured): 100}}).json()
     assert biased["choices"][0]["token_ids"] == [favoured] != plain
 
 
-@pytest.mark.parametrize("bias, what", [({"5": 101}, "must be in [-100, 100]"), ({"x": 1}, "keys must be token ids"),
-                                        ({"5": "high"}, "must be a number"), ({"99999": 1}, "outside the vocabulary")])
+@pytest.mark.parametrize(
+    "bias, what",
+    [
+        ({"5": 101}, "must be in [-100, 100]"),
+        ({"x": 1}, "keys must be token ids"),
+        ({"5": "high"}, "must be a number"),
+        ({"99999": 1}, "outside the vocabulary"),
+    ],
+)
 def test_a_bad_logit_bias_is_a_400_naming_it(http, bias, what):
     response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logit_bias": bias})
     assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias"), response.text
     assert what in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": [7, 8, 9]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": [7, 8, 9]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
 def test_min_tokens_holds_back_stop_tokens_in_both_apis(http, path, body):
     body = {**body, "temperature": 0, "max_tokens": 6, "return_token_ids": True}
     first = http.post(path, json=body).json()["choices"][0]["token_ids"][0]
@@ -362,9 +438,21 @@ def test_min_tokens_out_of_range_is_a_400(http, min_tokens):
 
 
 def test_unknown_and_no_op_fields_are_accepted(http):
-    response = http.post("/v1/completions", json={
-        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "best_of": 1, "n": 1, "logprobs": None,
-        "repetition_penalty": 1.0, "presence_penalty": 0, "user": "me", "some_future_field": {"x": 1}})
+    response = http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "Hi",
+            "max_tokens": 2,
+            "best_of": 1,
+            "n": 1,
+            "logprobs": None,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0,
+            "user": "me",
+            "some_future_field": {"x": 1},
+        },
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -377,13 +465,23 @@ def test_models_health_and_metrics(server, http):
         metrics = anonymous.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
-    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_count", "num_requests_running", "num_requests_waiting",
-                 "kv_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total", "prefill_steps_total",
-                 "decode_steps_total", "forced_decode_steps_total"):
+    for name in (
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_count",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefill_steps_total",
+        "decode_steps_total",
+        "forced_decode_steps_total",
+    ):
         assert f"jaxserve:{name}" in text, name
-    finished = [line for line in text.splitlines()
-                if line.startswith('jaxserve:request_success_total{finished_reason="length"')]
+    finished = [
+        line for line in text.splitlines() if line.startswith('jaxserve:request_success_total{finished_reason="length"')
+    ]
     assert finished and float(finished[0].split()[-1]) >= 1
 
 
@@ -435,13 +533,17 @@ CHAT_BAD = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": "yes"}},
-     "chat_template_kwargs.thinking"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": "yes"}},
+        "chat_template_kwargs.thinking",
+    ),
 ]
 
 
-@pytest.mark.parametrize("path, body, field", [("/v1/completions", b, f) for b, f in COMPLETION_BAD]
-                         + [("/v1/chat/completions", b, f) for b, f in CHAT_BAD])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [("/v1/completions", b, f) for b, f in COMPLETION_BAD] + [("/v1/chat/completions", b, f) for b, f in CHAT_BAD],
+)
 def test_bad_input_is_a_400_naming_the_field(http, path, body, field):
     response = http.post(path, json=body)
     assert response.status_code == 400, response.text
@@ -454,11 +556,11 @@ def test_context_overflow_uses_the_wording_clients_match(http):
     error = http.post("/v1/completions", json={"prompt": list(range(2, 202)), "max_tokens": 100}).json()["error"]
     assert error["message"].startswith(
         "This model's maximum context length is 256 tokens. However, you requested 300 tokens (200 in the "
-        "messages, 100 in the completion). Please reduce the length of the messages or completion.")
+        "messages, 100 in the completion). Please reduce the length of the messages or completion."
+    )
 
 
-@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"[1, 2]", "body"),
-                                           (b"\xff\xfe", "JSON")])
+@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"[1, 2]", "body"), (b"\xff\xfe", "JSON")])
 def test_malformed_bodies_are_a_400(http, content, what):
     response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400 and what in response.json()["error"]["message"]
@@ -471,11 +573,14 @@ def test_unknown_route_and_method_keep_the_error_shape(http):
 
 # ---- admission: 429, 503, token-id-only mode --------------------------------------------------------------------
 
+
 def test_a_full_queue_answers_429_with_retry_after(server, runner, loaded, monkeypatch):
     gate, at_gate = threading.Event(), threading.Event()
     before_each_decode(runner, monkeypatch, lambda: (at_gate.set(), gate.wait(30)))
-    with serving(runner, loaded, max_queued_requests=1) as queued, httpx.Client(base_url=queued.url,
-                                                                                timeout=60) as http:
+    with (
+        serving(runner, loaded, max_queued_requests=1) as queued,
+        httpx.Client(base_url=queued.url, timeout=60) as http,
+    ):
         body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as running:
             # `running` is prefilled, then the engine waits at the gate before its first decode step; the next
@@ -510,6 +615,7 @@ def test_health_is_503_while_loading_and_while_draining(server, runner, loaded):
 
 # ---- big bodies: bounded, and never decoded or tokenized on the event loop ----------------------------------------
 
+
 def test_big_bodies_are_refused_without_stalling_a_running_stream(server, runner, monkeypatch):
     # Decode steps of 25 ms or more: the gap criterion then allows the few ms a body's JSON parse or a tokenizer
     # call holds the interpreter lock, even on a busy machine, while tokenizing a 4 MiB prompt on the event loop
@@ -536,15 +642,16 @@ def test_big_bodies_are_refused_without_stalling_a_running_stream(server, runner
     thread.start()
     assert tokens_flowing.wait(60)
     answers = {}
-    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"},
-                      timeout=60) as http:
+    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"}, timeout=60) as http:
         for name, body in (("over", over), ("under", under), ("over again", over), ("under again", under)):
             answers[name] = http.post("/v1/completions", content=body)
     # Declared 5 MB, sent 64 KB: the answer comes without the rest of the body.
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as raw:
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 5000000\r\n\r\n" + b" " * 65536)
+        raw.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000000\r\n\r\n" + b" " * 65536
+        )
         head = raw.recv(65536)
     done_during_the_stream = len(arrivals)
     thread.join(timeout=120)
@@ -578,8 +685,10 @@ def test_a_chunked_body_is_cut_off_at_the_limit(runner, loaded, server):
 
 
 def test_token_id_only_mode(server, runner, loaded):
-    with serving(runner, loaded, tokenizer=TokenIdOnly(default_checkpoint_path())) as ids_only, \
-            httpx.Client(base_url=ids_only.url, timeout=60) as http:
+    with (
+        serving(runner, loaded, tokenizer=TokenIdOnly(default_checkpoint_path())) as ids_only,
+        httpx.Client(base_url=ids_only.url, timeout=60) as http,
+    ):
         for path, body, field in [
             ("/v1/completions", {"prompt": "Hello"}, "prompt"),
             ("/v1/completions", {"prompt": [5, 6], "stop": "x"}, "stop"),
@@ -588,8 +697,9 @@ def test_token_id_only_mode(server, runner, loaded):
             response = http.post(path, json=body)
             assert response.status_code == 400 and response.json()["error"]["param"] == field
             assert field in response.json()["error"]["message"] and "tokenizer" in response.json()["error"]["message"]
-        choice = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
-                                                    "return_token_ids": True}).json()["choices"][0]
+        choice = http.post(
+            "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+        ).json()["choices"][0]
     assert choice["text"] == "" and len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
 
 
@@ -612,6 +722,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_done(server, http, 
 
 # ---- disconnects ---------------------------------------------------------------------------------------------------
 
+
 def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(server, http, slow_decode):
     engine = server.engine
     free_before, aborted_before = engine.stats().free_pages, engine.stats().finished.get("abort", 0)
@@ -621,8 +732,11 @@ def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(serv
         assert next(lines).startswith("data: ")
         assert engine.stats().free_pages < free_before
     # Leaving the `with` closed the connection after one chunk of 200.
-    wait_for(lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
-             SETTLE_S, "the abort and the pages")
+    wait_for(
+        lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
+        SETTLE_S,
+        "the abort and the pages",
+    )
     assert engine.stats().free_pages == free_before
 
 
@@ -630,10 +744,17 @@ def test_a_non_streaming_client_that_times_out_aborts_its_request(server, slow_d
     engine = server.engine
     aborted_before = engine.stats().finished.get("abort", 0)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.5,
-                   json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
-    wait_for(lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
-             SETTLE_S, "the abort and the pages")
+        httpx.post(
+            server.url + "/v1/completions",
+            headers=AUTH,
+            timeout=0.5,
+            json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True},
+        )
+    wait_for(
+        lambda: engine.stats().finished.get("abort", 0) == aborted_before + 1 and settled(engine),
+        SETTLE_S,
+        "the abort and the pages",
+    )
 
 
 # ---- load ----------------------------------------------------------------------------------------------------------
@@ -643,15 +764,22 @@ LOAD_REQUESTS, LOAD_CONCURRENCY, LOAD_MAX_TOKENS, LOAD_CAP_S = 48, 16, 24, 60
 
 async def _load(url: str, seed: int) -> dict:
     rng = random.Random(seed)
-    plans = [(rng.randint(1, 200), rng.random() < 0.75, rng.choice([None, None, None, rng.randint(1, 10)]))
-             for _ in range(LOAD_REQUESTS)]  # (prompt length, stream, disconnect after this many chunks)
+    plans = [
+        (rng.randint(1, 200), rng.random() < 0.75, rng.choice([None, None, None, rng.randint(1, 10)]))
+        for _ in range(LOAD_REQUESTS)
+    ]  # (prompt length, stream, disconnect after this many chunks)
     gate = asyncio.Semaphore(LOAD_CONCURRENCY)
     results = {"statuses": [], "tokens": [], "gaps": [], "disconnects": 0, "health": []}
     done = asyncio.Event()
 
     async def one(http: httpx.AsyncClient, n: int, stream: bool, leave_after: int | None):
-        body = {"prompt": [rng.randint(2, 511) for _ in range(n)], "max_tokens": LOAD_MAX_TOKENS,
-                "ignore_eos": True, "temperature": 0.8, "stream": stream}
+        body = {
+            "prompt": [rng.randint(2, 511) for _ in range(n)],
+            "max_tokens": LOAD_MAX_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "stream": stream,
+        }
         async with gate:
             if not stream:
                 response = await http.post("/v1/completions", json=body)
@@ -694,9 +822,11 @@ def test_load_with_random_disconnects(server):
     wall = time.perf_counter() - started
     wait_for(lambda: settled(engine), 10, "every page back after the load")
     gaps = sorted(results["gaps"])
-    print(f"\nload: {LOAD_REQUESTS} requests, concurrency {LOAD_CONCURRENCY}, {results['disconnects']} disconnects, "
-          f"{len(results['tokens'])} completed in {wall:.1f} s; inter-token latency p50 "
-          f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * gaps[int(0.99 * (len(gaps) - 1))]:.1f} ms")
+    print(
+        f"\nload: {LOAD_REQUESTS} requests, concurrency {LOAD_CONCURRENCY}, {results['disconnects']} disconnects, "
+        f"{len(results['tokens'])} completed in {wall:.1f} s; inter-token latency p50 "
+        f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * gaps[int(0.99 * (len(gaps) - 1))]:.1f} ms"
+    )
     assert all(status == 200 for status in results["statuses"]), results["statuses"]
     assert len(results["statuses"]) == LOAD_REQUESTS and results["disconnects"] > 0
     assert results["tokens"] and all(n == LOAD_MAX_TOKENS for n in results["tokens"])
@@ -705,10 +835,13 @@ def test_load_with_random_disconnects(server):
 
 # ---- priority scheduling ---------------------------------------------------------------------------------------
 
+
 def test_a_priority_without_the_flag_is_a_400_naming_it(http):
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": 0}).status_code == 200
-    for path, body in (("/v1/completions", {"prompt": "Hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         response = http.post(path, json={**body, "max_tokens": 1, "priority": -1})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
@@ -727,11 +860,14 @@ def test_priority_scheduling_admits_a_lower_priority_first_through_http(runner, 
             if line.startswith("data: {"):
                 first_token.setdefault(name, time.perf_counter())
 
-    with serving(runner, loaded, max_num_seqs=1, scheduling_policy="priority") as served, \
-            httpx.Client(base_url=served.url, timeout=60) as http, contextlib.ExitStack() as streams:
+    with (
+        serving(runner, loaded, max_num_seqs=1, scheduling_policy="priority") as served,
+        httpx.Client(base_url=served.url, timeout=60) as http,
+        contextlib.ExitStack() as streams,
+    ):
+
         def send(name, priority, max_tokens):
-            body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                    "priority": priority}
+            body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "priority": priority}
             response = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
             assert response.status_code == 200
             return threading.Thread(target=read, args=(name, response))

@@ -6,8 +6,8 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
-from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler, step_policies
 from jaxserve.request.step import ForcedBy, StepKind, StepRow
+from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler, step_policies
 
 
 class FakeClock:

@@ -16,12 +16,18 @@ from tokenizers import models, pre_tokenizers
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, render_prompt
-from jaxserve.text.tokenizer import NoTokenizerError, Tokenizer, TokenIdOnly, TokenizerError, load_tokenizer
+from jaxserve.text.tokenizer import NoTokenizerError, TokenIdOnly, Tokenizer, TokenizerError, load_tokenizer
 
 THINKING = ChatOptions(thinking=True)
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+)
 TEXT = "The café serves naïve crêpes — 🙂 ok? 東京"
 
 
@@ -96,7 +102,8 @@ def test_token_id_only_mode(folder, caplog):
         tok = load_tokenizer(folder)
     assert isinstance(tok, TokenIdOnly) and not tok.has_text
     assert [r.getMessage() for r in caplog.records] == [
-        f"no tokenizer.json in {folder}: token-id-only mode; text prompts, stop strings and text output are disabled"]
+        f"no tokenizer.json in {folder}: token-id-only mode; text prompts, stop strings and text output are disabled"
+    ]
     assert (tok.bos_id, tok.eos_ids) == (0, (1,))  # still known, from config.json / generation_config.json
     for call in (lambda: tok.encode("hello"), lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}])):
         with pytest.raises(NoTokenizerError, match="has no tokenizer .*send the prompt as a list of token ids"):
@@ -113,14 +120,19 @@ def test_unreadable_tokenizer_json_is_named(folder):
 
 
 def test_chat_encoding_follows_deepseek_v4():
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
-            {"role": "user", "content": [{"type": "text", "text": "Why"}, {"type": "text", "text": "?"}]}]
-    assert render_prompt(chat) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
-                                   f"{USER}Why?{ASSISTANT}{END_THINK}")
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+        {"role": "user", "content": [{"type": "text", "text": "Why"}, {"type": "text", "text": "?"}]},
+    ]
+    assert render_prompt(chat) == (
+        f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}{USER}Why?{ASSISTANT}{END_THINK}"
+    )
     # Thinking mode: past reasoning dropped, the new turn opens with <think>.
-    assert render_prompt(chat, THINKING) == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}"
-                                             f"{USER}Why?{ASSISTANT}{THINK}")
+    assert render_prompt(chat, THINKING) == (
+        f"{BOS}Be brief.{USER}Hi{ASSISTANT}{END_THINK}Hello.{EOS}{USER}Why?{ASSISTANT}{THINK}"
+    )
     # A reply after the last user turn keeps its reasoning and ends with EOS.
     done = chat[:2] + [{"role": "assistant", "content": "Yo.", "reasoning_content": "short"}]
     assert render_prompt(done, THINKING) == f"{BOS}Be brief.{USER}Hi{ASSISTANT}{THINK}short{END_THINK}Yo.{EOS}"
@@ -149,6 +161,8 @@ def test_a_tokenizer_without_the_chat_tokens_has_no_chat_template(tmp_path):
 
 
 def test_jaxserve_never_imports_torch_or_transformers():
-    code = ("import sys, jaxserve.text.tokenizer, jaxserve.config, jaxserve.model.forward, jaxserve.checkpoints.deepseek, "
-            "jaxserve.checkpoints.writer; bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad")
+    code = (
+        "import sys, jaxserve.text.tokenizer, jaxserve.config, jaxserve.model.forward, jaxserve.checkpoints.deepseek, "
+        "jaxserve.checkpoints.writer; bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -18,15 +18,16 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Protocol
+from typing import Protocol
 
-from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
 from jaxserve.scheduler import IdAllocator, StepCounts, build_scheduler
-from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -74,7 +75,7 @@ class RequestHandle:
         self.last_event: TokenEvent | None = None
 
     def _push(self, event: TokenEvent) -> None:  # engine thread
-        if self._loop is not None:
+        if self._loop is not None and self._async_queue is not None:  # both set together, in an event loop
             try:
                 self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
             except RuntimeError:  # the caller's loop is gone; nobody is listening
@@ -82,7 +83,7 @@ class RequestHandle:
         else:
             self._sync_queue.put(event)
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncGenerator[TokenEvent, None]:
         if self._async_queue is None:
             raise RuntimeError("this handle was created outside an event loop; use wait()")
         while True:
@@ -92,7 +93,7 @@ class RequestHandle:
                 self.finish_reason = event.finish_reason
                 return
 
-    def wait(self, timeout: float | None = None) -> tuple[list[int], str, str | None]:
+    def wait(self, timeout: float | None = None) -> tuple[list[int], str | None, str | None]:
         """Block until the request finishes: (all generated token ids, finish reason, error or None); the last
         event, with the stop reason, is `last_event`."""
         if self._loop is not None:
@@ -123,7 +124,7 @@ class StepRecord:
 @dataclass
 class _InFlight:
     plan: StepPlan
-    step: "PendingStep"
+    step: PendingStep
     dispatched_at: float
 
     def device_start(self, previous_end: float) -> float:
@@ -138,6 +139,7 @@ class _InFlight:
 @dataclass
 class _FailedDispatch:
     """A step whose dispatch raised: waiting for it raises that error, so it fails in step order like any other."""
+
     error: Exception
 
     def result(self):
@@ -209,23 +211,27 @@ class Engine:
     Owns, for every request: admission (check_admission), when and why it finishes (EOS ids, stop tokens,
     max_tokens, the context limit, aborts), and the counters that /metrics and the logs read."""
 
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, runner: StepRunner,
-                 eos_token_ids: Iterable[int]):
+    def __init__(
+        self, engine_cfg: EngineConfig, model_cfg: ModelConfig, runner: StepRunner, eos_token_ids: Iterable[int]
+    ):
         self.config = engine_cfg
         self.model_config = model_cfg
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = resolve_max_model_len(engine_cfg, model_cfg)
         geometry = runner.geometry
         if geometry.num_slots < engine_cfg.max_num_seqs or geometry.max_tokens_per_seq < self.max_model_len:
-            raise ValueError(f"the runner's KV geometry {geometry} holds fewer than max_num_seqs="
-                             f"{engine_cfg.max_num_seqs} sequences of max_model_len={self.max_model_len} tokens")
+            raise ValueError(
+                f"the runner's KV geometry {geometry} holds fewer than max_num_seqs="
+                f"{engine_cfg.max_num_seqs} sequences of max_model_len={self.max_model_len} tokens"
+            )
         if engine_cfg.mixed_steps:
             _check_mixed_steps(engine_cfg, runner.buckets)
         self.runner = runner
         self.geometry = geometry
         self.page_pool = IdAllocator(geometry.num_pages, "KV pages")
-        self.scheduler = build_scheduler(engine_cfg, self.page_pool, geometry.page_size,
-                                         min(runner.buckets.prefill_chunks))
+        self.scheduler = build_scheduler(
+            engine_cfg, self.page_pool, geometry.page_size, min(runner.buckets.prefill_chunks)
+        )
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -250,7 +256,7 @@ class Engine:
         return min(self.max_model_len, self.geometry.num_pages * self.geometry.page_size)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def start(self, show_progress: bool = False) -> "Engine":
+    def start(self, show_progress: bool = False) -> Engine:
         """Start the loop, first compiling what serving one request at a time needs if nothing is compiled yet; the
         runner's other shapes may compile later (runner.warmup()): steps use only what is compiled."""
         if self.runner.limits() is None:
@@ -306,13 +312,21 @@ class Engine:
         if prompt_len + completion > limit:
             # The wording OpenAI clients match on; the field at fault is the prompt once it alone fills the context.
             param, value = ("max_tokens", completion) if prompt_len < limit else ("prompt", prompt_len)
-            raise InvalidRequest(param, f"This model's maximum context length is {limit} tokens. However, you "
-                                        f"requested {prompt_len + completion} tokens ({prompt_len} in the messages, "
-                                        f"{completion} in the completion). Please reduce the length of the messages "
-                                        f"or completion. (parameter={param}, value={value})")
+            raise InvalidRequest(
+                param,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + completion} tokens ({prompt_len} in the messages, "
+                f"{completion} in the completion). Please reduce the length of the messages "
+                f"or completion. (parameter={param}, value={value})",
+            )
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-               request_id: str | None = None, priority: int = 0) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestHandle:
         """Queue a request; raises InvalidRequest at once for one that is invalid or can never fit, QueueFull when
         `max_queued_requests` are already waiting, EngineDraining once drain() was called. `priority`: lower is
         admitted first under --scheduling-policy priority (elsewhere only 0 is accepted)."""
@@ -330,8 +344,9 @@ class Engine:
                 raise InvalidRequest("request_id", f"request_id: {request_id!r} is already running")
             queued = sum(r.status is RequestStatus.WAITING for r, _ in self._live.values())
             if queued >= self.config.max_queued_requests:
-                raise QueueFull(f"{queued} requests are already waiting "
-                                f"(max_queued_requests={self.config.max_queued_requests})")
+                raise QueueFull(
+                    f"{queued} requests are already waiting (max_queued_requests={self.config.max_queued_requests})"
+                )
             self._live[request_id] = (request, handle)
             self._inbox.put(("submit", request, None, None))
         self._wake.set()
@@ -351,11 +366,16 @@ class Engine:
         sched = self.scheduler
         states = collections.Counter(r.status for r in sched.prefill_manager.requests + sched.decode_manager.running)
         self._stats = EngineStats(
-            waiting=states[RequestStatus.WAITING], prefilling=states[RequestStatus.PREFILLING],
-            decoding=states[RequestStatus.DECODING], free_pages=self.page_pool.num_free,
-            total_pages=self.page_pool.size, steps=sched.counts.copy(),
-            prompt_tokens=self.counters.prompt_tokens, generation_tokens=self.counters.generation_tokens,
-            finished=dict(self.counters.finished))
+            waiting=states[RequestStatus.WAITING],
+            prefilling=states[RequestStatus.PREFILLING],
+            decoding=states[RequestStatus.DECODING],
+            free_pages=self.page_pool.num_free,
+            total_pages=self.page_pool.size,
+            steps=sched.counts.copy(),
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            finished=dict(self.counters.finished),
+        )
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -364,10 +384,12 @@ class Engine:
         while not self._stop.is_set():
             if (current := self.runner.limits()) is not limits:  # more shapes compiled: bigger steps allowed
                 limits = current
-                self.scheduler.set_step_limits(limits)
+                if limits is not None:  # start() compiled the first shapes: never None here
+                    self.scheduler.set_step_limits(limits)
             self._drain_inbox()
-            self.scheduler.note_inflight(*((inflight.plan, inflight.device_start(self._device_free_at))
-                                           if inflight else (None,)))
+            self.scheduler.note_inflight(
+                *((inflight.plan, inflight.device_start(self._device_free_at)) if inflight else (None,))
+            )
             plan = self.scheduler.schedule()
             dispatched = self._dispatch(plan) if plan is not None else None
             if plan is not None:
@@ -445,8 +467,11 @@ class Engine:
                 self._deliver(request, out.token_id, out.logprob)
         seconds = ended - started
         self.scheduler.on_step_done(plan, seconds)
-        self.step_record.append(StepRecord(plan.kind, plan.forced_by, tuple(r.request_id for r in plan.requests),
-                                           plan.num_tokens, started, ended))
+        self.step_record.append(
+            StepRecord(
+                plan.kind, plan.forced_by, tuple(r.request_id for r in plan.requests), plan.num_tokens, started, ended
+            )
+        )
         self._publish_stats()
         self._log_step(plan, seconds)  # reads the counts just published
 
@@ -466,29 +491,45 @@ class Engine:
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
-            self._live[request.request_id][1]._push(TokenEvent((token,), logprobs=logprobs,
-                                                               prompt_logprobs=prompt_logprobs))
+            self._live[request.request_id][1]._push(
+                TokenEvent((token,), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            )
         else:
-            self._finish(request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs,
-                         prompt_logprobs=prompt_logprobs)
+            self._finish(
+                request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            )
 
     @staticmethod
     def _prompt_logprobs(request: Request) -> tuple[TokenLogprob, ...] | None:
         """What the request's first event carries, once its whole prompt has run: its prompt logprobs, if asked."""
         return None if request.sampling.prompt_logprobs is None else tuple(request.prompt_logprobs)
 
-    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
-                final_tokens: tuple[int, ...] = (), error: str | None = None,
-                logprobs: tuple[TokenLogprob, ...] | None = None,
-                prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
+    def _finish(
+        self,
+        request: Request,
+        reason: str,
+        stop_reason: int | str | None = None,
+        final_tokens: tuple[int, ...] = (),
+        error: str | None = None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+        prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> None:
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         with self._admission:
             _, handle = self._live.pop(request.request_id)
             self._admission.notify_all()
-        handle._push(TokenEvent(final_tokens, finish_reason=reason, stop_reason=stop_reason, error=error,
-                                logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+        handle._push(
+            TokenEvent(
+                final_tokens,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                error=error,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        )
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> None:
         log.exception("step failed (%s step of %d requests)", plan.kind.value, len(plan.requests))
@@ -505,20 +546,39 @@ class Engine:
         kv = f"KV use {st.kv_usage:.1%}"
         if plan.prefill:
             mixed = f" + {len(plan.decode)} decoding" if plan.decode else ""
-            log.info("Prefill batch%s: %d new tokens, %d rows%s, running %d, waiting %d, %s, %.3f s",
-                     " (mixed)" if plan.decode else "", plan.num_prefill_tokens, len(plan.prefill), mixed,
-                     st.running, st.waiting, kv, seconds)
+            log.info(
+                "Prefill batch%s: %d new tokens, %d rows%s, running %d, waiting %d, %s, %.3f s",
+                " (mixed)" if plan.decode else "",
+                plan.num_prefill_tokens,
+                len(plan.prefill),
+                mixed,
+                st.running,
+                st.waiting,
+                kv,
+                seconds,
+            )
             return
         self._decodes_since_log += 1
         if plan.forced_by is ForcedBy.INTERLEAVE:
-            log.info("Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
-                     self.config.decode_interleave_every, len(plan.decode), st.waiting, kv, seconds)
+            log.info(
+                "Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
+                self.config.decode_interleave_every,
+                len(plan.decode),
+                st.waiting,
+                kv,
+                seconds,
+            )
         elif plan.forced_by is ForcedBy.STALL:
-            log.info("Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
-                     self.config.max_decode_stall_ms, len(plan.decode), st.waiting, kv, seconds)
+            log.info(
+                "Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
+                self.config.max_decode_stall_ms,
+                len(plan.decode),
+                st.waiting,
+                kv,
+                seconds,
+            )
         elif self._decodes_since_log >= self.config.decode_log_interval:
-            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(plan.decode), st.waiting, kv,
-                     seconds)
+            log.info("Decode batch: %d requests, waiting %d, %s, %.3f s", len(plan.decode), st.waiting, kv, seconds)
         else:
             return
         self._decodes_since_log = 0
@@ -530,11 +590,16 @@ def _check_mixed_steps(cfg: EngineConfig, buckets: Buckets) -> None:
     if not buckets.mixed:
         why = "the runner was built without mixed step shapes (build_runner builds them)"
     elif buckets.mixed_shape(GroupShape(1, max(buckets.prefill_chunks))) is None:
-        why = (f"a mixed step's chunk is --chunked-prefill-size ({cfg.chunked_prefill_size}) minus its decode rows "
-               f"(--max-num-seqs, {cfg.max_num_seqs}), which leaves nothing")
+        why = (
+            f"a mixed step's chunk is --chunked-prefill-size ({cfg.chunked_prefill_size}) minus its decode rows "
+            f"(--max-num-seqs, {cfg.max_num_seqs}), which leaves nothing"
+        )
     else:
         return
     if cfg.mixed_batches:
         raise ConfigError(f"--mixed-batches: {why}")
-    log.warning("prefill steps will not carry decode rows (the default mixed steps are off): %s; running requests "
-                "wait for whole prefill bursts (--decode-interleave-every N bounds that)", why)
+    log.warning(
+        "prefill steps will not carry decode rows (the default mixed steps are off): %s; running requests "
+        "wait for whole prefill bursts (--decode-interleave-every N bounds that)",
+        why,
+    )

@@ -15,14 +15,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
+from jaxserve.kernels.quant import dense
+from jaxserve.kernels.table import Kernels
+from jaxserve.model.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
 from jaxserve.model.weights import Attention
-from jaxserve.kernels.quant import dense
-from jaxserve.kernels.table import Kernels
 
 F32 = jnp.float32
 
@@ -52,13 +52,27 @@ def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: j
 
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
-    new, rows = compress_chunk(x, comp_weights, gather(state, (layer, inputs.slots)), inputs.positions,
-                               inputs.lengths, rate, freqs, cfg.rms_norm_eps)
+    new, rows = compress_chunk(
+        x,
+        comp_weights,
+        gather(state, (layer, inputs.slots)),
+        inputs.positions,
+        inputs.lengths,
+        rate,
+        freqs,
+        cfg.rms_norm_eps,
+    )
     return _write_entries(pool, layer, new, inputs.page_table), scatter(state, (layer, write_slots), rows)
 
 
 def attention_block(
-    x: jax.Array, w: Attention, cache: LayerCache, layer: jax.Array, inputs: StepInputs, cfg: ModelConfig, kind: str,
+    x: jax.Array,
+    w: Attention,
+    cache: LayerCache,
+    layer: jax.Array,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kind: str,
     kernels: Kernels,
 ) -> tuple[jax.Array, LayerCache]:
     """One layer's attention; `cache` is its stack's, `layer` (int32 scalar) this layer's place in the stack."""
@@ -95,8 +109,9 @@ def attention_block(
     if kind != SWA:
         rate = cfg.kind_rate(kind)
         with jax.named_scope("compressor"):
-            entries, state = _update_compressed(x, w.compressor, cache.entries, cache.state, layer, inputs,
-                                                write_slots, rate, freqs, cfg)
+            entries, state = _update_compressed(
+                x, w.compressor, cache.entries, cache.state, layer, inputs, write_slots, rate, freqs, cfg
+            )
             cache = dataclasses.replace(cache, entries=entries, state=state)
             row_capacity = inputs.page_table.shape[1] * entries.shape[2]  # entries a row's page table addresses
             entry_visible = jnp.arange(row_capacity)[None, None, :] < ((qpos + 1) // rate)[:, :, None]
@@ -109,14 +124,23 @@ def attention_block(
             with jax.named_scope("indexer"):
                 idx = w.indexer
                 assert idx is not None  # every CSA layer's weights carry an indexer
-                index_entries, index_state = _update_compressed(x, idx.compressor, cache.index_entries,
-                                                                cache.index_state, layer, inputs, write_slots, rate,
-                                                                freqs, cfg)
+                index_entries, index_state = _update_compressed(
+                    x,
+                    idx.compressor,
+                    cache.index_entries,
+                    cache.index_state,
+                    layer,
+                    inputs,
+                    write_slots,
+                    rate,
+                    freqs,
+                    cfg,
+                )
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
                 index_keys = _read_entries(index_entries, layer, inputs.page_table, kv.dtype)
                 qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
-                head_weights = head_weights * cfg.index_n_heads ** -0.5
+                head_weights = head_weights * cfg.index_n_heads**-0.5
                 k = min(cfg.index_topk, index_keys.shape[1])
                 picks, selected_mask = kernels.indexer_topk(qi, head_weights, index_keys, entry_visible, k)
                 # Only the picked entries are read and decoded (the indexer's keys are a separate, smaller store).

@@ -68,8 +68,10 @@ class CacheGeometry:
         if rates:
             multiple = math.lcm(*rates)
             if self.page_size % multiple:
-                raise ValueError(f"page_size={self.page_size}: must be a multiple of {multiple} "
-                                 f"(every compress rate in the model: {sorted(rates)})")
+                raise ValueError(
+                    f"page_size={self.page_size}: must be a multiple of {multiple} "
+                    f"(every compress rate in the model: {sorted(rates)})"
+                )
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -80,8 +82,9 @@ def resolve_max_model_len(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> i
     """Prompt + completion tokens one sequence may hold: the knob, or the model's limit capped at 16384."""
     max_len = engine_cfg.max_model_len or min(model_cfg.max_position_embeddings, 16384)
     if max_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                         f"{model_cfg.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len={max_len} exceeds the model's max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
     return max_len
 
 
@@ -89,8 +92,13 @@ def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> CacheGeomet
     """The KV cache geometry these knobs ask for."""
     per_seq = pages_needed(resolve_max_model_len(engine_cfg, model_cfg), engine_cfg.page_size)
     num_pages = engine_cfg.num_kv_pages or engine_cfg.max_num_seqs * per_seq
-    return CacheGeometry(num_slots=engine_cfg.max_num_seqs, num_pages=num_pages, page_size=engine_cfg.page_size,
-                         max_pages_per_seq=per_seq, kv_cache_dtype=engine_cfg.kv_cache_dtype)
+    return CacheGeometry(
+        num_slots=engine_cfg.max_num_seqs,
+        num_pages=num_pages,
+        page_size=engine_cfg.page_size,
+        max_pages_per_seq=per_seq,
+        kv_cache_dtype=engine_cfg.kv_cache_dtype,
+    )
 
 
 def storage_dtype(kv_cache_dtype: str, cfg: ModelConfig) -> str:
@@ -104,9 +112,11 @@ def fp8_block(cfg: ModelConfig) -> int:
     nope = cfg.head_dim - cfg.rope_head_dim
     block = min(FP8_BLOCK, nope)
     if block == 0 or nope % block:
-        raise ConfigError(f"kv_cache_dtype='fp8': head_dim - qk_rope_head_dim = {cfg.head_dim} - "
-                          f"{cfg.rope_head_dim} = {nope} dims must be quantized in blocks of {FP8_BLOCK} (or one "
-                          f"block below {FP8_BLOCK}); use kv_cache_dtype='bfloat16'")
+        raise ConfigError(
+            f"kv_cache_dtype='fp8': head_dim - qk_rope_head_dim = {cfg.head_dim} - "
+            f"{cfg.rope_head_dim} = {nope} dims must be quantized in blocks of {FP8_BLOCK} (or one "
+            f"block below {FP8_BLOCK}); use kv_cache_dtype='bfloat16'"
+        )
     return block
 
 
@@ -158,8 +168,9 @@ def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> Compr
     return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)  # type: ignore[arg-type]
 
 
-def _kv_store(cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead_axes: tuple[str | None, ...],
-              index: bool) -> ArrayInfo | Fp8KV:
+def _kv_store(
+    cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead_axes: tuple[str | None, ...], index: bool
+) -> ArrayInfo | Fp8KV:
     """A store of K=V vectors (`index` False) or indexer keys (True) with leading axes `lead`."""
     width, axis = (cfg.index_head_dim, None) if index else (cfg.head_dim, "head_dim")
     dtype = storage_dtype(kv_cache_dtype, cfg)
@@ -167,10 +178,11 @@ def _kv_store(cfg: ModelConfig, kv_cache_dtype: str, lead: tuple[int, ...], lead
         return ArrayInfo((*lead, width), dtype, (*lead_axes, axis), "zeros")
     rope = 0 if index else cfg.rope_head_dim
     block = width if index else fp8_block(cfg)
-    return Fp8KV(codes=ArrayInfo((*lead, width - rope), jnp.float8_e4m3fn, (*lead_axes, axis), "zeros"),
-                 scales=ArrayInfo((*lead, (width - rope) // block), F32 if index else jnp.uint8, (*lead_axes, None),
-                                  "zeros"),
-                 rope=ArrayInfo((*lead, rope), jnp.bfloat16, (*lead_axes, None), "zeros") if rope else None)
+    return Fp8KV(
+        codes=ArrayInfo((*lead, width - rope), jnp.float8_e4m3fn, (*lead_axes, axis), "zeros"),
+        scales=ArrayInfo((*lead, (width - rope) // block), F32 if index else jnp.uint8, (*lead_axes, None), "zeros"),
+        rope=ArrayInfo((*lead, rope), jnp.bfloat16, (*lead_axes, None), "zeros") if rope else None,
+    )
 
 
 def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
@@ -182,8 +194,11 @@ def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
         return LayerCache(window=window)
     rate = cfg.kind_rate(kind)
     per_page = geo.page_size // rate
-    layer = LayerCache(window=window, entries=store((geo.num_pages, per_page), ("pages", None)),
-                       state=_compressor_state(geo.num_slots, rate, cfg.head_dim, overlap=kind == CSA))
+    layer = LayerCache(
+        window=window,
+        entries=store((geo.num_pages, per_page), ("pages", None)),
+        state=_compressor_state(geo.num_slots, rate, cfg.head_dim, overlap=kind == CSA),
+    )
     if kind == CSA:
         layer.index_entries = store((geo.num_pages, per_page), ("pages", None), index=True)
         layer.index_state = _compressor_state(geo.num_slots, rate, cfg.index_head_dim, overlap=True)
@@ -192,21 +207,25 @@ def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
 
 def abstract_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]]:
     geo.validate(cfg)
-    return [[stack_infos(_layer_cache(cfg, geo, kind.attention), segment.repeats) for kind in segment.pattern]
-            for segment in layer_segments(cfg)]
+    return [
+        [stack_infos(_layer_cache(cfg, geo, kind.attention), segment.repeats) for kind in segment.pattern]
+        for segment in layer_segments(cfg)
+    ]
 
 
 def init_cache(cfg: ModelConfig, geo: CacheGeometry, shardings=None) -> list[list[LayerCache]]:
     abstract = abstract_cache(cfg, geo)
     if shardings is None:
         return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), abstract)
-    return jax.tree.map(lambda info, s: jnp.zeros(info.shape, info.dtype, device=s), abstract, shardings,
-                        is_leaf=is_info)
+    return jax.tree.map(
+        lambda info, s: jnp.zeros(info.shape, info.dtype, device=s), abstract, shardings, is_leaf=is_info
+    )
 
 
 def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
     """Bytes of compressed KV (both pools: codes, scales and RoPE dims when FP8) one token adds, summed over
     layers."""
+
     def entry(index=False):
         return weights_nbytes(_kv_store(cfg, kv_cache_dtype, (1,), (None,), index))
 

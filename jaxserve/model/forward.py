@@ -5,27 +5,36 @@ Pure: (weights, cache, inputs) -> (outputs, cache). Decode is a chunk of length 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.cache import LayerCache
 from jaxserve.config import ModelConfig
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
+from jaxserve.model.cache import LayerCache
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import Layer, RoutedExperts, Weights
-from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 
 F32 = jnp.float32
 
 
-def block(hs: list[jax.Array], w: Layer, experts: RoutedExperts, cache: LayerCache, layer: jax.Array,
-          groups: Sequence[StepInputs], cfg: ModelConfig, kind: str, kernels: Kernels):
+def block(
+    hs: list[jax.Array],
+    w: Layer,
+    experts: RoutedExperts,
+    cache: LayerCache,
+    layer: jax.Array,
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kind: str,
+    kernels: Kernels,
+):
     """One decoder block over every group of rows. Groups differ in chunk length (e.g. prefill rows beside
     one-token decode rows); attention runs per group, the MoE over all their tokens at once. `w` is this layer's
     weights but its routed experts, which `experts` holds for every layer of the stack (`layer` picks)."""
@@ -33,24 +42,35 @@ def block(hs: list[jax.Array], w: Layer, experts: RoutedExperts, cache: LayerCac
         mixed = []
         for h, inputs in zip(hs, groups):
             x, post, comb = hc_pre(h, w.attn_hc, cfg)
-            out, cache = attention_block(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs,
-                                         cfg, kind, kernels)
+            out, cache = attention_block(
+                rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs, cfg, kind, kernels
+            )
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
         pres = [hc_pre(h, w.ffn_hc, cfg) for h in hs]
-        flat = jnp.concatenate([rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1])
-                                for x, _, _ in pres], axis=1)
+        flat = jnp.concatenate(
+            [rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1]) for x, _, _ in pres], axis=1
+        )
         tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
         out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
         sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
-        hs = [hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
-              for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)]
+        hs = [
+            hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
+            for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)
+        ]
     return hs, cache
 
 
-def run_segment(hs: list[jax.Array], weights: list[Layer], cache: list[LayerCache], segment: Segment,
-                groups: Sequence[StepInputs], cfg: ModelConfig, kernels: Kernels):
+def run_segment(
+    hs: list[jax.Array],
+    weights: list[Layer],
+    cache: list[LayerCache],
+    segment: Segment,
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kernels: Kernels,
+):
     """A segment's layers: one traced body per position of its pattern, scanned over the repeats. The stacked
     weights are sliced per repeat, but for the routed experts, which each layer reads in place by its index (sliced,
     every layer's experts would be copied every step: most of a decode step's bytes); the stacked cache rides in
@@ -69,13 +89,17 @@ def run_segment(hs: list[jax.Array], weights: list[Layer], cache: list[LayerCach
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped.
-    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (list(sliced), indices),
-                                  unroll=segment.repeats == 1)
+    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (list(sliced), indices), unroll=segment.repeats == 1)
     return hs, cache
 
 
-def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Sequence[StepInputs], cfg: ModelConfig,
-                  kernels: Kernels = REFERENCE_KERNELS):
+def hidden_states(
+    weights: Weights,
+    cache: list[list[LayerCache]],
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+):
     """Final-normed hidden states ([b, t, d] per group) and the updated cache; `kernels` (jaxserve.kernels.table)
     runs the kernel-worthy operations."""
     hs = []
@@ -87,13 +111,24 @@ def hidden_states(weights: Weights, cache: list[list[LayerCache]], groups: Seque
         with jax.named_scope(f"segment_{i}"):
             hs, c = run_segment(hs, w, c, segment, groups, cfg, kernels)
         new_cache.append(c)
-    ys = [rms_norm(hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg), weights.norm,
-                   cfg.rms_norm_eps) for h in hs]
+    ys = [
+        rms_norm(
+            hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg),
+            weights.norm,
+            cfg.rms_norm_eps,
+        )
+        for h in hs
+    ]
     return ys, new_cache
 
 
-def logits_all(weights: Weights, cache: list[list[LayerCache]], inputs: StepInputs, cfg: ModelConfig,
-               kernels: Kernels = REFERENCE_KERNELS):
+def logits_all(
+    weights: Weights,
+    cache: list[list[LayerCache]],
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+):
     """Logits at every position [b, t, V] (float32)."""
     (y,), cache = hidden_states(weights, cache, [inputs], cfg, kernels)
     return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache

@@ -28,6 +28,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 
 # ---- RoPE --------------------------------------------------------------------------------------------------------
 
+
 def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:
     """Per-pair angular frequencies [R/2]: plain theta on SWA layers, YaRN-scaled compress theta elsewhere."""
     r = cfg.rope_head_dim
@@ -69,6 +70,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: b
 
 # ---- mHC -----------------------------------------------------------------------------------------------------------
 
+
 def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     """The unweighted-RMS-normalised projection of the flattened streams: [b, t, n, d] -> [b, t, m]."""
     flat = h.reshape(*h.shape[:-2], -1).astype(F32)
@@ -78,6 +80,7 @@ def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax, then alternate column/row normalisation towards a doubly-stochastic matrix."""
+
     def normalise_columns(m):
         return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
 
@@ -97,8 +100,8 @@ def hc_pre(h: jax.Array, hc: HyperConnection, cfg: ModelConfig) -> tuple[jax.Arr
         base = hc.base.astype(F32)
         scale = hc.scale.astype(F32)
         pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-        post = 2.0 * jax.nn.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
-        comb_logits = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mixes.shape[:-1], n, n)
+        post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+        comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
         comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         x = jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)
     return x, post, comb

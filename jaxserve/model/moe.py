@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import MoE, RoutedExperts
-from jaxserve.model.sharding import expert_axes, logical_spec
 from jaxserve.kernels.table import Kernels
+from jaxserve.model.sharding import expert_axes, logical_spec
+from jaxserve.model.weights import MoE, RoutedExperts
 
 F32 = jnp.float32
 
@@ -66,8 +66,15 @@ def _local_experts(x, local_ids, weights, stacks: tuple, layer: jax.Array, limit
     return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(out.astype(F32))
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, stacks: RoutedExperts, layer: jax.Array,
-                   cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+def routed_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    stacks: RoutedExperts,
+    layer: jax.Array,
+    cfg: ModelConfig,
+    kernels: Kernels,
+) -> jax.Array:
     """Sort (token, expert) assignments by expert, run each group through its expert, scatter back. `stacks` holds
     every layer of the segment ([layers, E, ...]); layer `layer`'s experts are read in place.
 
@@ -84,15 +91,16 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, stacks:
 
     def per_device(x, experts, weights, layer, w_gate, w_up, w_down):
         first = jax.lax.axis_index(axes) * w_gate.shape[1]
-        partial = _local_experts(x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit,
-                                 kernels)
+        partial = _local_experts(x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit, kernels)
         return jax.lax.psum(partial, axes)
 
     replicated = logical_spec((None, None))
     per_layer = logical_spec((None, "experts", None, None))
-    out = jax.shard_map(per_device, in_specs=(replicated, replicated, replicated, logical_spec(()), per_layer,
-                                              per_layer, per_layer),
-                        out_specs=replicated)(x, experts, weights, layer, *stacked)
+    out = jax.shard_map(
+        per_device,
+        in_specs=(replicated, replicated, replicated, logical_spec(()), per_layer, per_layer, per_layer),
+        out_specs=replicated,
+    )(x, experts, weights, layer, *stacked)
     return out.astype(x.dtype)
 
 
@@ -102,8 +110,9 @@ def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig, kernels: Kernels) -> j
     return kernels.einsum("nf,fd->nd", clamped_swiglu(gate, up, cfg.swiglu_limit), w.shared_down)
 
 
-def moe_block(x: jax.Array, tokens: jax.Array, w: MoE, stacks: RoutedExperts, layer: jax.Array, cfg: ModelConfig,
-              kernels: Kernels) -> jax.Array:
+def moe_block(
+    x: jax.Array, tokens: jax.Array, w: MoE, stacks: RoutedExperts, layer: jax.Array, cfg: ModelConfig, kernels: Kernels
+) -> jax.Array:
     """x [b, t, d], tokens [b, t] -> [b, t, d]. `w` is this layer's (its routed experts aside); `stacks` the
     segment's routed experts, of which layer `layer`'s run."""
     b, t, d = x.shape

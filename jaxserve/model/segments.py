@@ -49,13 +49,13 @@ def layer_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
     for start in range(n - 1, -1, -1):
         options = []
         for length in range(1, n - start + 1):
-            pattern = kinds[start:start + length]
+            pattern = kinds[start : start + length]
             repeats = 1
             while True:
                 stop = start + repeats * length
                 bodies, count, rest = best[stop]
                 options.append((length + bodies, 1 + count, (Segment(start, pattern, repeats),) + rest))
-                if kinds[stop:stop + length] != pattern:
+                if kinds[stop : stop + length] != pattern:
                     break
                 repeats += 1
         best[start] = min(options, key=lambda option: option[:2])

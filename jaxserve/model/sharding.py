@@ -8,7 +8,8 @@ only; `logical_spec` turns them into PartitionSpecs here.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,11 +40,14 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1, devi
     devices = list(devices if devices is not None else jax.devices())
     needed = tensor_parallel_size * expert_parallel_size
     if tensor_parallel_size < 1 or expert_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, expert_parallel_size="
-                         f"{expert_parallel_size}: both must be >= 1")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, expert_parallel_size="
+            f"{expert_parallel_size}: both must be >= 1"
+        )
     if needed > len(devices):
-        raise ValueError(f"tensor_parallel_size x expert_parallel_size = {needed} devices, but only "
-                         f"{len(devices)} are available")
+        raise ValueError(
+            f"tensor_parallel_size x expert_parallel_size = {needed} devices, but only {len(devices)} are available"
+        )
     grid = np.array(devices[:needed]).reshape(expert_parallel_size, tensor_parallel_size)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -79,9 +83,11 @@ def _split_problems(weight: ArrayInfo | Quantized, mesh: Mesh) -> list[str]:
         if size % ways:
             problems.append(f"cannot split {logical} ({size}) over {flags}: {size} is not a multiple of {ways}")
         elif ways > 1 and block < size and (size // ways) % block:
-            problems.append(f"cannot split {logical} ({size}) over {flags}: a shard of {size // ways} would cut "
-                            f"its {fmt} scale blocks of {block} (use --quantization none, or sizes that "
-                            "keep whole blocks)")
+            problems.append(
+                f"cannot split {logical} ({size}) over {flags}: a shard of {size // ways} would cut "
+                f"its {fmt} scale blocks of {block} (use --quantization none, or sizes that "
+                "keep whole blocks)"
+            )
     return problems
 
 
@@ -93,10 +99,13 @@ def _named_shardings(abstract: Any, mesh: Mesh, make: Callable[[ArrayInfo, Named
         for problem in _split_problems(weight, mesh):
             found.setdefault(problem, jax.tree_util.keystr(path))
     if found:
-        raise ShardingError("; ".join(f"{problem} (first in {where})" for problem, where in found.items())
-                            + "; choose parallel sizes that divide them")
-    return jax.tree.map(lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes))), abstract,
-                        is_leaf=is_info)
+        raise ShardingError(
+            "; ".join(f"{problem} (first in {where})" for problem, where in found.items())
+            + "; choose parallel sizes that divide them"
+        )
+    return jax.tree.map(
+        lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes))), abstract, is_leaf=is_info
+    )
 
 
 def shardings_for(abstract: Any, mesh: Mesh) -> Any:
@@ -107,8 +116,9 @@ def shardings_for(abstract: Any, mesh: Mesh) -> Any:
 
 def shape_dtype_structs(abstract: Any, mesh: Mesh) -> Any:
     """Restore targets: ShapeDtypeStructs carrying the target shardings."""
-    return _named_shardings(abstract, mesh,
-                            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding))
+    return _named_shardings(
+        abstract, mesh, lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+    )
 
 
 def expert_axes() -> tuple[str, ...]:

@@ -19,8 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import (ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info,
-                                    release_leaves)
+from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info, release_leaves
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -78,13 +77,17 @@ class WeightsBuilder:
         parts = flatten_with_names(leaf.info)
         # jaxlib ships no stubs, so mypy sees PyTreeDef as an unresolved type it cannot compare
         if jax.tree.structure(value) != jax.tree.structure(leaf.info, is_leaf=is_info):  # type: ignore[operator]
-            raise ValueError(f"{name}: got {type(value).__name__}, the model keeps it as "
-                             f"{type(leaf.info).__name__} ({', '.join(part or 'array' for part, _ in parts)})")
+            raise ValueError(
+                f"{name}: got {type(value).__name__}, the model keeps it as "
+                f"{type(leaf.info).__name__} ({', '.join(part or 'array' for part, _ in parts)})"
+            )
         arrays = jax.tree.leaves(value)
         for (part, info), array in zip(parts, arrays):
             if tuple(array.shape) != info.shape or jnp.dtype(array.dtype) != jnp.dtype(info.dtype):
-                raise ValueError(f"{'.'.join(filter(None, (name, part)))}: got {array.dtype}{list(array.shape)}, "
-                                 f"the model needs {jnp.dtype(info.dtype)}{list(info.shape)}")
+                raise ValueError(
+                    f"{'.'.join(filter(None, (name, part)))}: got {array.dtype}{list(array.shape)}, "
+                    f"the model needs {jnp.dtype(info.dtype)}{list(info.shape)}"
+                )
         self._received.add(name)
         for (part, _), array in zip(parts, arrays):
             self._put_part(".".join(filter(None, (leaf.path, part))), leaf.index, array)

@@ -17,8 +17,9 @@ The layers are stacked as the layer plan says (`jaxserve.model.segments`): `Weig
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,7 @@ class RoutedExperts:
     w_down: Any
 
     @staticmethod
-    def split(layer: "Layer") -> tuple["Layer", "RoutedExperts"]:
+    def split(layer: Layer) -> tuple[Layer, RoutedExperts]:
         """(`layer` without its routed experts, those experts)."""
         moe = layer.moe
         rest = dataclasses.replace(layer, moe=dataclasses.replace(moe, w_gate=None, w_up=None, w_down=None))
@@ -151,12 +152,15 @@ def _split_block(block: int, outer: int, inner: int, what: str) -> tuple[int, in
         return 1, block
     if block % inner == 0:
         return min(block // inner, outer), inner
-    raise ConfigError(f"{what}: its {block}-element quantization blocks straddle rows of {inner}, so its scales "
-                      "cannot follow our layout; load it with --quantization none")
+    raise ConfigError(
+        f"{what}: its {block}-element quantization blocks straddle rows of {inner}, so its scales "
+        "cannot follow our layout; load it with --quantization none"
+    )
 
 
-def _weight(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fmt: str | None,
-            blocks: tuple[int, ...]) -> ArrayInfo | Quantized:
+def _weight(
+    shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fmt: str | None, blocks: tuple[int, ...]
+) -> ArrayInfo | Quantized:
     """A weight dense in `dtype` (fmt None) or kept quantized, `blocks` decoded elements per scale on each axis."""
     if fmt is None:
         return ArrayInfo(shape, dtype, axes)
@@ -165,9 +169,12 @@ def _weight(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fm
     blocks = tuple(min(b, n) for b, n in zip(blocks, shape))
     # Where one block spans a whole axis its single scale is replicated, so the codes may be split along it freely.
     scale_axes = tuple(None if b == n else a for a, b, n in zip(axes, blocks, shape))
-    return Quantized(codes=ArrayInfo(codes_shape(fmt, shape), codes_dtype(fmt), axes),
-                     scales=ArrayInfo(scales_shape(shape, blocks), jnp.uint8, scale_axes),
-                     format=fmt, blocks=blocks)
+    return Quantized(
+        codes=ArrayInfo(codes_shape(fmt, shape), codes_dtype(fmt), axes),
+        scales=ArrayInfo(scales_shape(shape, blocks), jnp.uint8, scale_axes),
+        format=fmt,
+        blocks=blocks,
+    )
 
 
 def _projection(cfg: ModelConfig, shape: tuple[int, int], axes: tuple[str | None, str | None]):
@@ -196,8 +203,10 @@ def _grouped_output(cfg: ModelConfig):
         elif j % per_head == 0:
             heads = per_head
         else:
-            raise ConfigError(f"attn.wo_a: its {FP8_BLOCK}-element blocks split a group's {j} heads unevenly; "
-                              "load it with --quantization none")
+            raise ConfigError(
+                f"attn.wo_a: its {FP8_BLOCK}-element blocks split a group's {j} heads unevenly; "
+                "load it with --quantization none"
+            )
         blocks = (heads, per_dim, per_lora)
     return _weight((g * j, k, o), ("heads", "head_dim", "o_lora"), cfg.dtype, fmt, blocks)
 
@@ -205,6 +214,7 @@ def _grouped_output(cfg: ModelConfig):
 def _experts(cfg: ModelConfig, shape: tuple[int, int, int], axes):
     """Routed experts [e, in, out]: the release's per-expert [out, in] in FP4 (1x32) or FP8 (128x128)."""
     return _weight(shape, axes, cfg.dtype, cfg.expert_format, (1, FP8_BLOCK, FP8_BLOCK))
+
 
 def _hyper_connection(cfg: ModelConfig) -> HyperConnection:
     n, d = cfg.hc_mult, cfg.hidden_size
@@ -245,12 +255,12 @@ def _attention(cfg: ModelConfig, kind: str) -> Attention:
     if kind == CSA:
         indexer = Indexer(
             compressor=_compressor(cfg, cfg.csa_rate, cfg.index_head_dim, overlap=True),
-            wq_b=_heads_projection(cfg, r, cfg.index_n_heads, cfg.index_head_dim, ("q_lora", "index_heads", None),
-                                   "attn.indexer.wq_b"),
+            wq_b=_heads_projection(
+                cfg, r, cfg.index_n_heads, cfg.index_head_dim, ("q_lora", "index_heads", None), "attn.indexer.wq_b"
+            ),
             weights_proj=ArrayInfo((d, cfg.index_n_heads), F32, ("embed", "index_heads")),
         )
-        return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.csa_rate, hd, overlap=True),
-                                   indexer=indexer)
+        return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.csa_rate, hd, overlap=True), indexer=indexer)
     return dataclasses.replace(attn, compressor=_compressor(cfg, cfg.hca_rate, hd, overlap=False))
 
 
@@ -266,7 +276,8 @@ def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
         shared_down=_projection(cfg, (f, d), ("ffw", "embed")),
         score_bias=None if hashed else ArrayInfo((e,), F32, (None,), "small"),
         tid2eid=ArrayInfo((cfg.vocab_size, cfg.num_experts_per_tok), jnp.int32, ("vocab", None), "expert_ids")
-        if hashed else None,
+        if hashed
+        else None,
     )
 
 
@@ -284,16 +295,19 @@ def _layer(cfg: ModelConfig, kind: LayerKind) -> Layer:
 
 def stack_infos(tree: Any, repeats: int) -> Any:
     """An abstract (sub)tree with a leading `layers` axis of size `repeats` on every leaf."""
-    return map_infos(lambda info: ArrayInfo((repeats, *info.shape), info.dtype, ("layers", *info.axes), info.init),
-                     tree)
+    return map_infos(
+        lambda info: ArrayInfo((repeats, *info.shape), info.dtype, ("layers", *info.axes), info.init), tree
+    )
 
 
 def abstract_weights(cfg: ModelConfig) -> Weights:
     d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
     return Weights(
         embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
-        segments=[[stack_infos(_layer(cfg, kind), segment.repeats) for kind in segment.pattern]
-                  for segment in layer_segments(cfg)],
+        segments=[
+            [stack_infos(_layer(cfg, kind), segment.repeats) for kind in segment.pattern]
+            for segment in layer_segments(cfg)
+        ],
         hc_head_fn=ArrayInfo((n * d, n), F32, ("hc_embed", None)),
         hc_head_base=ArrayInfo((n,), F32, (None,), "small"),
         hc_head_scale=ArrayInfo((1,), F32, (None,), "ones"),
@@ -336,6 +350,7 @@ def _path_name(path) -> str:
 
 # ---- the per-layer view -----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class LayerLeaf:
     """One leaf as the un-stacked model has it (the checkpoint's view), and where it lives in the stacked Weights."""
@@ -370,9 +385,13 @@ def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:
     """The weights un-stacked on the host: (release name, array or Quantized of arrays) in `release_leaves`
     order."""
     host = {path: jax.tree.map(np.asarray, leaf) for path, leaf in flatten_with_names(weights, _is_weight_value)}
-    return [(leaf.name, host[leaf.path] if leaf.index is None else jax.tree.map(lambda a: a[leaf.index],
-                                                                              host[leaf.path]))
-            for leaf in release_leaves(cfg)]
+    return [
+        (
+            leaf.name,
+            host[leaf.path] if leaf.index is None else jax.tree.map(lambda a, i=leaf.index: a[i], host[leaf.path]),
+        )
+        for leaf in release_leaves(cfg)
+    ]
 
 
 def _is_weight_value(x: Any) -> bool:
@@ -380,6 +399,7 @@ def _is_weight_value(x: Any) -> bool:
 
 
 # ---- random initialisation --------------------------------------------------------------------------------------
+
 
 def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights:
     """Random weights of the right shapes (tests, benchmarks, the embedded default's generator). Each layer's
@@ -391,8 +411,12 @@ def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights
         parts.setdefault(leaf.path, []).append(jax.tree.map(np.asarray, _init_leaf(k, leaf.info, std, cfg)))
     stacked = {leaf.path for leaf in leaves if leaf.index is not None}
     abstract = abstract_weights(cfg)
-    weights = [jax.tree.map(lambda *layers: jnp.asarray(np.stack(layers)), *parts[path]) if path in stacked
-               else jax.tree.map(jnp.asarray, parts[path][0]) for path, _ in flatten_with_names(abstract, is_weight)]
+    weights = [
+        jax.tree.map(lambda *layers: jnp.asarray(np.stack(layers)), *parts[path])
+        if path in stacked
+        else jax.tree.map(jnp.asarray, parts[path][0])
+        for path, _ in flatten_with_names(abstract, is_weight)
+    ]
     return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_weight), weights)
 
 

@@ -49,7 +49,8 @@ class SamplingParams:
     token ids are not sampled until then.
 
     It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
-    sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at submission."""
+    sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at
+    submission."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -77,21 +78,29 @@ class SamplingParams:
             "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
             "top_k": (self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             "seed": (self.seed is None or 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
-            "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                         f"must be in [0, {MAX_LOGPROBS}]"),
-            "prompt_logprobs": (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                                f"must be in [0, {MAX_LOGPROBS}]"),
-            "logit_bias": (all(low <= b <= high for _, b in self.logit_bias)
-                           and len(self.logit_bias) <= MAX_LOGIT_BIAS,
-                           f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens"),
+            "logprobs": (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            "prompt_logprobs": (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            "logit_bias": (
+                all(low <= b <= high for _, b in self.logit_bias) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens",
+            ),
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
                 raise InvalidRequest(name, f"{name}={getattr(self, name)!r}: {rule}")
         if len(self.logit_bias_at(0)) > MAX_LOGIT_BIAS:
-            raise InvalidRequest("min_tokens", f"min_tokens={self.min_tokens}: holds back the EOS and stop token ids, "
-                                               f"which with logit_bias make more than {MAX_LOGIT_BIAS} tokens")
+            raise InvalidRequest(
+                "min_tokens",
+                f"min_tokens={self.min_tokens}: holds back the EOS and stop token ids, "
+                f"which with logit_bias make more than {MAX_LOGIT_BIAS} tokens",
+            )
 
     def may_stop(self, num_generated: int) -> bool:
         """Whether EOS, a stop token or a stop string may end the request once it has `num_generated` tokens (the
@@ -164,8 +173,9 @@ class Request:
 
     def __post_init__(self):
         if not self.prompt_ids:
-            raise InvalidRequest("prompt", f"prompt: request {self.request_id!r} is empty (there is no position "
-                                           "to sample from)")
+            raise InvalidRequest(
+                "prompt", f"prompt: request {self.request_id!r} is empty (there is no position to sample from)"
+            )
 
     @property
     def prompt_len(self) -> int:
@@ -201,8 +211,9 @@ class Request:
     def move_to(self, status: RequestStatus) -> None:
         """The one way a request changes state; a move the lifecycle does not allow raises IllegalTransition."""
         if status not in LEGAL_TRANSITIONS[self.status]:
-            raise IllegalTransition(f"request {self.request_id!r}: {self.status.value} -> {status.value} is not a "
-                                    "legal move")
+            raise IllegalTransition(
+                f"request {self.request_id!r}: {self.status.value} -> {status.value} is not a legal move"
+            )
         self.status = status
 
     def mark_finished(self, reason: str, stop_reason: int | str | None = None) -> None:

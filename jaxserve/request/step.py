@@ -51,7 +51,7 @@ class StepRow:
     @property
     def token_ids(self) -> list[int]:
         """The input tokens the host knows: a prefill row's prompt tokens; none for a decode row."""
-        return [] if self.decode else self.request.prompt_ids[self.start:self.start + self.length]
+        return [] if self.decode else self.request.prompt_ids[self.start : self.start + self.length]
 
     @property
     def samples_output(self) -> bool:
@@ -70,7 +70,7 @@ class StepRow:
         of a request that asked (the token after the prompt's last is sampled, not a prompt token)."""
         if self.decode or self.request.sampling.prompt_logprobs is None:
             return []
-        return self.request.prompt_ids[self.start + 1:self.start + self.length + 1]
+        return self.request.prompt_ids[self.start + 1 : self.start + self.length + 1]
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,9 @@ class StepShape:
     @property
     def groups(self) -> tuple[tuple[GroupShape, bool], ...]:
         """(group shape, whether it is the decode group), prefill first."""
-        return tuple((group, decode) for group, decode in ((self.prefill, False), (self.decode, True))
-                     if group is not None)
+        return tuple(
+            (group, decode) for group, decode in ((self.prefill, False), (self.decode, True)) if group is not None
+        )
 
     def __str__(self) -> str:
         return " + ".join(f"{'decode' if decode else 'prefill'} {group}" for group, decode in self.groups)

@@ -59,8 +59,9 @@ def _logprobs_of(logits: jax.Array, tokens: jax.Array) -> Logprobs:
 
 def _when_asked(asked: jax.Array, compute, shape: tuple[int, ...], k: int) -> Logprobs:
     def skip(_) -> Logprobs:
-        return Logprobs(token=jnp.zeros(shape, F32), top_ids=jnp.zeros((*shape, k), jnp.int32),
-                        top=jnp.zeros((*shape, k), F32))
+        return Logprobs(
+            token=jnp.zeros(shape, F32), top_ids=jnp.zeros((*shape, k), jnp.int32), top=jnp.zeros((*shape, k), F32)
+        )
 
     return jax.lax.cond(jnp.any(asked), lambda _: compute(), skip, None)
 
@@ -96,5 +97,7 @@ def prompt_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, aske
 def to_host(token_ids, token: np.ndarray, top_ids: np.ndarray, top: np.ndarray, k: int) -> list[TokenLogprob]:
     """Host records for consecutive positions of one row: `token_ids[i]` with `token[i]`, and the first `k` of
     `top_ids[i]` / `top[i]`."""
-    return [TokenLogprob(int(t), float(v), tuple(zip(ids[:k].tolist(), values[:k].tolist())))
-            for t, v, ids, values in zip(token_ids, token, top_ids, top)]
+    return [
+        TokenLogprob(int(t), float(v), tuple(zip(ids[:k].tolist(), values[:k].tolist())))
+        for t, v, ids, values in zip(token_ids, token, top_ids, top)
+    ]

@@ -16,26 +16,26 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kernels.table import kernels_for
-from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.runner.progress import progress
-from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
-from jaxserve.runner.sampling import SamplingArrays, sample
 from jaxserve.model.sharding import shardings_for
-from jaxserve.request.step import (GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow,
-                           StepShape)
+from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
+from jaxserve.request.step import GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow, StepShape
+from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.runner.progress import progress
+from jaxserve.runner.sampling import SamplingArrays, sample
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -67,22 +67,30 @@ class Buckets:
     mixed: bool = False  # also compile prefill steps that carry a decode group
 
     @staticmethod
-    def for_limits(max_prefill_rows: int, chunked_prefill_size: int, max_num_seqs: int,
-                   min_chunk: int = 16, mixed: bool = False) -> "Buckets":
+    def for_limits(
+        max_prefill_rows: int, chunked_prefill_size: int, max_num_seqs: int, min_chunk: int = 16, mixed: bool = False
+    ) -> Buckets:
         # Chunks grow by 4x: each bucket costs a compile at start-up, padding costs only a little compute.
         chunks, size = [], min(min_chunk, chunked_prefill_size)
         while size < chunked_prefill_size:
             chunks.append(size)
             size *= 4
-        return Buckets(prefill_rows=powers_of_two_up_to(max_prefill_rows),
-                       prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
-                       decode_rows=powers_of_two_up_to(max_num_seqs), mixed=mixed)
+        return Buckets(
+            prefill_rows=powers_of_two_up_to(max_prefill_rows),
+            prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
+            decode_rows=powers_of_two_up_to(max_num_seqs),
+            mixed=mixed,
+        )
 
     @staticmethod
-    def for_config(engine_cfg: EngineConfig) -> "Buckets":
+    def for_config(engine_cfg: EngineConfig) -> Buckets:
         """The step buckets an engine configuration asks for (the one place the knobs become buckets)."""
-        return Buckets.for_limits(engine_cfg.max_prefill_rows, engine_cfg.chunked_prefill_size,
-                                  engine_cfg.max_num_seqs, mixed=engine_cfg.mixed_steps)
+        return Buckets.for_limits(
+            engine_cfg.max_prefill_rows,
+            engine_cfg.chunked_prefill_size,
+            engine_cfg.max_num_seqs,
+            mixed=engine_cfg.mixed_steps,
+        )
 
     @property
     def mixed_decode_group(self) -> GroupShape:
@@ -120,18 +128,23 @@ class Buckets:
 def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None:
     """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled. Mixed steps
     are allowed once every compiled prefill shape's mixed counterpart is compiled too."""
-    prefill = {s.prefill for s in compiled if s.kind is StepKind.PREFILL}
-    decode = [s.decode.rows for s in compiled if s.kind is StepKind.DECODE]
+    prefill = {s.prefill for s in compiled if s.prefill is not None and s.decode is None}
+    decode = [s.decode.rows for s in compiled if s.decode is not None and s.prefill is None]
     single_row = [p.chunk for p in prefill if p.rows == 1]
     if not single_row or not decode:
         return None
     tokens = max(single_row)
     rows = max(p.rows for p in prefill if p.chunk >= tokens)
     wanted = [m for m in map(buckets.mixed_shape, prefill) if m is not None]
-    mixed = (buckets.mixed and buckets.mixed_shape(GroupShape(1, tokens)) is not None
-             and all(m in compiled for m in wanted))
-    return StepLimits(prefill_tokens=tokens, prefill_rows=rows, decode_rows=max(decode),
-                      mixed_decode_rows=buckets.mixed_decode_group.rows if mixed else 0)
+    mixed = (
+        buckets.mixed and buckets.mixed_shape(GroupShape(1, tokens)) is not None and all(m in compiled for m in wanted)
+    )
+    return StepLimits(
+        prefill_tokens=tokens,
+        prefill_rows=rows,
+        decode_rows=max(decode),
+        mixed_decode_rows=buckets.mixed_decode_group.rows if mixed else 0,
+    )
 
 
 class CompileCounter:
@@ -143,7 +156,7 @@ class CompileCounter:
         self.count = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def _on_event(self, event: str, duration: float, **_):
+    def _on_event(self, event: str, duration_secs: float, **_: str | int) -> None:
         if event in self.EVENTS:
             self.count += 1
 
@@ -175,8 +188,10 @@ class PendingStep:
         self._outputs, self._groups, self._asked = outputs, groups, asked
 
     def result(self) -> StepOutput:
-        fetched = {group.decode: _fetch(out, group.rows, asked)
-                   for out, group, asked in zip(self._outputs, self._groups, self._asked)}
+        fetched = {
+            group.decode: _fetch(out, group.rows, asked)
+            for out, group, asked in zip(self._outputs, self._groups, self._asked)
+        }
         return StepOutput(prefill=fetched.get(False, ()), decode=fetched.get(True, ()))
 
 
@@ -186,8 +201,9 @@ class StepTimes:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets,
-                 kernels: str = "auto"):
+    def __init__(
+        self, cfg: ModelConfig, weights, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets, kernels: str = "auto"
+    ):
         self.cfg = cfg
         # The kernel table's choice for these devices (--kernels); every step runs through it.
         self.kernels = kernels_for(kernels, mesh.devices.flat[0].platform)
@@ -206,23 +222,35 @@ class ModelRunner:
             out_shardings=(self._replicated, self._cache_shardings, self._replicated),
         )
         self._compiled: dict[StepShape, jax.stages.Compiled] = {}
-        self._limits, self._limits_for = None, 0  # limits() of the first _limits_for compiled shapes
+        # limits() of the first _limits_for compiled shapes
+        self._limits: StepLimits | None = None
+        self._limits_for = 0
         self._launching = threading.Lock()
         self.times = StepTimes()
 
-    def _step_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[StepInputs, ...],
-                 samplings: tuple[SamplingArrays, ...], routes: tuple[TokenRoutes, ...],
-                 logprob_inputs: tuple[LogprobInputs, ...]):
-        groups = tuple(dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None],
-                                                                g.tokens))
-                       for g, r in zip(groups, routes))
+    def _step_fn(
+        self,
+        weights,
+        cache,
+        slot_tokens: jax.Array,
+        groups: tuple[StepInputs, ...],
+        samplings: tuple[SamplingArrays, ...],
+        routes: tuple[TokenRoutes, ...],
+        logprob_inputs: tuple[LogprobInputs, ...],
+    ):
+        groups = tuple(
+            dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None], g.tokens))
+            for g, r in zip(groups, routes)
+        )
         ys, cache = hidden_states(weights, cache, groups, self.cfg, self.kernels)
         outputs = []
         for y, inputs, sampling, route, asked in zip(ys, groups, samplings, routes, logprob_inputs):
             logits = last_logits(y, inputs, weights.head)
             tokens = sample(logits, sampling)
             slot_tokens = slot_tokens.at[route.store_slot].set(tokens, mode="drop")
-            prompt = None if asked.targets is None else prompt_logprobs(y, weights.head, asked.targets, asked.prompt)
+            prompt = None
+            if asked.targets is not None and asked.prompt is not None:  # prefill groups only (_logprob_inputs)
+                prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt)
             outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens), prompt))
         return tuple(outputs), cache, slot_tokens
 
@@ -231,13 +259,22 @@ class ModelRunner:
         def arr(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
-        inputs = StepInputs(tokens=arr((rows, chunk), jnp.int32), positions=arr((rows,), jnp.int32),
-                            lengths=arr((rows,), jnp.int32), slots=arr((rows,), jnp.int32),
-                            page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32))
-        sampling = SamplingArrays(temperature=arr((rows,), jnp.float32), top_k=arr((rows,), jnp.int32),
-                                  top_p=arr((rows,), jnp.float32), seed=arr((rows,), jnp.uint32),
-                                  position=arr((rows,), jnp.int32), bias_ids=arr((rows, MAX_LOGIT_BIAS), jnp.int32),
-                                  bias=arr((rows, MAX_LOGIT_BIAS), jnp.float32))
+        inputs = StepInputs(
+            tokens=arr((rows, chunk), jnp.int32),
+            positions=arr((rows,), jnp.int32),
+            lengths=arr((rows,), jnp.int32),
+            slots=arr((rows,), jnp.int32),
+            page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
+        )
+        sampling = SamplingArrays(
+            temperature=arr((rows,), jnp.float32),
+            top_k=arr((rows,), jnp.int32),
+            top_p=arr((rows,), jnp.float32),
+            seed=arr((rows,), jnp.uint32),
+            position=arr((rows,), jnp.int32),
+            bias_ids=arr((rows, MAX_LOGIT_BIAS), jnp.int32),
+            bias=arr((rows, MAX_LOGIT_BIAS), jnp.float32),
+        )
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
         asked = _logprob_inputs(rows, chunk, arr)
         return inputs, sampling, routes, asked
@@ -246,11 +283,16 @@ class ModelRunner:
         groups = [self._abstract_group(group.rows, group.chunk) for group, _ in shape.groups]
         weights, cache, slot_tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            (self.weights, self.cache, self.slot_tokens))
+            (self.weights, self.cache, self.slot_tokens),
+        )
         return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
 
-    def warmup(self, shapes: Sequence[StepShape] | None = None, show_progress: bool = False,
-               stop: Callable[[], bool] | None = None) -> None:
+    def warmup(
+        self,
+        shapes: Sequence[StepShape] | None = None,
+        show_progress: bool = False,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """Compile `shapes` (default: every bucket), skipping those already compiled, in order; `stop()` is asked
         between shapes. Steps use only compiled shapes (limits()), so serving can start before all are done."""
         todo = [s for s in (self.buckets.shapes() if shapes is None else shapes) if s not in self._compiled]
@@ -272,8 +314,13 @@ class ModelRunner:
             log.debug("compiled %s in %.2f s (%d/%d)", described, elapsed, i, len(todo))
             if show_progress:
                 so_far = time.perf_counter() - started
-                progress("compiling step shapes", i, len(todo), started,
-                         detail=f"(about {so_far / i * (len(todo) - i):.0f} s to go; last: {described})")
+                progress(
+                    "compiling step shapes",
+                    i,
+                    len(todo),
+                    started,
+                    detail=f"(about {so_far / i * (len(todo) - i):.0f} s to go; last: {described})",
+                )
 
     def limits(self) -> StepLimits | None:
         """What steps the compiled shapes allow (None: not even one prefill and one decode shape yet)."""
@@ -339,8 +386,10 @@ class ModelRunner:
         shapes = [s.prefill for s in list(self._compiled) if s.kind is kind and s.prefill is not None]
         fits = [(p.rows * p.chunk, p) for p in shapes if p.rows >= rows and p.chunk >= tokens]
         if not fits:
-            raise ValueError(f"{rows} prefill rows of up to {tokens} tokens: no compiled {kind.value} step holds "
-                             f"them (the largest compiled one is {max(shapes, default=None)})")
+            raise ValueError(
+                f"{rows} prefill rows of up to {tokens} tokens: no compiled {kind.value} step holds "
+                f"them (the largest compiled one is {max(shapes, default=None)})"
+            )
         return min(fits)[1]
 
     def _decode_shape(self, rows: int) -> GroupShape:
@@ -368,13 +417,14 @@ class ModelRunner:
 
     def _host_arrays(self, group: _Group):
         max_pages, bucket_rows, chunk = self.geometry.max_pages_per_seq, group.shape.rows, group.shape.chunk
-        tokens = np.zeros((bucket_rows, chunk), np.int32)
-        page_table = np.zeros((bucket_rows, max_pages), np.int32)
-        positions = np.zeros(bucket_rows, np.int32)
-        lengths = np.zeros(bucket_rows, np.int32)
-        slots = np.zeros(bucket_rows, np.int32)
-        store = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
-        asked = _logprob_inputs(bucket_rows, chunk, np.zeros)
+        # Host numpy arrays, filled in place: the jitted step takes them as its jax.Array inputs (hence Any).
+        tokens: Any = np.zeros((bucket_rows, chunk), np.int32)
+        page_table: Any = np.zeros((bucket_rows, max_pages), np.int32)
+        positions: Any = np.zeros(bucket_rows, np.int32)
+        lengths: Any = np.zeros(bucket_rows, np.int32)
+        slots: Any = np.zeros(bucket_rows, np.int32)
+        store: Any = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
+        asked: Any = _logprob_inputs(bucket_rows, chunk, np.zeros)
         for i, row in enumerate(group.rows):
             request = row.request
             if len(request.pages) > max_pages:
@@ -392,7 +442,8 @@ class ModelRunner:
                 asked.targets[i, : len(targets)] = targets
         sampling = SamplingArrays.for_rows(group.rows, bucket_rows)
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
-        routes = TokenRoutes(feed_from_slot=np.full(bucket_rows, group.decode), store_slot=store)
+        feed_from_slot: Any = np.full(bucket_rows, group.decode)
+        routes = TokenRoutes(feed_from_slot=feed_from_slot, store_slot=store)
         return inputs, sampling, routes, asked
 
 
@@ -415,21 +466,34 @@ def _fetch(out: GroupOutput, rows: tuple[StepRow, ...], asked: LogprobInputs) ->
         values = jax.device_get(out.sampled)
         for i, row in enumerate(rows):
             if row.logprobs is not None:
-                sampled[i] = to_host(tokens[i:i + 1], values.token[i:i + 1], values.top_ids[i:i + 1],
-                                     values.top[i:i + 1], row.logprobs)[0]
+                sampled[i] = to_host(
+                    tokens[i : i + 1],
+                    values.token[i : i + 1],
+                    values.top_ids[i : i + 1],
+                    values.top[i : i + 1],
+                    row.logprobs,
+                )[0]
     if asked.prompt is not None and asked.prompt.any():
         values = jax.device_get(out.prompt)
         for i, row in enumerate(rows):
             targets = row.prompt_logprob_targets
-            if targets:
+            k = row.request.sampling.prompt_logprobs
+            if targets and k is not None:  # targets exist only for requests that asked
                 n = len(targets)
-                prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n],
-                                    row.request.sampling.prompt_logprobs)
-    return tuple(RowOutput(int(token), logprob, prompt_logprobs)
-                 for token, logprob, prompt_logprobs in zip(tokens, sampled, prompt))
+                prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n], k)
+    return tuple(
+        RowOutput(int(token), logprob, prompt_logprobs)
+        for token, logprob, prompt_logprobs in zip(tokens, sampled, prompt)
+    )
 
 
 def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh: Mesh) -> ModelRunner:
     """The runner (KV geometry and step buckets) these knobs ask for."""
-    return ModelRunner(model_cfg, weights, kv_geometry(engine_cfg, model_cfg), mesh, Buckets.for_config(engine_cfg),
-                       kernels=engine_cfg.kernels)
+    return ModelRunner(
+        model_cfg,
+        weights,
+        kv_geometry(engine_cfg, model_cfg),
+        mesh,
+        Buckets.for_config(engine_cfg),
+        kernels=engine_cfg.kernels,
+    )

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
-from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.kernels.quant import Quantized
-from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
-from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
+from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
+from jaxserve.runner import Buckets, ModelRunner
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
@@ -80,8 +80,11 @@ def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int
     total = 0
     weights = flatten_with_names(abstract, is_weight)
     for (_, weight), (_, sharding) in zip(weights, flatten_with_names(shardings, lambda x: isinstance(x, Quantized))):
-        parts = [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)] \
-            if isinstance(weight, Quantized) else [(None, weight, sharding)]
+        parts = (
+            [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)]
+            if isinstance(weight, Quantized)
+            else [(None, weight, sharding)]
+        )
         for part, info, part_sharding in parts:
             name = jnp.dtype(info.dtype).name if part is None else (weight.format if part == "codes" else "scales")
             by_format[name] = by_format.get(name, 0) + nbytes(info, part_sharding.shard_shape(info.shape))
@@ -97,7 +100,8 @@ class AbstractRunner(ModelRunner):
         self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
         # Abstract like the cache: a ShapeDtypeStruct stands in for the runner's array (traced, never run).
         self.slot_tokens = jax.ShapeDtypeStruct(  # type: ignore[assignment]
-            (self.geometry.num_slots,), jnp.int32, sharding=self._replicated)
+            (self.geometry.num_slots,), jnp.int32, sharding=self._replicated
+        )
 
     def jaxpr(self, shape) -> ClosedJaxpr:
         """The step of `shape` as traced, before XLA sees it."""
@@ -130,21 +134,37 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
     state = _state_bytes(cfg, geometry, mesh)
     # The single K=V head: every device holds every token's entries.
     kv_per_token = bytes_per_token(cfg, geometry.kv_cache_dtype)
-    plan = Plan(devices=mesh.size, device_memory=device_memory, weights_bytes_per_device=per_device,
-                weights_bytes_by_format=by_format, weights_bytes_total=total, temp_bytes_per_device=None,
-                state_bytes_per_device=state, kv_bytes_per_token=kv_per_token, max_kv_tokens=0, max_model_len=max_len,
-                max_num_seqs=engine_cfg.max_num_seqs, max_concurrent_requests=0, fits=False, reason="")
+    plan = Plan(
+        devices=mesh.size,
+        device_memory=device_memory,
+        weights_bytes_per_device=per_device,
+        weights_bytes_by_format=by_format,
+        weights_bytes_total=total,
+        temp_bytes_per_device=None,
+        state_bytes_per_device=state,
+        kv_bytes_per_token=kv_per_token,
+        max_kv_tokens=0,
+        max_model_len=max_len,
+        max_num_seqs=engine_cfg.max_num_seqs,
+        max_concurrent_requests=0,
+        fits=False,
+        reason="",
+    )
     if per_device >= device_memory:
-        plan.reason = (f"weights need {per_device / GB:.1f} GB per device, more than the "
-                       f"{device_memory / GB:.1f} GB usable")
+        plan.reason = (
+            f"weights need {per_device / GB:.1f} GB per device, more than the {device_memory / GB:.1f} GB usable"
+        )
         return plan
     temp = 0
     buckets = Buckets.for_config(engine_cfg)
-    runner = AbstractRunner(cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets,
-                            kernels=engine_cfg.kernels)
+    runner = AbstractRunner(
+        cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets, kernels=engine_cfg.kernels
+    )
     started = time.perf_counter()
-    for shape in (StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
-                  StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks)))):
+    for shape in (
+        StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
+        StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks))),
+    ):
         temp = max(temp, runner.temp_bytes(shape))
         plan.compiled_steps.append(str(shape))
     plan.compile_s = time.perf_counter() - started
@@ -153,15 +173,20 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
     page = engine_cfg.page_size
     plan.max_kv_tokens = max(0, int(left // kv_per_token) // page * page) if kv_per_token else 0
     plan.max_concurrent_requests = min(engine_cfg.max_num_seqs, plan.max_kv_tokens // max_len)
-    used = (f"weights {per_device / GB:.1f} GB + step temporaries {temp / GB:.1f} GB + per-sequence state "
-            f"{state / GB:.2f} GB")
+    used = (
+        f"weights {per_device / GB:.1f} GB + step temporaries {temp / GB:.1f} GB + per-sequence state "
+        f"{state / GB:.2f} GB"
+    )
     if left <= 0:
         plan.reason = f"{used} exceed the {device_memory / GB:.1f} GB usable"
     elif plan.max_concurrent_requests < 1:
-        plan.reason = (f"{used} leave room for {plan.max_kv_tokens} KV tokens, fewer than one request of "
-                       f"max_model_len={max_len}")
+        plan.reason = (
+            f"{used} leave room for {plan.max_kv_tokens} KV tokens, fewer than one request of max_model_len={max_len}"
+        )
     else:
         plan.fits = True
-        plan.reason = (f"{used} leave {left / GB:.1f} GB: {plan.max_kv_tokens} KV tokens, "
-                       f"{plan.max_concurrent_requests} requests of {max_len} tokens at once")
+        plan.reason = (
+            f"{used} leave {left / GB:.1f} GB: {plan.max_kv_tokens} KV tokens, "
+            f"{plan.max_concurrent_requests} requests of {max_len} tokens at once"
+        )
     return plan

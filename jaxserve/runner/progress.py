@@ -17,7 +17,10 @@ def progress(label: str, done: int, total: int, started: float, detail: str = ""
     suffix = f" {detail}" if detail else ""
     if sys.stdout.isatty():
         filled = BAR_WIDTH * done // total
-        print(f"\r{label} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {elapsed:5.1f}s{suffix}\033[K",
-              end="" if done < total else "\n", flush=True)
+        print(
+            f"\r{label} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {elapsed:5.1f}s{suffix}\033[K",
+            end="" if done < total else "\n",
+            flush=True,
+        )
     elif done == total or done * LOG_STEPS // total > (done - 1) * LOG_STEPS // total:
         print(f"{label}: {done}/{total} ({100 * done // total}%) in {elapsed:.1f} s{suffix}", flush=True)

@@ -6,8 +6,9 @@ other requests share its batch, nor on the batch size or row order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ class SamplingArrays:
     bias: jax.Array  # [b, MAX_LOGIT_BIAS] f32
 
     @staticmethod
-    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> "SamplingArrays":
+    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> SamplingArrays:
         """Host arrays for a bucket of `bucket_rows` rows; rows past `rows` are padding and sample greedily (their
         token is dropped). Each row samples the token at position start + length, the request's output token number
         start + length - prompt_len (its logit bias follows from that)."""
@@ -43,9 +44,10 @@ class SamplingArrays:
         bias = np.zeros((bucket_rows, MAX_LOGIT_BIAS), np.float32)
         for i, (row, p, position) in enumerate(zip(rows, params, positions)):
             entries = p.logit_bias_at(position - row.request.prompt_len)
-            bias_ids[i, :len(entries)] = [token for token, _ in entries]
-            bias[i, :len(entries)] = [value for _, value in entries]
-        return SamplingArrays(
+            bias_ids[i, : len(entries)] = [token for token, _ in entries]
+            bias[i, : len(entries)] = [value for _, value in entries]
+        # Host numpy arrays: the jitted step takes them as its jax.Array inputs (hence Any).
+        host: dict[str, Any] = dict(
             temperature=np.asarray([p.temperature for p in params] + [0.0] * pad, np.float32),
             top_k=np.asarray([p.top_k for p in params] + [-1] * pad, np.int32),
             top_p=np.asarray([p.top_p for p in params] + [1.0] * pad, np.float32),
@@ -54,6 +56,7 @@ class SamplingArrays:
             bias_ids=bias_ids,
             bias=bias,
         )
+        return SamplingArrays(**host)
 
 
 def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -84,6 +87,7 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
     filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
-        params.seed, params.position)
+        params.seed, params.position
+    )
     sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
     return jnp.where(params.temperature > 0, sampled, greedy)

@@ -11,6 +11,21 @@ from jaxserve.scheduler.queue_order import QUEUE_ORDERS, FirstComeFirstServed, P
 from jaxserve.scheduler.scheduler import Scheduler, StepCounts
 from jaxserve.scheduler.stall import DecodeStallPolicy
 
-__all__ = ["QUEUE_ORDERS", "DecodeInterleavePolicy", "DecodeManager", "DecodeStallPolicy", "Exhausted",
-           "FirstComeFirstServed", "IdAllocator", "MixedSteps", "PrefillManager", "Priority", "QueueOrder",
-           "Scheduler", "StepCounts", "StepPolicy", "build_scheduler", "step_policies"]
+__all__ = [
+    "QUEUE_ORDERS",
+    "DecodeInterleavePolicy",
+    "DecodeManager",
+    "DecodeStallPolicy",
+    "Exhausted",
+    "FirstComeFirstServed",
+    "IdAllocator",
+    "MixedSteps",
+    "PrefillManager",
+    "Priority",
+    "QueueOrder",
+    "Scheduler",
+    "StepCounts",
+    "StepPolicy",
+    "build_scheduler",
+    "step_policies",
+]

@@ -12,6 +12,12 @@ from jaxserve.scheduler.scheduler import Scheduler
 
 
 def build_scheduler(cfg: EngineConfig, page_pool: IdAllocator, page_size: int, min_chunk_tokens: int) -> Scheduler:
-    prefill = PrefillManager(page_pool, page_size, cfg.chunked_prefill_size, cfg.max_prefill_rows,
-                             IdAllocator(cfg.max_num_seqs, "slots"), QUEUE_ORDERS[cfg.scheduling_policy]())
+    prefill = PrefillManager(
+        page_pool,
+        page_size,
+        cfg.chunked_prefill_size,
+        cfg.max_prefill_rows,
+        IdAllocator(cfg.max_num_seqs, "slots"),
+        QUEUE_ORDERS[cfg.scheduling_policy](),
+    )
     return Scheduler(prefill, DecodeManager(cfg.max_num_seqs), step_policies(cfg, page_size, min_chunk_tokens))

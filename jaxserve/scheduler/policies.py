@@ -7,9 +7,9 @@ Scheduler asks them: the interleave count, the stall budget (scheduler/stall.py)
 from __future__ import annotations
 
 from jaxserve.config import EngineConfig
+from jaxserve.request.step import ForcedBy, StepPlan
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.stall import DecodeStallPolicy
-from jaxserve.request.step import ForcedBy, StepPlan
 
 
 class DecodeInterleavePolicy(StepPolicy):

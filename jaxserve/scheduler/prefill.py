@@ -15,16 +15,26 @@ from collections import deque
 
 from jaxserve.model.cache import pages_needed
 from jaxserve.request import Request, RequestStatus
+from jaxserve.request.step import StepRow
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 from jaxserve.scheduler.queue_order import FirstComeFirstServed, QueueOrder
-from jaxserve.request.step import StepRow
 
 
 class PrefillManager:
-    def __init__(self, page_pool: IdAllocator, page_size: int, max_prefill_tokens: int, max_prefill_rows: int,
-                 slots: IdAllocator, queue_order: QueueOrder | None = None):
-        for name, value in (("page_size", page_size), ("max_prefill_tokens", max_prefill_tokens),
-                            ("max_prefill_rows", max_prefill_rows)):
+    def __init__(
+        self,
+        page_pool: IdAllocator,
+        page_size: int,
+        max_prefill_tokens: int,
+        max_prefill_rows: int,
+        slots: IdAllocator,
+        queue_order: QueueOrder | None = None,
+    ):
+        for name, value in (
+            ("page_size", page_size),
+            ("max_prefill_tokens", max_prefill_tokens),
+            ("max_prefill_rows", max_prefill_rows),
+        ):
             if value <= 0:
                 raise ValueError(f"{name}={value}: must be positive")
         self.page_pool = page_pool
@@ -55,8 +65,9 @@ class PrefillManager:
         it never waits at the head forever."""
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
-        bisect.insort(self._waiting, (self.queue_order.key(request), next(self._arrivals), request),
-                      key=lambda entry: entry[:2])
+        bisect.insort(
+            self._waiting, (self.queue_order.key(request), next(self._arrivals), request), key=lambda entry: entry[:2]
+        )
 
     def schedule_next_chunks(self, token_budget: int, max_rows: int, max_active: int) -> tuple[StepRow, ...]:
         """The next step's prefill rows, at most `token_budget` tokens in at most `max_rows` rows, admitting no more
@@ -98,7 +109,7 @@ class PrefillManager:
             request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
         except Exhausted:
             return False
-        request.slot, = self.slots.allocate(1)
+        (request.slot,) = self.slots.allocate(1)
         request.move_to(RequestStatus.PREFILLING)
         self._waiting.pop(0)
         self._admitted.append(request)

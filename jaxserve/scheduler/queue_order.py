@@ -24,9 +24,12 @@ class FirstComeFirstServed(QueueOrder):
         """A request's priority is a 400 unless this order uses it: a field that silently did nothing would
         mislead."""
         if priority != 0:
-            raise InvalidRequest("priority", f"priority: {priority} asks for priority scheduling, which needs "
-                                             "--scheduling-policy priority (this server schedules first come, first "
-                                             "served)")
+            raise InvalidRequest(
+                "priority",
+                f"priority: {priority} asks for priority scheduling, which needs "
+                "--scheduling-policy priority (this server schedules first come, first "
+                "served)",
+            )
 
 
 class Priority(QueueOrder):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.request import Request
+from jaxserve.request.step import ForcedBy, StepKind, StepLimits, StepPlan
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
-from jaxserve.request.step import ForcedBy, StepKind, StepLimits, StepPlan
 
 
 @dataclasses.dataclass
@@ -54,8 +54,9 @@ class StepCounts:
 
 
 class Scheduler:
-    def __init__(self, prefill_manager: PrefillManager, decode_manager: DecodeManager,
-                 policies: Sequence[StepPolicy] = ()):
+    def __init__(
+        self, prefill_manager: PrefillManager, decode_manager: DecodeManager, policies: Sequence[StepPolicy] = ()
+    ):
         self.prefill_manager = prefill_manager
         self.decode_manager = decode_manager
         self.policies = tuple(policies)  # asked in order: whichever is due first wins
@@ -71,13 +72,17 @@ class Scheduler:
     def limits(self) -> StepLimits:
         """What the next step may carry: the configured knobs within the compiled shapes."""
         pm, dm, compiled = self.prefill_manager, self.decode_manager, self._compiled
-        configured = StepLimits(pm.max_prefill_tokens, pm.max_prefill_rows, dm.max_num_seqs,
-                                mixed_decode_rows=dm.max_num_seqs)
+        configured = StepLimits(
+            pm.max_prefill_tokens, pm.max_prefill_rows, dm.max_num_seqs, mixed_decode_rows=dm.max_num_seqs
+        )
         if compiled is None:
             return configured
-        return StepLimits(min(configured.prefill_tokens, compiled.prefill_tokens),
-                          min(configured.prefill_rows, compiled.prefill_rows),
-                          min(configured.decode_rows, compiled.decode_rows), compiled.mixed_decode_rows)
+        return StepLimits(
+            min(configured.prefill_tokens, compiled.prefill_tokens),
+            min(configured.prefill_rows, compiled.prefill_rows),
+            min(configured.decode_rows, compiled.decode_rows),
+            compiled.mixed_decode_rows,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -143,8 +148,7 @@ class Scheduler:
         for policy in self.policies:
             policy.on_step_done(plan, seconds, self.decode_manager.has_work)
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None,
-               release: bool = True) -> None:
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None, release: bool = True) -> None:
         """End `request` in any state (an abort: reason "abort"): it is never scheduled again. Its pages and slot
         are freed now, or with release() once no dispatched step still writes them (`release=False`)."""
         self.decode_manager.remove(request)

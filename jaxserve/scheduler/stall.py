@@ -12,17 +12,25 @@ stall, so a request that has just produced its first token does not trigger a de
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.request.step import ForcedBy, StepPlan
+from jaxserve.scheduler.policy import StepPolicy
 
 
 class DecodeStallPolicy(StepPolicy):
     forced_by = ForcedBy.STALL
 
-    def __init__(self, max_stall_ms: float, *, page_size: int = 1, min_chunk_tokens: int = 64,
-                 adaptive_chunks: bool = True, clock: Callable[[], float] = time.monotonic, smoothing: float = 0.3):
+    def __init__(
+        self,
+        max_stall_ms: float,
+        *,
+        page_size: int = 1,
+        min_chunk_tokens: int = 64,
+        adaptive_chunks: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        smoothing: float = 0.3,
+    ):
         if max_stall_ms <= 0:
             raise ValueError(f"max_decode_stall_ms={max_stall_ms}: must be positive (unset: no stall budget)")
         self.budget_s = max_stall_ms / 1000.0

@@ -9,9 +9,10 @@ cancelled task) aborts the engine request, so its KV pages go back to the pool.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, Protocol
+from typing import Protocol
 
 from jaxserve.engine import Engine, TokenEvent
 from jaxserve.request import SamplingParams, TokenLogprob
@@ -60,9 +61,18 @@ class Output:
 
 
 class Generation:
-    def __init__(self, engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: tuple[str, ...], request_id: str, observer: Observer | None = None, keep_markup: bool = False,
-                 priority: int = 0):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop: tuple[str, ...],
+        request_id: str,
+        observer: Observer | None = None,
+        keep_markup: bool = False,
+        priority: int = 0,
+    ):
         """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser);
         `priority`: see Engine.submit."""
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority)
@@ -110,6 +120,8 @@ class Generation:
             text += self._detokenizer.flush()
         # Stop strings are looked for only once the request may stop (min_tokens).
         text, stop = self._stops.feed(text) if self._sampling.may_stop(self.num_generated) else (text, None)
+        finish_reason: str | None
+        stop_reason: int | str | None
         if stop is not None:
             finish_reason, stop_reason, self._stop_string = "stop", stop, stop
         else:
@@ -117,5 +129,6 @@ class Generation:
             if event.finished:
                 text += self._stops.flush()
         self._finish_reason = finish_reason
-        return Delta(text, event.token_ids, finish_reason, stop_reason, event.error, event.logprobs,
-                     event.prompt_logprobs)
+        return Delta(
+            text, event.token_ids, finish_reason, stop_reason, event.error, event.logprobs, event.prompt_logprobs
+        )

@@ -22,8 +22,8 @@ class StopStrings:
             self._held = ""
             return buffer[:cut], stop
         keep = self._longest_stop_prefix_at_end(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], None
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], None
 
     def flush(self) -> str:
         """At the end of the output: what was held back was not a stop string after all."""

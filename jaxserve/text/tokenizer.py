@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Literal
+from typing import Any, ClassVar, Literal
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
@@ -22,7 +23,6 @@ from tokenizers.decoders import DecodeStream
 from jaxserve.text.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
 
 log = logging.getLogger("jaxserve.text.tokenizer")
-
 
 
 class TokenizerError(ValueError):
@@ -34,6 +34,7 @@ class NoTokenizerError(TokenizerError):
 
 
 # ---- special ids from the checkpoint's json files ------------------------------------------------------------------
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
@@ -84,6 +85,7 @@ def _special_ids(folder: Path, token_to_id) -> tuple[int | None, tuple[int, ...]
 
 # ---- streaming detokenization ------------------------------------------------------------------------------------
 
+
 class IncrementalDetokenizer:
     """One request's output: feed token ids one at a time, get back the newly completed text (maybe "").
 
@@ -110,7 +112,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text still held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
         full = self._tokenizer.decode([i for i in self.ids if i not in self._silent], skip_special_tokens=False)
-        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        rest = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += rest
         return rest
 
@@ -137,6 +139,7 @@ def token_id_text(token_id: int) -> str:
 
 # ---- the two tokenizer kinds ---------------------------------------------------------------------------------------
 
+
 class Tokenizer:
     """`tokenizer.json` through the `tokenizers` library, with the checkpoint's BOS/EOS ids."""
 
@@ -153,8 +156,9 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         # Reasoning and tool-call markup the chat output parser reads, whether or not the tokenizer calls it special.
-        self._markup_ids = frozenset(i for i, token in added.items()
-                                     if token.content in (THINK_START, THINK_END) or DSML in token.content)
+        self._markup_ids = frozenset(
+            i for i, token in added.items() if token.content in (THINK_START, THINK_END) or DSML in token.content
+        )
         add_bos = _read_json(self.folder / "tokenizer_config.json").get("add_bos_token")
         if add_bos is None:  # no explicit setting: whatever the tokenizer's own post-processor does
             add_bos = self.bos_id is not None and self._tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
@@ -171,8 +175,11 @@ class Tokenizer:
         """`tokenizer_config.json` as transformers reads it (token entries as their strings), with the BOS and
         EOS tokens this tokenizer resolved and a `tokenizer_class`: what vLLM's /tokenizer_info serves."""
         raw = _read_json(self.folder / "tokenizer_config.json")
-        config = {key: _token_string(value) if isinstance(value, dict) and "content" in value else value
-                  for key, value in raw.items() if key != "added_tokens_decoder"}
+        config = {
+            key: _token_string(value) if isinstance(value, dict) and "content" in value else value
+            for key, value in raw.items()
+            if key != "added_tokens_decoder"
+        }
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         for key, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None)):
             if config.get(key) is None and token_id is not None:
@@ -216,8 +223,10 @@ class Tokenizer:
         Raises ChatTemplateError (naming the request field) for messages or options it cannot render."""
         absent = [t for t in CHAT_TOKENS if self._tok.token_to_id(t) is None]
         if absent:
-            raise TokenizerError(f"{self.file}: the tokenizer has no {', '.join(absent)} token(s), so this model "
-                                 "has no DeepSeek-V4 chat template")
+            raise TokenizerError(
+                f"{self.file}: the tokenizer has no {', '.join(absent)} token(s), so this model "
+                "has no DeepSeek-V4 chat template"
+            )
         return self._encoding(render_prompt(messages, options)).ids
 
 
@@ -232,8 +241,9 @@ class TokenIdOnly:
         self.vocab_size = None
 
     def _refuse(self) -> NoTokenizerError:
-        return NoTokenizerError(f"the model in {self.folder} has no tokenizer (no tokenizer.json): "
-                                "send the prompt as a list of token ids")
+        return NoTokenizerError(
+            f"the model in {self.folder} has no tokenizer (no tokenizer.json): send the prompt as a list of token ids"
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise self._refuse()

@@ -90,8 +90,17 @@ def _pad_to(a: jax.Array, shape: tuple[int, ...], value: Any = 0) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "interpret", "tile_m", "tile_n", "tile_k"))
-def fp8_matmul(x2d: jax.Array, codes: jax.Array, column_scales: jax.Array, block_k: int, *, interpret: bool = False,
-               tile_m: int = 64, tile_n: int = 128, tile_k: int = 64) -> jax.Array:
+def fp8_matmul(
+    x2d: jax.Array,
+    codes: jax.Array,
+    column_scales: jax.Array,
+    block_k: int,
+    *,
+    interpret: bool = False,
+    tile_m: int = 64,
+    tile_n: int = 128,
+    tile_k: int = 64,
+) -> jax.Array:
     """`x2d [M, K] @ W [K, N]` in float32, W given as e4m3 `codes [K, N]` and ue8m0 `column_scales
     [ceil(K / block_k), N]` (row kb scales rows kb*block_k .. (kb+1)*block_k - 1 of each column).
 
@@ -114,15 +123,20 @@ def fp8_matmul(x2d: jax.Array, codes: jax.Array, column_scales: jax.Array, block
         raise ValueError(f"block_k {block_k} has no power-of-two factor >= {MIN_TILE} to tile K={k} by")
     mp, kp, np_ = (-(-m // tm) * tm), (-(-k // tk) * tk), (-(-n // tn) * tn)
     # Padded K rows read the last real block's scale row (a tile's start is always < K), so no scale row is added.
-    operands = (_pad_to(x2d, (mp, kp)), _pad_to(codes, (kp, np_)),
-                _pad_to(column_scales, (column_scales.shape[0], np_), ONE_SCALE))
+    operands = (
+        _pad_to(x2d, (mp, kp)),
+        _pad_to(codes, (kp, np_)),
+        _pad_to(column_scales, (column_scales.shape[0], np_), ONE_SCALE),
+    )
     out = pl.pallas_call(
         functools.partial(_kernel, tile_k=tk, block_k=block_k),
         out_shape=jax.ShapeDtypeStruct((mp, np_), F32),
         grid=(mp // tm, np_ // tn),
-        in_specs=[pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((kp, tn), lambda i, j: (0, j)),
-                  pl.BlockSpec((column_scales.shape[0], tn), lambda i, j: (0, j))],
+        in_specs=[
+            pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((kp, tn), lambda i, j: (0, j)),
+            pl.BlockSpec((column_scales.shape[0], tn), lambda i, j: (0, j)),
+        ],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
         interpret=interpret,
         # Triton's parameters also pick the Triton lowering (jax 0.10's pallas_call otherwise lowers to Mosaic GPU,
@@ -139,8 +153,14 @@ def _is_matmul_spec(spec: str, x_ndim: int, w_ndim: int) -> bool:
     if match is None:  # implicit output, ellipsis, more operands
         return False
     xs, ws, out = match.groups()
-    return (len(xs) == x_ndim and len(ws) == w_ndim >= 2 and xs[-1] == ws[0] and out == xs[:-1] + ws[1:]
-            and len(set(out)) == len(out) and xs[-1] not in out)
+    return (
+        len(xs) == x_ndim
+        and len(ws) == w_ndim >= 2
+        and xs[-1] == ws[0]
+        and out == xs[:-1] + ws[1:]
+        and len(set(out)) == len(out)
+        and xs[-1] not in out
+    )
 
 
 def _full_blocks(w: Quantized) -> tuple[int, ...]:
@@ -172,7 +192,8 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     if not _takes_kernel(spec, x, w, kwargs):
         return reference_einsum(spec, x, w, **kwargs)
     k = w.shape[0]
-    out = fp8_matmul(x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0],
-                     interpret=interpret)
+    out = fp8_matmul(
+        x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret
+    )
     dtype = kwargs.get("preferred_element_type") or x.dtype
     return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)

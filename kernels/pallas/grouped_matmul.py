@@ -102,8 +102,7 @@ class _Layout:
         return max(1, self.bkc // self.scale_block[0]), max(1, self.bf // self.scale_block[1])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "block_f", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "block_f", "num_warps", "num_stages"))
 def grouped_matmul(
     x: jax.Array,
     w: jax.Array | Quantized,
@@ -170,8 +169,7 @@ def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout,
     return layout, x_operands, (w.codes, w.scales)
 
 
-def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int, n_tiles: int
-                ) -> tuple[jax.Array, ...]:
+def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int, n_tiles: int) -> tuple[jax.Array, ...]:
     """The (row tile, group) pairs that meet, group by group, padded to the static bound n_tiles + e.
 
     Returns count [1] and, per item, its row tile, its group's expert (expert_offset + group) and the group's rows
@@ -206,12 +204,12 @@ def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: 
             k0 = step * lo.bkc
             x_mask = (rows < lo.m) & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
             w_mask = (k0 + lax.broadcasted_iota(I32, (lo.bkc, 1), 0) < lo.kc) & (cols < lo.f)
-            x_tiles = [plgpu.load(r.at[pl.ds(row0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0)
-                       for r in x_refs]
+            x_tiles = [plgpu.load(r.at[pl.ds(row0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0) for r in x_refs]
             w_tiles = _weight_tiles(w_refs, expert, k0, col0, w_mask, lo)
             for x_tile, w_tile in zip(x_tiles, w_tiles, strict=True):
-                acc += jnp.dot(x_tile.astype(lo.compute_dtype), w_tile, preferred_element_type=F32,
-                               precision=lax.Precision.HIGHEST)  # float32 inputs: IEEE, not TF32
+                acc += jnp.dot(
+                    x_tile.astype(lo.compute_dtype), w_tile, preferred_element_type=F32, precision=lax.Precision.HIGHEST
+                )  # float32 inputs: IEEE, not TF32
             return acc
 
         acc = lax.fori_loop(0, lo.k_steps, k_step, jnp.zeros((lo.bm, lo.bf), F32))
@@ -241,8 +239,9 @@ def _scale_tile(scales_ref, expert, k0, col0, lo: _Layout) -> jax.Array:
     ue8m0 bytes of the blocks it spans, decoded, then each repeated over its block's part of the tile."""
     (n_rows, n_cols), (block_rows, block_cols) = lo.scale_tile, lo.scale_block
     r0, c0 = k0 // block_rows, col0 // block_cols
-    mask = ((r0 + lax.broadcasted_iota(I32, (n_rows, 1), 0) < lo.scale_shape[0])
-            & (c0 + lax.broadcasted_iota(I32, (1, n_cols), 1) < lo.scale_shape[1]))
+    mask = (r0 + lax.broadcasted_iota(I32, (n_rows, 1), 0) < lo.scale_shape[0]) & (
+        c0 + lax.broadcasted_iota(I32, (1, n_cols), 1) < lo.scale_shape[1]
+    )
     ue8m0 = plgpu.load(scales_ref.at[expert, pl.ds(r0, n_rows), pl.ds(c0, n_cols)], mask=mask, other=SCALE_BIAS)
     scale = _ue8m0_values(ue8m0.astype(I32))
     repeated = jnp.broadcast_to(scale[:, None, :, None], (n_rows, lo.bkc // n_rows, n_cols, lo.bf // n_cols))

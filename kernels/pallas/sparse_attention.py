@@ -68,16 +68,37 @@ def sink_attention(
     if selected is not None and selected_mask is None:
         raise ValueError("selected keys need selected_mask")
     return _sink_attention(
-        q, shared, shared_mask, sinks, selected, selected_mask, interpret=interpret, block_h=block_h,
-        block_s=block_s, block_j=block_j, num_warps=num_warps, num_stages=num_stages,
+        q,
+        shared,
+        shared_mask,
+        sinks,
+        selected,
+        selected_mask,
+        interpret=interpret,
+        block_h=block_h,
+        block_s=block_s,
+        block_j=block_j,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("interpret", "block_h", "block_s", "block_j", "num_warps", "num_stages")
-)
-def _sink_attention(q, shared, shared_mask, sinks, selected, selected_mask, *, interpret, block_h, block_s, block_j,
-                    num_warps, num_stages):
+@functools.partial(jax.jit, static_argnames=("interpret", "block_h", "block_s", "block_j", "num_warps", "num_stages"))
+def _sink_attention(
+    q,
+    shared,
+    shared_mask,
+    sinks,
+    selected,
+    selected_mask,
+    *,
+    interpret,
+    block_h,
+    block_s,
+    block_j,
+    num_warps,
+    num_stages,
+):
     b, t, h, k = q.shape
     s = shared.shape[1]
     in_specs = [
@@ -96,9 +117,7 @@ def _sink_attention(q, shared, shared_mask, sinks, selected, selected_mask, *, i
         ]
         operands += [selected, selected_mask]
         key_blocks.append(block_j)
-    kernel = functools.partial(
-        _kernel, num_heads=h, block_h=block_h, key_blocks=tuple(key_blocks), scale=k**-0.5
-    )
+    kernel = functools.partial(_kernel, num_heads=h, block_h=block_h, key_blocks=tuple(key_blocks), scale=k**-0.5)
     return pl.pallas_call(
         kernel,
         grid=(b, t, pl.cdiv(h, block_h)),

@@ -3,5 +3,13 @@
 from jaxserve.text.chat.encoding import ChatOptions, ChatTemplateError, chat_options, render_prompt
 from jaxserve.text.chat.output import ChatOutputParser, ParsedDelta, ToolCall, parse_output
 
-__all__ = ["ChatOptions", "ChatTemplateError", "chat_options", "render_prompt", "ChatOutputParser", "ParsedDelta",
-           "ToolCall", "parse_output"]
+__all__ = [
+    "ChatOptions",
+    "ChatTemplateError",
+    "chat_options",
+    "render_prompt",
+    "ChatOutputParser",
+    "ParsedDelta",
+    "ToolCall",
+    "parse_output",
+]

@@ -102,6 +102,7 @@ def to_json(value: Any) -> str:
 
 # ---- request options ------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ChatOptions:
     """How a request is rendered and its output parsed: thinking mode, reasoning effort, tools and tool_choice."""
@@ -129,18 +130,25 @@ class ChatOptions:
         return prefix + invoke_open(self.tool_name) + "\n"
 
 
-def chat_options(thinking: bool = False, reasoning_effort: Any = None, tools: Any = None,
-                 tool_choice: Any = None) -> ChatOptions:
+def chat_options(
+    thinking: bool = False, reasoning_effort: Any = None, tools: Any = None, tool_choice: Any = None
+) -> ChatOptions:
     """Validated options from the request's raw `tools`, `tool_choice` and reasoning settings."""
     if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
-        raise ChatTemplateError("reasoning_effort", f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)} "
-                                                    f"(DeepSeek-V4's levels), got {reasoning_effort!r}")
+        raise ChatTemplateError(
+            "reasoning_effort",
+            f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)} "
+            f"(DeepSeek-V4's levels), got {reasoning_effort!r}",
+        )
     functions = _tools(tools)
     choice, name = _tool_choice(tool_choice, functions)
     if thinking and choice in ("required", "function") and functions:
-        raise ChatTemplateError("tool_choice", "tool_choice: 'required' and a named function are enforced by "
-                                "starting the answer with the tool call, which thinking mode must begin with its "
-                                "reasoning; use tool_choice 'auto' with thinking, or turn thinking off")
+        raise ChatTemplateError(
+            "tool_choice",
+            "tool_choice: 'required' and a named function are enforced by "
+            "starting the answer with the tool call, which thinking mode must begin with its "
+            "reasoning; use tool_choice 'auto' with thinking, or turn thinking off",
+        )
     return ChatOptions(bool(thinking), reasoning_effort, functions, choice, name)
 
 
@@ -153,14 +161,15 @@ def _tools(tools: Any) -> tuple[dict, ...]:
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ChatTemplateError("tools", f"{where}: must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise ChatTemplateError("tools", f'{where}: must be {{"type": "function", "function": {{...}}}}')
         function = tool.get("function")
         if not isinstance(function, dict):
             raise ChatTemplateError("tools", f"{where}.function: must be an object")
         name = function.get("name")
         if not isinstance(name, str) or not name or '"' in name:
-            raise ChatTemplateError("tools", f"{where}.function.name: must be a non-empty string without '\"', "
-                                             f"got {name!r}")
+            raise ChatTemplateError(
+                "tools", f"{where}.function.name: must be a non-empty string without '\"', got {name!r}"
+            )
         if name in names:
             raise ChatTemplateError("tools", f"{where}.function.name: {name!r} is defined twice")
         if not isinstance(function.get("description", ""), str):
@@ -182,15 +191,19 @@ def _tool_choice(choice: Any, functions: tuple[dict, ...]) -> tuple[str, str | N
     named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = named.get("name") if isinstance(named, dict) else None
     if not isinstance(name, str):
-        raise ChatTemplateError("tool_choice", "tool_choice: must be 'auto', 'none', 'required' or "
-                                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
-                                               f"got {choice!r}")
+        raise ChatTemplateError(
+            "tool_choice",
+            "tool_choice: must be 'auto', 'none', 'required' or "
+            f'{{"type": "function", "function": {{"name": ...}}}}, '
+            f"got {choice!r}",
+        )
     if name not in {f["name"] for f in functions}:
         raise ChatTemplateError("tool_choice", f"tool_choice.function.name: {name!r} is not one of the tools")
     return "function", name
 
 
 # ---- messages -------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class _Turn:
@@ -214,12 +227,14 @@ def _text(content: Any, where: str, joiner: str = "") -> str:
         parts = []
         for k, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ChatTemplateError("messages", f"{where}.content[{k}]: only text parts are supported, got "
-                                                    f"{part!r:.80}")
+                raise ChatTemplateError(
+                    "messages", f"{where}.content[{k}]: only text parts are supported, got {part!r:.80}"
+                )
             parts.append(part["text"])
         return joiner.join(parts)
-    raise ChatTemplateError("messages", f"{where}.content: must be a string or a list of text parts, got "
-                                        f"{type(content).__name__}")
+    raise ChatTemplateError(
+        "messages", f"{where}.content: must be a string or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def _arguments(raw: Any, where: str) -> dict:
@@ -276,8 +291,12 @@ def _turn(message: Any, k: int) -> _Turn:
         reasoning = message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise ChatTemplateError("messages", f"{where}.reasoning_content: must be a string")
-        return _Turn(role, _text(content, where), reasoning=reasoning or "",
-                     tool_calls=_tool_calls(message.get("tool_calls"), f"{where}.tool_calls"))
+        return _Turn(
+            role,
+            _text(content, where),
+            reasoning=reasoning or "",
+            tool_calls=_tool_calls(message.get("tool_calls"), f"{where}.tool_calls"),
+        )
     text = _text(content, where)
     if role == "developer" and not text:
         raise ChatTemplateError("messages", f"{where}.content: a developer message must not be empty")
@@ -312,15 +331,20 @@ def render_tool_calls(calls: list[tuple[str, dict]]) -> str:
     """An assistant turn's DSML block (without the separator before it)."""
     invokes = []
     for name, arguments in calls:
-        params = [parameter_open(key, isinstance(value, str)) + (value if isinstance(value, str) else to_json(value))
-                  + PARAMETER_CLOSE for key, value in arguments.items()]
+        params = [
+            parameter_open(key, isinstance(value, str))
+            + (value if isinstance(value, str) else to_json(value))
+            + PARAMETER_CLOSE
+            for key, value in arguments.items()
+        ]
         invokes.append(invoke_open(name) + "\n" + "\n".join(params) + "\n" + INVOKE_CLOSE)
     return TOOL_CALLS_OPEN + "\n" + "\n".join(invokes) + "\n" + TOOL_CALLS_CLOSE
 
 
 def _render_user(turn: _Turn) -> str:
-    return USER_TOKEN + "\n\n".join(text if kind == "text" else f"<tool_result>{text}</tool_result>"
-                                    for kind, text, _ in turn.blocks)
+    return USER_TOKEN + "\n\n".join(
+        text if kind == "text" else f"<tool_result>{text}</tool_result>" for kind, text, _ in turn.blocks
+    )
 
 
 def _last_user(turns: list[_Turn]) -> int:
@@ -357,8 +381,11 @@ def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
             out.append(_render_user(turn))
         else:
             reasoning = turn.reasoning + THINK_END if options.thinking and (keep_reasoning or k > last_user) else ""
-            calls = (TOOL_CALLS_SEPARATOR + render_tool_calls([(n, a) for n, a, _ in turn.tool_calls])
-                     if turn.tool_calls else "")
+            calls = (
+                TOOL_CALLS_SEPARATOR + render_tool_calls([(n, a) for n, a, _ in turn.tool_calls])
+                if turn.tool_calls
+                else ""
+            )
             out.append(reasoning + turn.text + calls + EOS_TOKEN)
         answered = k + 1 == len(turns) or turns[k + 1].role == "assistant"
         if turn.role in ("user", "developer") and answered:

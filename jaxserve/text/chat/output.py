@@ -22,8 +22,18 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from jaxserve.text.chat.encoding import (DSML, INVOKE_CLOSE, PARAMETER_CLOSE, THINK_END, THINK_START, TOOL_CALLS_CLOSE,
-                                    TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, ChatOptions, to_json)
+from jaxserve.text.chat.encoding import (
+    DSML,
+    INVOKE_CLOSE,
+    PARAMETER_CLOSE,
+    THINK_END,
+    THINK_START,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
+    TOOL_CALLS_SEPARATOR,
+    ChatOptions,
+    to_json,
+)
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 
-    def extend(self, other: "ParsedDelta") -> None:
+    def extend(self, other: ParsedDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls += other.tool_calls
@@ -53,8 +63,8 @@ class ParsedDelta:
         return bool(self.reasoning or self.content or self.tool_calls)
 
 
-_INVOKE = re.compile(r'\s*<' + DSML + r'invoke name="([^"]+)">\s*')
-_PARAMETER = re.compile(r'<' + DSML + r'parameter name="([^"]+)" string="(true|false)">')
+_INVOKE = re.compile(r"\s*<" + DSML + r'invoke name="([^"]+)">\s*')
+_PARAMETER = re.compile(r"<" + DSML + r'parameter name="([^"]+)" string="(true|false)">')
 _REASONING, _CONTENT, _BLOCK = "reasoning", "content", "block"
 
 
@@ -84,7 +94,7 @@ def parse_tool_block(body: str) -> list[tuple[str, str]] | None:
             name = param.group(1)
             if end < 0 or name in params:
                 return None
-            params[name] = _argument(body[param.end():end], param.group(2) == "true")
+            params[name] = _argument(body[param.end() : end], param.group(2) == "true")
             at = end + len(PARAMETER_CLOSE)
             at += len(body[at:]) - len(body[at:].lstrip())
         if not body.startswith(INVOKE_CLOSE, at):
@@ -116,7 +126,7 @@ class ChatOutputParser:
         self._block_lead = ""  # the separator read before the open block, given back if the block is text
         prefix = options.answer_prefix
         if prefix:
-            self._buffer = prefix[len(TOOL_CALLS_SEPARATOR):]
+            self._buffer = prefix[len(TOOL_CALLS_SEPARATOR) :]
             self._state = _BLOCK
 
     @property
@@ -139,12 +149,13 @@ class ChatOutputParser:
                 if end < 0 and not final:
                     return out
                 block_end = len(self._buffer) if end < 0 else end + len(TOOL_CALLS_CLOSE)
-                calls = None if end < 0 else parse_tool_block(self._buffer[len(TOOL_CALLS_OPEN):end])
+                calls = None if end < 0 else parse_tool_block(self._buffer[len(TOOL_CALLS_OPEN) : end])
                 if calls is None:  # not DSML after all: the block is text
                     out.content += self._block_lead + self._buffer[:block_end]
                 else:
-                    out.tool_calls += [ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
-                                       for name, arguments in calls]
+                    out.tool_calls += [
+                        ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in calls
+                    ]
                 self._buffer = self._buffer[block_end:]
                 self._state = _CONTENT
                 continue
@@ -157,16 +168,16 @@ class ChatOutputParser:
             if found:
                 at, marker = min(found, key=lambda f: (f[0], -len(f[1])))
                 self._emit(out, self._buffer[:at])
-                rest = self._buffer[at + len(marker):]
+                rest = self._buffer[at + len(marker) :]
                 if marker in (THINK_START, THINK_END):  # ends the reasoning; in the answer, a stray tag is dropped
                     self._state, self._buffer = _CONTENT, rest
                 else:
                     self._state, self._buffer = _BLOCK, TOOL_CALLS_OPEN + rest
-                    self._block_lead = marker[:-len(TOOL_CALLS_OPEN)]
+                    self._block_lead = marker[: -len(TOOL_CALLS_OPEN)]
                 continue
             keep = 0 if final else _held_suffix(self._buffer, self._markers)
-            self._emit(out, self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            self._emit(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
             return out
 
     def _emit(self, out: ParsedDelta, text: str) -> None:
