@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.request import TokenLogprob
-from jaxserve.request.step import RowOutput, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.step import MIXED_PREFILL_ROWS, RowOutput, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
 
 HASH_MULTIPLIER = 1_000_003
@@ -126,6 +126,7 @@ class FakeRunner:
         assert len(plan.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
         if plan.kind is StepKind.MIXED:
             assert limits.mixed, "a mixed step before mixed shapes compiled"
+            assert len(plan.prefill) <= MIXED_PREFILL_ROWS, "a mixed step with more prompt chunks than it carries"
             assert plan.num_prefill_tokens + limits.mixed_decode_rows <= limits.prefill_tokens, (
                 "a mixed step whose chunk and decode rows exceed a pure chunk's tokens"
             )

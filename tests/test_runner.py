@@ -112,15 +112,13 @@ def mixed(rows: int, chunk: int, decode_rows: int) -> StepShape:
     return StepShape(GroupShape(rows, chunk), GroupShape(decode_rows, 1))
 
 
-def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_prefill_shape():
+def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_one_row_prefill_shape():
     buckets = Buckets.for_limits(max_prefill_rows=2, chunked_prefill_size=256, max_num_seqs=8, mixed=True)
     shapes = buckets.shapes()
     assert shapes[:2] == buckets.first_shapes() == [prefill(1, 16), decode(1)]
-    assert len(shapes) == len(set(shapes)) == 6 + 4 + 6  # prefill, decode, mixed (every decode row in each)
-    # A mixed step holds a pure chunk's tokens: its chunk is shortened by its decode rows (all 8, padded).
-    assert {s for s in shapes if s.kind is StepKind.MIXED} == {
-        mixed(r, c - 8, 8) for r in (1, 2) for c in (16, 64, 256)
-    }
+    assert len(shapes) == len(set(shapes)) == 6 + 4 + 3  # prefill, decode, mixed (every decode row in each)
+    # A mixed step holds a pure chunk's tokens: one chunk, shortened by its decode rows (all 8, padded).
+    assert {s for s in shapes if s.kind is StepKind.MIXED} == {mixed(1, c - 8, 8) for c in (16, 64, 256)}
     assert buckets.prompt_shapes(40) == [prefill(1, 64), decode(1)] and buckets.prompt_shapes(999)[0] == prefill(1, 256)
     # A chunk no longer than the decode rows has no mixed form.
     narrow = Buckets.for_limits(max_prefill_rows=1, chunked_prefill_size=64, max_num_seqs=16, mixed=True)
@@ -140,7 +138,7 @@ def test_step_limits_grow_with_the_compiled_shapes():
     assert step_limits(compiled, buckets) == StepLimits(64, 1, 4)
     compiled |= {prefill(2, 64)}
     assert step_limits(compiled, buckets) == StepLimits(64, 2, 4)
-    compiled |= {mixed(r, c - 8, 8) for r, c in [(1, 16), (1, 64), (2, 16)]}
-    assert not step_limits(compiled, buckets).mixed  # (2, 64) has no mixed form yet
-    compiled |= {mixed(2, 56, 8)}
+    compiled |= {mixed(1, 8, 8)}
+    assert not step_limits(compiled, buckets).mixed  # (1, 64) has no mixed form yet
+    compiled |= {mixed(1, 56, 8)}
     assert step_limits(compiled, buckets) == StepLimits(64, 2, 4, mixed_decode_rows=8)

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from jaxserve.request import Request, TokenLogprob
 
+# A mixed step carries one prompt chunk beside its decode rows: a compiled step pads every prefill row to its longest
+# chunk, so with two rows it would cost about twice the pure chunk it stands for, and the running requests' gap with it.
+MIXED_PREFILL_ROWS = 1
+
 
 class StepKind(enum.Enum):
     PREFILL = "prefill"  # prompt chunks only
@@ -190,8 +194,9 @@ class StepShape:
 class StepLimits:
     """What the compiled shapes allow a step to carry (the scheduler keeps every plan within it).
 
-    A mixed step's decode group always has `mixed_decode_rows` rows (padding the rest) and its prefill part at most
-    `prefill_tokens - mixed_decode_rows` tokens, so it costs what a pure chunk does (0: no mixed step compiled)."""
+    A mixed step's decode group always has `mixed_decode_rows` rows (padding the rest) and its prefill part one row
+    (MIXED_PREFILL_ROWS) of at most `prefill_tokens - mixed_decode_rows` tokens, so it costs what a pure chunk does
+    (0: no mixed step compiled)."""
 
     prefill_tokens: int  # the longest chunk one row may have
     prefill_rows: int

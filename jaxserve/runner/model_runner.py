@@ -32,7 +32,17 @@ from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
-from jaxserve.request.step import GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan, StepRow, StepShape
+from jaxserve.request.step import (
+    MIXED_PREFILL_ROWS,
+    GroupShape,
+    RowOutput,
+    StepKind,
+    StepLimits,
+    StepOutput,
+    StepPlan,
+    StepRow,
+    StepShape,
+)
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.runner.progress import progress
 from jaxserve.runner.sampling import SamplingArrays, sample
@@ -100,9 +110,10 @@ class Buckets:
 
     def mixed_shape(self, prefill: GroupShape) -> StepShape | None:
         """The mixed step that costs what the pure step `prefill` does: its chunk shortened by the decode rows, so
-        chunk + decode rows is the pure chunk's tokens (None: the chunk is no longer than the decode rows)."""
+        chunk + decode rows is the pure chunk's tokens (None: the chunk is no longer than the decode rows, or the pure
+        step has more prefill rows than a mixed step carries, MIXED_PREFILL_ROWS)."""
         decode = self.mixed_decode_group
-        if prefill.chunk <= decode.rows:
+        if prefill.chunk <= decode.rows or prefill.rows != MIXED_PREFILL_ROWS:
             return None
         return StepShape(GroupShape(prefill.rows, prefill.chunk - decode.rows), decode)
 

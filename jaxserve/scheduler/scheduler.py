@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.request import Request
-from jaxserve.request.step import ForcedBy, StepKind, StepLimits, StepPlan
+from jaxserve.request.step import MIXED_PREFILL_ROWS, ForcedBy, StepKind, StepLimits, StepPlan
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
@@ -125,9 +125,10 @@ class Scheduler:
             # No decode runnable: prefill instead; the policy stays due, so a decode comes as soon as one can.
         mixed = limits.mixed and any(policy.decode_rides_prefill for policy in self.policies)
         riders = self.decode_manager.schedule_next_rows(limits.decode_rows) if mixed else ()
-        if riders:  # the decode rows take their share of the chunk's tokens (the compiled mixed shape's)
-            budget = min(budget, max(limits.prefill_tokens - limits.mixed_decode_rows, 1))
-        chunks = self.prefill_manager.schedule_next_chunks(budget, limits.prefill_rows, limits.decode_rows)
+        rows = limits.prefill_rows
+        if riders:  # one chunk, and the decode rows take their share of its tokens (the compiled mixed shape's)
+            budget, rows = min(budget, max(limits.prefill_tokens - limits.mixed_decode_rows, 1)), MIXED_PREFILL_ROWS
+        chunks = self.prefill_manager.schedule_next_chunks(budget, rows, limits.decode_rows)
         if chunks:
             return StepPlan(prefill=chunks, decode=riders)
         rows = riders or self.decode_manager.schedule_next_rows(limits.decode_rows)
