@@ -7,7 +7,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
 from jaxserve.request.step import ForcedBy, StepKind, StepRow
-from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, Scheduler, step_policies
+from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, MixedSteps, Scheduler, step_policies
 
 
 class FakeClock:
@@ -181,3 +181,17 @@ def test_due_but_nothing_to_decode_prefills_at_full_budget():
     clock.now = 5.0
     assert letter(scheduler.schedule()) == "P"
     assert decode.calls == 1 and prefill.budgets[-1] == 256  # no slot spent idle to keep the promise
+
+
+def test_with_mixed_steps_the_decode_rows_come_out_of_the_stall_budgets_chunk_too():
+    """A limit the stall budget sets is a step's tokens, decode rows included: the chunk is cut by the mixed step's
+    decode rows (4 here), so chunk + decode rows fits the mixed shape of the bucket the limit names (a page-aligned
+    80-token limit as an 80-token chunk would need the next, much bigger bucket)."""
+    clock = FakeClock()
+    stall = DecodeStallPolicy(100, page_size=16, min_chunk_tokens=64, clock=clock)
+    prefill = StubPrefill()
+    scheduler = Scheduler(prefill, StubDecode(), [stall, MixedSteps()])
+    warm(stall)
+    stall.note_decoded()
+    plan = scheduler.schedule()
+    assert plan.kind is StepKind.MIXED and prefill.budgets[-1] == 80 - StubDecode.max_num_seqs

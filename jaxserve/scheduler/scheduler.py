@@ -126,8 +126,10 @@ class Scheduler:
         mixed = limits.mixed and any(policy.decode_rides_prefill for policy in self.policies)
         riders = self.decode_manager.schedule_next_rows(limits.decode_rows) if mixed else ()
         rows = limits.prefill_rows
-        if riders:  # one chunk, and the decode rows take their share of its tokens (the compiled mixed shape's)
-            budget, rows = min(budget, max(limits.prefill_tokens - limits.mixed_decode_rows, 1)), MIXED_PREFILL_ROWS
+        if riders:
+            # One chunk, and the decode rows take their share of the step's tokens, whoever set them (the pure chunk
+            # or a policy's limit): chunk + decode rows then fits the mixed shape of the bucket that limit names.
+            budget, rows = max(budget - limits.mixed_decode_rows, 1), MIXED_PREFILL_ROWS
         chunks = self.prefill_manager.schedule_next_chunks(budget, rows, limits.decode_rows)
         if chunks:
             return StepPlan(prefill=chunks, decode=riders)
