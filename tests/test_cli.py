@@ -30,6 +30,7 @@ from jaxserve.server.config import ServerConfig
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
 # The engine of tests/test_server.py, as flags: its compiled shapes are then in the persistent cache.
 SMALL = [
+    "--no-mixed-batches",  # two fewer shapes to compile; mixed steps have their own tests (tests/test_engine.py)
     "--dtype",
     "float32",
     "--max-num-seqs",
@@ -148,7 +149,7 @@ def test_generate_streams_one_prompt_to_the_terminal():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
-    # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 7 shapes in all).
+    # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 5 shapes in all).
     assert "compiled 2 step shapes in" in result.stdout
 
 
@@ -284,10 +285,9 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     try:
         ready = serve_process.wait_for_line("jaxserve ready on http://127.0.0.1:", 600)
         url = ready.split()[3]
-        # Ready after the two shapes that serve one request at a time; the other five (decodes of 2 and 4 rows, the
-        # 64-token chunk, the two mixed steps) compile while serving.
+        # Ready after the two shapes that serve one request at a time; the other three compile while serving.
         assert httpx.get(url + "/health").status_code == 200
-        serve_process.wait_for_line("compiled all 7 step shapes", 600)
+        serve_process.wait_for_line("compiled all 5 step shapes", 600)
         output = "".join(serve_process.output)
         assert (
             "KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 tokens): 4"

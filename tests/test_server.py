@@ -37,7 +37,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
 from jaxserve.text.tokenizer import TokenIdOnly
 
-# Small on purpose: 2 prefill + 3 decode + 2 mixed shapes to compile. tests/test_cli.py serves with the same flags, so
+# Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so
 # its subprocess finds these shapes in the persistent compilation cache.
 CONFIG = EngineConfig(
     dtype="float32",
@@ -48,6 +48,7 @@ CONFIG = EngineConfig(
     max_model_len=256,
     max_queued_requests=64,
     decode_log_interval=1000,
+    mixed_batches=False,  # as tests/test_cli.py's flags; mixed steps have their own tests (tests/test_engine.py)
 )
 MODEL = "tiny-v4"
 API_KEY = "sk-test"

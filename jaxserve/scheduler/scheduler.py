@@ -125,12 +125,12 @@ class Scheduler:
             # No decode runnable: prefill instead; the policy stays due, so a decode comes as soon as one can.
         mixed = limits.mixed and any(policy.decode_rides_prefill for policy in self.policies)
         riders = self.decode_manager.schedule_next_rows(limits.decode_rows) if mixed else ()
-        rows = limits.prefill_rows
+        max_rows = limits.prefill_rows
         if riders:
             # One chunk, and the decode rows take their share of the step's tokens, whoever set them (the pure chunk
             # or a policy's limit): chunk + decode rows then fits the mixed shape of the bucket that limit names.
-            budget, rows = max(budget - limits.mixed_decode_rows, 1), MIXED_PREFILL_ROWS
-        chunks = self.prefill_manager.schedule_next_chunks(budget, rows, limits.decode_rows)
+            budget, max_rows = max(budget - limits.mixed_decode_rows, 1), MIXED_PREFILL_ROWS
+        chunks = self.prefill_manager.schedule_next_chunks(budget, max_rows, limits.decode_rows)
         if chunks:
             return StepPlan(prefill=chunks, decode=riders)
         rows = riders or self.decode_manager.schedule_next_rows(limits.decode_rows)
