@@ -131,7 +131,9 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
     check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
     loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress, quantization=cfg.quantization)
     runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
-    return Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids), loaded
+    tokenizer = loaded.tokenizer
+    grammars = tokenizer.grammar_compiler(loaded.config.vocab_size)
+    return Engine(cfg, loaded.config, runner, tokenizer.eos_ids, grammars), loaded
 
 
 # ---- start-up ------------------------------------------------------------------------------------------------------

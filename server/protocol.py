@@ -10,16 +10,25 @@ Logprobs: completions take `logprobs: k` (and with `echo`, the prompt's logprobs
 send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprobs: k`. Both map to the engine's
 SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field. `n` choices are `n` engine
 requests; choice i samples with seed `seed + i`.
+
+Structured outputs: OpenAI's `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, in both APIs; at most one of them per request. They become one
+`Constraint` the engine compiles (a schema or grammar it cannot compile is a 400 naming the field).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, overload
 
 from jaxserve.request import InvalidRequest, SamplingParams
+from jaxserve.request.grammar import Constraint, ConstraintKind
 from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
+from jaxserve.text.chat.tool_grammar import forced_tool_call_grammar
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
 MAX_CHOICES = 128  # the most `n` OpenAI's API takes
@@ -60,6 +69,7 @@ class GenerationParams:
     priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
     min_tokens: int = 0  # vLLM's
+    constraint: Constraint | None = None  # structured outputs
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -77,6 +87,7 @@ class GenerationParams:
                 logprobs=self.logprobs,
                 logit_bias=self.logit_bias,
                 min_tokens=self.min_tokens,
+                constraint=self.constraint,
                 prompt_logprobs=self.logprobs if self.echo else None,
             )
         except InvalidRequest as error:
@@ -146,7 +157,17 @@ def parse_chat(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
-    return ChatRequest(messages, _chat_options(fields), params)
+    options = _chat_options(fields)
+    tool_call = forced_tool_call_grammar(options)
+    if tool_call is not None:  # the call's parameters must match the tool's schema
+        if params.constraint is not None:
+            raise bad_request(
+                params.constraint.field,
+                f"{params.constraint.field}: tool_choice {options.tool_choice!r} already constrains the answer to a "
+                "tool call; a request takes one structured output constraint",
+            )
+        params = dataclasses.replace(params, constraint=Constraint(ConstraintKind.GRAMMAR, tool_call, "tool_choice"))
+    return ChatRequest(messages, options, params)
 
 
 def _chat_options(fields: _Fields) -> ChatOptions:
@@ -216,7 +237,105 @@ def _generation_params(
         priority=fields.integer("priority", 0),
         logit_bias=_logit_bias(fields.object("logit_bias")),
         min_tokens=fields.integer("min_tokens", 0),
+        constraint=_constraint(fields),
     )
+
+
+# vLLM's structured_outputs keys (and the older guided_* fields) -> the constraint kind each asks for.
+STRUCTURED_KINDS = {
+    "json": ConstraintKind.JSON_SCHEMA,
+    "regex": ConstraintKind.REGEX,
+    "choice": ConstraintKind.CHOICE,
+    "grammar": ConstraintKind.GRAMMAR,
+    "json_object": ConstraintKind.JSON_OBJECT,
+}
+# Options of vLLM's structured outputs that jaxserve does not take: a 400 naming them rather than ignored.
+STRUCTURED_OPTIONS_REFUSED = ("whitespace_pattern", "structural_tag")
+
+
+def _constraint(fields: _Fields) -> Constraint | None:
+    """The request's structured output constraint, from whichever of the three spellings it used (one at most)."""
+    found = [c for c in (_response_format(fields), *_structured_outputs(fields), *_guided(fields)) if c is not None]
+    if len(found) > 1:
+        names = ", ".join(c.field for c in found)
+        raise bad_request(found[1].field, f"{names}: a request takes one structured output constraint, got several")
+    return found[0] if found else None
+
+
+def _response_format(fields: _Fields) -> Constraint | None:
+    fmt = _Fields(fields.object("response_format"), prefix="response_format.")
+    kind = fmt.string("type")
+    if not fmt.raw or kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT, "", "response_format")
+    if kind != "json_schema":
+        raise bad_request(
+            "response_format.type",
+            f"response_format.type: must be text, json_object or json_schema, got {_show(kind)}",
+        )
+    spec = _Fields(fmt.object("json_schema"), prefix="response_format.json_schema.")
+    if not spec.raw:
+        raise bad_request("response_format.json_schema", "response_format.json_schema: required for json_schema")
+    schema = spec.object("schema")
+    field = "response_format.json_schema.schema"
+    if schema is None:  # OpenAI's schema is optional: any JSON object
+        return Constraint(ConstraintKind.JSON_OBJECT, "", field)
+    strict = spec.boolean("strict", False)
+    if not strict:  # keywords the compiler does not implement are ignored, not refused
+        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
+    return Constraint.json_schema(schema, field, closed_objects=strict)
+
+
+def _structured_outputs(fields: _Fields) -> list[Constraint | None]:
+    options = _Fields(fields.object("structured_outputs"), prefix="structured_outputs.")
+    for name in STRUCTURED_OPTIONS_REFUSED:
+        if options.raw.get(name) is not None:
+            raise bad_request(f"structured_outputs.{name}", f"structured_outputs.{name}: is not supported")
+    if options.raw.get("disable_any_whitespace") is False:
+        raise bad_request(
+            "structured_outputs.disable_any_whitespace",
+            "structured_outputs.disable_any_whitespace: false is not supported (JSON is always written without "
+            "free whitespace)",
+        )
+    return [
+        _constraint_of(kind, options.raw.get(key), f"structured_outputs.{key}")
+        for key, kind in STRUCTURED_KINDS.items()
+    ]
+
+
+def _guided(fields: _Fields) -> list[Constraint | None]:
+    for name in ("guided_whitespace_pattern", "guided_decoding_backend"):
+        if fields.raw.get(name) is not None:
+            raise bad_request(name, f"{name}: is not supported")
+    guided = ("json", "regex", "choice", "grammar")
+    return [_constraint_of(STRUCTURED_KINDS[key], fields.raw.get(f"guided_{key}"), f"guided_{key}") for key in guided]
+
+
+def _constraint_of(kind: ConstraintKind, value: Any, field: str, closed_objects: bool = False) -> Constraint | None:
+    """One structured outputs value as a constraint (None: not given), its type checked."""
+    if value is None or value is False:
+        return None
+    if kind is ConstraintKind.JSON_OBJECT:
+        if value is not True:
+            raise bad_request(field, f"{field}: must be true or false, got {_show(value)}")
+        return Constraint(kind, "", field)
+    if kind is ConstraintKind.JSON_SCHEMA:
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request(field, f"{field}: is not valid JSON") from None
+        if not isinstance(value, dict):
+            raise bad_request(field, f"{field}: must be a JSON schema (an object), got {_show(value)}")
+        return Constraint.json_schema(value, field, closed_objects)
+    if kind is ConstraintKind.CHOICE:
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise bad_request(field, f"{field}: must be a non-empty list of strings, got {_show(value)}")
+        return Constraint.choice(value, field)
+    if not isinstance(value, str) or not value:
+        raise bad_request(field, f"{field}: must be a non-empty string, got {_show(value)}")
+    return Constraint(kind, value, field)
 
 
 def _prompt(prompt: Any) -> str | list[int]:

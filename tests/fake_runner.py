@@ -166,6 +166,9 @@ class FakeStep:
     def __init__(self, result: StepOutput | None = None, error: Exception | None = None):
         self._result, self._error = result, error
 
+    def sample(self) -> None:
+        """The fake's tokens are fixed at dispatch: nothing to launch."""
+
     def result(self) -> StepOutput:
         if self._error is not None:
             raise self._error

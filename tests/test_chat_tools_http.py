@@ -39,7 +39,7 @@ def served(tokenizer):
     runner = FakeRunner(
         kv_geometry(cfg, model_cfg), Buckets.for_config(cfg), model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0])
     )
-    engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids).start()
+    engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids, tokenizer.grammar_compiler(model_cfg.vocab_size)).start()
     try:
         with serve_app(create_app(engine, tokenizer, MODEL), engine) as server:
             yield server

@@ -85,7 +85,8 @@ def runner(loaded):
 @contextmanager
 def serving(runner, loaded, tokenizer=None, start=True, server_config=ServerConfig(log_stats_interval=0), **overrides):
     tokenizer = tokenizer or loaded.tokenizer
-    engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner, tokenizer.eos_ids)
+    grammars = tokenizer.grammar_compiler(loaded.config.vocab_size)
+    engine = Engine(dataclasses.replace(CONFIG, **overrides), loaded.config, runner, tokenizer.eos_ids, grammars)
     if start:
         engine.start()
     app = create_app(engine, tokenizer, MODEL, server_config, model_path=str(default_checkpoint_path()))

@@ -25,6 +25,7 @@ from typing import Protocol
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
 from jaxserve.scheduler import IdAllocator, StepCounts, build_scheduler
@@ -142,6 +143,9 @@ class _FailedDispatch:
 
     error: Exception
 
+    def sample(self) -> None:
+        pass
+
     def result(self):
         raise self.error
 
@@ -181,6 +185,10 @@ class EngineStats:
 
 
 class PendingStep(Protocol):
+    def sample(self) -> None:
+        """Launch the step's sampling, once every token before this step's is delivered (its rows' token masks
+        depend on them); result() launches it if nobody did."""
+
     def result(self) -> StepOutput: ...
 
 
@@ -212,9 +220,15 @@ class Engine:
     max_tokens, the context limit, aborts), and the counters that /metrics and the logs read."""
 
     def __init__(
-        self, engine_cfg: EngineConfig, model_cfg: ModelConfig, runner: StepRunner, eos_token_ids: Iterable[int]
+        self,
+        engine_cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        runner: StepRunner,
+        eos_token_ids: Iterable[int],
+        grammars: GrammarCompiler | None = None,
     ):
         self.config = engine_cfg
+        self.grammars = grammars  # structured outputs (None: no tokenizer, so none can be compiled)
         self.model_config = model_cfg
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = resolve_max_model_len(engine_cfg, model_cfg)
@@ -306,6 +320,14 @@ class Engine:
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias])
+        if (constraint := sampling.constraint) is not None:
+            if self.grammars is None:
+                raise InvalidRequest(
+                    constraint.field,
+                    f"{constraint.field}: structured outputs need the model's tokenizer (tokenizer.json), and this "
+                    "engine has none",
+                )
+            self.grammars.check(constraint)
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt: must not be empty (there is no position to sample from)")
         limit, prompt_len, completion = self.context_limit, len(prompt_ids), sampling.max_tokens
@@ -336,6 +358,8 @@ class Engine:
         seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) if sampling.seed is None else sampling.seed
         sampling = dataclasses.replace(sampling, seed=seed, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         request = Request(request_id, [int(t) for t in prompt_ids], sampling, priority=priority)
+        if sampling.constraint is not None and self.grammars is not None:  # check_admission refused it otherwise
+            request.grammar = self.grammars.matcher(sampling.constraint)
         handle = RequestHandle(request_id, request.prompt_ids)
         with self._admission:
             if self._draining:
@@ -398,6 +422,8 @@ class Engine:
             landed = inflight
             if landed is not None:
                 self._complete(landed)
+            if dispatched is not None:  # its forward runs; its sampling needs the tokens just delivered
+                self._launch_sampling(dispatched)
             inflight = dispatched
             # A step that could not even start fails now, after the one before it delivered: tokens come in step
             # order, so a request gets what earlier steps computed for it before its error.
@@ -435,6 +461,13 @@ class Engine:
         for request in plan.requests:
             self._inflight[request.request_id] += 1
         return _InFlight(plan, step, dispatched)
+
+    @staticmethod
+    def _launch_sampling(inflight: _InFlight) -> None:
+        try:
+            inflight.step.sample()
+        except Exception as error:  # noqa: BLE001 - it fails its step, in step order, like a failed dispatch
+            inflight.step = _FailedDispatch(error)
 
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for a dispatched step's tokens, deliver them and run the stop checks."""
@@ -488,6 +521,14 @@ class Engine:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
         reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids))
+        if request.grammar is not None:
+            broken = request.grammar.accept(token)
+            if broken is not None:  # the mask allowed only what the grammar accepts: a bug, not the client's
+                log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
+                self._finish(request, "error", error=f"structured output: {broken}")
+                return
+            if reason is None and request.grammar.finished:  # the text is complete; nothing may follow
+                reason = "stop"
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # grammar.py imports this module (InvalidRequest)
+    from jaxserve.request.grammar import Constraint, GrammarMatcher
 
 # The most alternatives a request may ask for at each position (`logprobs` / `prompt_logprobs`): every step
 # computes this many on the device when any row asks, whatever each row wants (vLLM's default max_logprobs).
@@ -40,17 +44,18 @@ class TokenLogprob:
 class SamplingParams:
     """Per-request sampling and stopping; the one place their ranges are checked.
 
-    `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
-    is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
-    `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
-    prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
-    logits before sampling (OpenAI's; logprobs still describe the raw distribution). `min_tokens` (vLLM's): neither
-    EOS, nor a stop token, nor a stop string ends the request before it has this many tokens; EOS and the stop
-    token ids are not sampled until then.
+        `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
+        is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
+        `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
+        prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
+        logits before sampling (OpenAI's; logprobs still describe the raw distribution). `min_tokens` (vLLM's): neither
+        EOS, nor a stop token, nor a stop string ends the request before it has this many tokens; EOS and the stop
+        token ids are not sampled until then. `constraint` (structured outputs): only tokens its grammar allows are
+    sampled, and the request ends ("stop") once the grammar admits nothing more.
 
-    It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
-    sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at
-    submission."""
+        It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
+        sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at
+        submission."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -64,6 +69,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None  # structured outputs: what the text must match (grammar.py)
 
     def __post_init__(self):
         # Accept any iterable (e.g. a JSON list, a dict of biases) but store tuples, so the params stay hashable.
@@ -170,6 +176,8 @@ class Request:
     # With sampling.prompt_logprobs: the logprobs of prompt tokens 1.. as their chunks run, delivered with the
     # request's first event.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With sampling.constraint: where the output stands in it (the engine advances it as tokens are delivered).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:

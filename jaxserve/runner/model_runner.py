@@ -1,13 +1,17 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
-Both are the same pure function `(weights, cache, slot tokens, inputs, sampling, routes, logprob inputs) ->
-(outputs, cache, slot tokens)` with the cache and the slot tokens donated (outputs: the sampled token ids and the
-logprobs rows asked for, see jaxserve.runner.logprobs), compiled ahead of time for a small set of shape buckets (rows x
-chunk length for prefill, rows for decode). A call whose shape is not a bucket is an error, never a silent
-recompile.
+A step is two calls, launched one after the other: the forward, `(weights, cache, slot tokens, inputs, routes,
+logprob inputs) -> (logits at each row's last token, prompt logprobs, cache)` with the cache donated, and the
+sampler, `(slot tokens, logits, sampling, routes) -> (tokens, their logprobs, slot tokens)` (see
+jaxserve.runner.logprobs for what logprobs leave the device). Both are compiled ahead of time for a small set of
+shape buckets (rows x chunk length for prefill, rows for decode; the sampler by rows). A call whose shape is not a
+bucket is an error, never a silent recompile.
 
 Each sampled token is also kept on the device, in its sequence's slot, and a decode row reads its input token from
-there: a step can be dispatched before the host has seen the previous step's tokens (overlap scheduling).
+there: a step can be dispatched before the host has seen the previous step's tokens (overlap scheduling). The
+sampler is launched apart so that its inputs can wait for those tokens: a structured output's token mask depends
+on every token before the one it constrains, so the engine launches step N+1's forward, delivers step N's tokens,
+and only then launches N+1's sampler, whose masks the grammars compute while the forward runs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
+from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import (
     MIXED_PREFILL_ROWS,
     GroupShape,
@@ -190,15 +195,44 @@ class _Group:
     decode: bool
 
 
-class PendingStep:
-    """A dispatched step; `result()` waits for its StepOutput."""
+@dataclass(frozen=True)
+class _Executables:
+    """One step shape's compiled forward and the compiled sampler of its groups' rows."""
 
-    def __init__(self, outputs: tuple[GroupOutput, ...], groups: list[_Group], asked: tuple[LogprobInputs, ...]):
-        for out in outputs:
-            out.tokens.copy_to_host_async()  # the copy runs while the host prepares the next step
-        self._outputs, self._groups, self._asked = outputs, groups, asked
+    forward: jax.stages.Compiled
+    sampler: jax.stages.Compiled
+
+
+class PendingStep:
+    """A dispatched step: its forward is launched; `sample()` launches its sampler (the engine calls it once the
+    tokens before this step's are delivered), `result()` waits for its StepOutput (launching the sampler first if
+    nobody did)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        executables: _Executables,
+        groups: list[_Group],
+        logits: tuple[jax.Array, ...],
+        prompt: tuple[Logprobs | None, ...],
+        routes: tuple[TokenRoutes, ...],
+        asked: tuple[LogprobInputs, ...],
+    ):
+        self._runner, self._sampler, self._groups = runner, executables.sampler, groups
+        self._logits, self._prompt, self._routes, self._asked = logits, prompt, routes, asked
+        self._outputs: tuple[GroupOutput, ...] | None = None
+
+    def sample(self) -> None:
+        if self._outputs is not None:
+            return
+        tokens, sampled = self._runner._launch_sampler(self._sampler, self._groups, self._logits, self._routes)
+        for out in tokens:
+            out.copy_to_host_async()  # the copy runs while the host prepares the next step
+        self._outputs = tuple(GroupOutput(*out) for out in zip(tokens, sampled, self._prompt))
 
     def result(self) -> StepOutput:
+        self.sample()
+        assert self._outputs is not None
         fetched = {
             group.decode: _fetch(out, group.rows, asked)
             for out, group, asked in zip(self._outputs, self._groups, self._asked)
@@ -227,25 +261,27 @@ class ModelRunner:
         self._weight_shardings = jax.tree.map(lambda x: x.sharding, weights)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self.reset_cache()
-        self._step = jax.jit(
-            self._step_fn,
-            donate_argnames=("cache", "slot_tokens"),
-            out_shardings=(self._replicated, self._cache_shardings, self._replicated),
+        self._forward = jax.jit(
+            self._forward_fn,
+            donate_argnames=("cache",),
+            out_shardings=(self._replicated, self._replicated, self._cache_shardings),
         )
-        self._compiled: dict[StepShape, jax.stages.Compiled] = {}
+        self._sampler = jax.jit(self._sampler_fn, out_shardings=self._replicated)
+        self._compiled: dict[StepShape, _Executables] = {}
+        self._samplers: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the rows of each group
+        self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
         # limits() of the first _limits_for compiled shapes
         self._limits: StepLimits | None = None
         self._limits_for = 0
         self._launching = threading.Lock()
         self.times = StepTimes()
 
-    def _step_fn(
+    def _forward_fn(
         self,
         weights,
         cache,
         slot_tokens: jax.Array,
         groups: tuple[StepInputs, ...],
-        samplings: tuple[SamplingArrays, ...],
         routes: tuple[TokenRoutes, ...],
         logprob_inputs: tuple[LogprobInputs, ...],
     ):
@@ -254,22 +290,36 @@ class ModelRunner:
             for g, r in zip(groups, routes)
         )
         ys, cache = hidden_states(weights, cache, groups, self.cfg, self.kernels)
-        outputs = []
-        for y, inputs, sampling, route, asked in zip(ys, groups, samplings, routes, logprob_inputs):
-            logits = last_logits(y, inputs, weights.head)
-            tokens = sample(logits, sampling)
-            slot_tokens = slot_tokens.at[route.store_slot].set(tokens, mode="drop")
+        logits, prompts = [], []
+        for y, inputs, asked in zip(ys, groups, logprob_inputs):
+            logits.append(last_logits(y, inputs, weights.head))
             prompt = None
             if asked.targets is not None and asked.prompt is not None:  # prefill groups only (_logprob_inputs)
                 prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt)
-            outputs.append(GroupOutput(tokens, sampled_logprobs(logits, tokens), prompt))
-        return tuple(outputs), cache, slot_tokens
+            prompts.append(prompt)
+        return tuple(logits), tuple(prompts), cache
+
+    @staticmethod
+    def _sampler_fn(
+        slot_tokens: jax.Array,
+        logits: tuple[jax.Array, ...],
+        samplings: tuple[SamplingArrays, ...],
+        routes: tuple[TokenRoutes, ...],
+    ):
+        tokens, sampled = [], []
+        for group_logits, sampling, route in zip(logits, samplings, routes):
+            group_tokens = sample(group_logits, sampling)
+            slot_tokens = slot_tokens.at[route.store_slot].set(group_tokens, mode="drop")
+            tokens.append(group_tokens)
+            sampled.append(sampled_logprobs(group_logits, group_tokens))
+        return tuple(tokens), tuple(sampled), slot_tokens
 
     # ---- compilation -------------------------------------------------------------------------------------------
-    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, SamplingArrays, TokenRoutes, LogprobInputs]:
-        def arr(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+    def _abstract(self, shape, dtype) -> Any:  # stands in for a jax.Array in the abstract inputs
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
+    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, TokenRoutes, LogprobInputs]:
+        arr = self._abstract
         inputs = StepInputs(
             tokens=arr((rows, chunk), jnp.int32),
             positions=arr((rows,), jnp.int32),
@@ -277,7 +327,13 @@ class ModelRunner:
             slots=arr((rows,), jnp.int32),
             page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
         )
-        sampling = SamplingArrays(
+        routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
+        asked = _logprob_inputs(rows, chunk, arr)
+        return inputs, routes, asked
+
+    def _abstract_sampling(self, rows: int) -> SamplingArrays:
+        arr = self._abstract
+        return SamplingArrays(
             temperature=arr((rows,), jnp.float32),
             top_k=arr((rows,), jnp.int32),
             top_p=arr((rows,), jnp.float32),
@@ -285,18 +341,33 @@ class ModelRunner:
             position=arr((rows,), jnp.int32),
             bias_ids=arr((rows, MAX_LOGIT_BIAS), jnp.int32),
             bias=arr((rows, MAX_LOGIT_BIAS), jnp.float32),
+            allowed=arr((rows, mask_words(self.cfg.vocab_size)), jnp.int32),
         )
-        routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
-        asked = _logprob_inputs(rows, chunk, arr)
-        return inputs, sampling, routes, asked
 
-    def _abstract_args(self, shape: StepShape):
+    def _abstract_forward_args(self, shape: StepShape) -> tuple:
         groups = [self._abstract_group(group.rows, group.chunk) for group, _ in shape.groups]
         weights, cache, slot_tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens),
         )
-        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
+        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(3)))
+
+    def _abstract_sampler_args(self, shape: StepShape) -> tuple:
+        rows = [group.rows for group, _ in shape.groups]
+        slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
+        logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
+        samplings = tuple(self._abstract_sampling(r) for r in rows)
+        routes = tuple(self._abstract_group(group.rows, group.chunk)[1] for group, _ in shape.groups)
+        return slot_tokens, logits, samplings, routes
+
+    def _compile(self, shape: StepShape) -> _Executables:
+        rows = tuple(group.rows for group, _ in shape.groups)
+        with jax.set_mesh(self.mesh):
+            forward = self._forward.lower(*self._abstract_forward_args(shape)).compile()
+            sampler = self._samplers.get(rows)
+            if sampler is None:
+                sampler = self._samplers[rows] = self._sampler.lower(*self._abstract_sampler_args(shape)).compile()
+        return _Executables(forward, sampler)
 
     def warmup(
         self,
@@ -312,12 +383,11 @@ class ModelRunner:
             if stop is not None and stop():
                 return
             t0 = time.perf_counter()
-            with jax.set_mesh(self.mesh):
-                compiled = self._step.lower(*self._abstract_args(shape)).compile()
+            compiled = self._compile(shape)
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
             padding = [_Group((), group, decode) for group, decode in shape.groups]
-            self._launch(compiled, self._host_inputs(padding), padding).result()
+            self._launch(compiled, padding).result()
             self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
@@ -358,7 +428,7 @@ class ModelRunner:
         """Start one step without waiting for it. Every row samples (after a chunk that is not its prompt's last,
         the token is neither kept nor returned as an output)."""
         groups = self._groups(plan)
-        return self._launch(self._compiled_step(groups), self._host_inputs(groups), groups)
+        return self._launch(self._compiled_step(groups), groups)
 
     def device_seconds(self, plan: StepPlan, repeats: int, back_to_back: int = 1) -> list[float]:
         """Seconds per call of the compiled step of `plan` on inputs built once, `repeats` times: the step's time
@@ -367,12 +437,17 @@ class ModelRunner:
         more, the device's pace when it is never left waiting, as in the overlapped loop. For benchmarks: it
         rewrites the plan's KV positions with the same values."""
         groups = self._groups(plan)
-        compiled, inputs = self._compiled_step(groups), self._host_inputs(groups)
+        compiled, (inputs, routes, asked) = self._compiled_step(groups), self._host_inputs(groups)
+        samplings = self._sampling_arrays(groups)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(back_to_back):
-                outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
+                logits, _, self.cache = compiled.forward(
+                    self.weights, self.cache, self.slot_tokens, inputs, routes, asked
+                )
+                outputs = compiled.sampler(self.slot_tokens, logits, samplings, routes)
+                self.slot_tokens = outputs[2]
             jax.block_until_ready(outputs)
             times.append((time.perf_counter() - started) / back_to_back)
         return times
@@ -414,17 +489,39 @@ class ModelRunner:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         return compiled
 
-    def _launch(self, compiled, inputs, groups: list[_Group]) -> PendingStep:
-        # The cache is donated and replaced: the warm-up's padding runs (on the compiling thread) and the engine's
-        # steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
+    def _launch(self, compiled: _Executables, groups: list[_Group]) -> PendingStep:
+        # The cache and the slot tokens are replaced: the warm-up's padding runs (on the compiling thread) and the
+        # engine's steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
+        inputs, routes, asked = self._host_inputs(groups)
         with self._launching:
-            outputs, self.cache, self.slot_tokens = compiled(self.weights, self.cache, self.slot_tokens, *inputs)
-        return PendingStep(outputs, groups, inputs[3])
+            logits, prompt, self.cache = compiled.forward(
+                self.weights, self.cache, self.slot_tokens, inputs, routes, asked
+            )
+        return PendingStep(self, compiled, groups, logits, prompt, routes, asked)
+
+    def _launch_sampler(self, sampler, groups: list[_Group], logits, routes):
+        samplings = self._sampling_arrays(groups)  # asks the rows' grammars: after the tokens before these landed
+        with self._launching:
+            tokens, sampled, self.slot_tokens = sampler(self.slot_tokens, logits, samplings, routes)
+        return tokens, sampled
+
+    def _sampling_arrays(self, groups: list[_Group]) -> tuple[SamplingArrays, ...]:
+        return tuple(
+            SamplingArrays.for_rows(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows))
+            for group in groups
+        )
+
+    def _all_tokens_allowed(self, rows: int) -> jax.Array:
+        mask = self._everything_allowed.get(rows)
+        if mask is None:
+            words = mask_words(self.cfg.vocab_size)
+            mask = self._everything_allowed[rows] = jnp.full((rows, words), -1, jnp.int32, device=self._replicated)
+        return mask
 
     def _host_inputs(self, groups: list[_Group]):
-        """(step inputs, sampling arrays, token routes, logprob inputs), one of each per group."""
+        """(step inputs, token routes, logprob inputs), one of each per group."""
         arrays = [self._host_arrays(group) for group in groups]
-        return tuple(tuple(a[i] for a in arrays) for i in range(4))
+        return tuple(tuple(a[i] for a in arrays) for i in range(3))
 
     def _host_arrays(self, group: _Group):
         max_pages, bucket_rows, chunk = self.geometry.max_pages_per_seq, group.shape.rows, group.shape.chunk
@@ -451,11 +548,10 @@ class ModelRunner:
             if targets:
                 asked.prompt[i] = True
                 asked.targets[i, : len(targets)] = targets
-        sampling = SamplingArrays.for_rows(group.rows, bucket_rows)
         inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
         feed_from_slot: Any = np.full(bucket_rows, group.decode)
         routes = TokenRoutes(feed_from_slot=feed_from_slot, store_slot=store)
-        return inputs, sampling, routes, asked
+        return inputs, routes, asked
 
 
 def _logprob_inputs(rows: int, chunk: int, make: Callable) -> LogprobInputs:

@@ -103,19 +103,27 @@ class AbstractRunner(ModelRunner):
             (self.geometry.num_slots,), jnp.int32, sharding=self._replicated
         )
 
-    def jaxpr(self, shape) -> ClosedJaxpr:
-        """The step of `shape` as traced, before XLA sees it."""
+    def jaxprs(self, shape) -> tuple[ClosedJaxpr, ClosedJaxpr]:
+        """The step of `shape` as traced, before XLA sees it: its forward and its sampler."""
         with jax.set_mesh(self.mesh):
-            return self._step.trace(*self._abstract_args(shape)).jaxpr
+            return (
+                self._forward.trace(*self._abstract_forward_args(shape)).jaxpr,
+                self._sampler.trace(*self._abstract_sampler_args(shape)).jaxpr,
+            )
 
     def temp_bytes(self, shape) -> int:
-        """XLA's temporaries of the compiled step of `shape` (per device)."""
+        """XLA's temporaries of the compiled step of `shape` (per device): its forward's and its sampler's."""
+        total = 0
         with jax.set_mesh(self.mesh):
-            compiled = self._step.lower(*self._abstract_args(shape)).compile(compiler_options=ACCELERATOR_LIKE)
-        analysis = compiled.memory_analysis()
-        if analysis is None:
-            raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
-        return int(analysis.temp_size_in_bytes)
+            for jitted, args in (
+                (self._forward, self._abstract_forward_args(shape)),
+                (self._sampler, self._abstract_sampler_args(shape)),
+            ):
+                analysis = jitted.lower(*args).compile(compiler_options=ACCELERATOR_LIKE).memory_analysis()
+                if analysis is None:
+                    raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
+                total += int(analysis.temp_size_in_bytes)
+        return total
 
 
 def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:

@@ -1,4 +1,5 @@
-"""Token sampling on device: logit biases, greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on device: logit biases, structured outputs' token masks, greedy, temperature, top-k, top-p,
+per-request seeds.
 
 Each row's randomness comes from its own (seed, position) pair, so a request's tokens do not depend on which
 other requests share its batch, nor on the batch size or row order.
@@ -31,12 +32,15 @@ class SamplingArrays:
     position: jax.Array  # [b] int32, the position of the token being sampled (its key's second half)
     bias_ids: jax.Array  # [b, MAX_LOGIT_BIAS] int32: tokens whose logits get `bias` (NO_TOKEN: unused entry)
     bias: jax.Array  # [b, MAX_LOGIT_BIAS] f32
+    allowed: jax.Array  # [b, mask_words(V)] int32: bit t % 32 of word t // 32 set = token t may be sampled
 
     @staticmethod
-    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> SamplingArrays:
+    def for_rows(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> SamplingArrays:
         """Host arrays for a bucket of `bucket_rows` rows; rows past `rows` are padding and sample greedily (their
         token is dropped). Each row samples the token at position start + length, the request's output token number
-        start + length - prompt_len (its logit bias follows from that)."""
+        start + length - prompt_len (its logit bias follows from that). A row whose request has a structured output
+        constraint samples only what its grammar allows now (asked here, so just before the step samples); a group
+        without one takes `everything_allowed`, a mask kept on the device, so it copies no mask there."""
         params = [row.request.sampling for row in rows]
         positions = [row.start + row.length for row in rows]
         pad = bucket_rows - len(rows)
@@ -55,8 +59,19 @@ class SamplingArrays:
             position=np.asarray(positions + [1] * pad, np.int32),
             bias_ids=bias_ids,
             bias=bias,
+            allowed=_token_masks(rows, bucket_rows, everything_allowed),
         )
         return SamplingArrays(**host)
+
+
+def _token_masks(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> Any:
+    constrained = [(i, row.request.grammar) for i, row in enumerate(rows) if row.samples_output and row.request.grammar]
+    if not constrained:
+        return everything_allowed
+    masks = np.full(everything_allowed.shape, -1, np.int32)
+    for i, grammar in constrained:
+        grammar.fill_mask(masks[i])
+    return masks
 
 
 def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -83,6 +98,9 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     logits = logits.astype(F32)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, params.bias_ids].add(params.bias, mode="drop")
+    vocab = jnp.arange(logits.shape[-1])
+    allowed = (params.allowed[:, vocab // 32] >> (vocab % 32)) & 1
+    logits = jnp.where(allowed.astype(bool), logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
     filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)

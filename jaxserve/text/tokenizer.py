@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.text.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
 
 log = logging.getLogger("jaxserve.text.tokenizer")
@@ -229,6 +230,11 @@ class Tokenizer:
             )
         return self._encoding(render_prompt(messages, options)).ids
 
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        """Structured outputs' compiler for this vocabulary (the model's `vocab_size` ids; ids past the tokenizer's
+        are never allowed)."""
+        return GrammarCompiler(self.file.read_text(), vocab_size, self.eos_ids)
+
 
 class TokenIdOnly:
     """A checkpoint without `tokenizer.json`: BOS/EOS ids from its json files, prompts as token ids only."""
@@ -262,6 +268,9 @@ class TokenIdOnly:
 
     def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> _NoTextDetokenizer:
         return _NoTextDetokenizer()
+
+    def grammar_compiler(self, vocab_size: int) -> None:
+        return None  # a grammar needs the tokens' text: the engine refuses structured outputs
 
 
 def load_tokenizer(folder: str | Path, skip_tokenizer: bool = False) -> Tokenizer | TokenIdOnly:
