@@ -7,10 +7,12 @@ import jax
 import numpy as np
 
 from jaxserve.request import Request, SamplingParams
+from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepRow
 from jaxserve.runner.sampling import SamplingArrays, sample
 
 sample_jit = jax.jit(sample)
+MAX_VOCAB = 1024
 
 
 def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=1, logit_bias=(), bucket=None):
@@ -30,7 +32,8 @@ def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=1, logit_b
             zip(fill(temperature), fill(top_k), fill(top_p), fill(seed), fill(logit_bias), fill(position))
         )
     ]
-    return SamplingArrays.for_rows(rows, bucket or n)
+    # Every token allowed (no structured output), for any vocabulary these tests use.
+    return SamplingArrays.for_rows(rows, bucket or n, np.full((bucket or n, mask_words(MAX_VOCAB)), -1, np.int32))
 
 
 def _logits(rows=4, vocab=50, seed=0):
