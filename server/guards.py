@@ -1,8 +1,8 @@
 """ASGI guards in front of every route: a request that cannot be served is refused before routing.
 
-- LoadingGate: while the engine loads and compiles, or drains for shutdown, every route but /metrics answers 503
-  with the reason (so /v1/models does not claim a model that cannot answer yet); /metrics stays up for the
-  scrapers watching the start-up or the drain.
+- LoadingGate: while the engine loads and compiles, or drains for shutdown, every route but /metrics and /version
+  answers 503 with the reason (so /v1/models does not claim a model that cannot answer yet); /metrics stays up for
+  the scrapers watching the start-up or the drain.
 - BodyLimit: a body over `max_bytes` is refused with 413 without being read: at once when Content-Length says so,
   or as soon as the bytes received pass the limit (chunked uploads).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from jaxserve.server.errors import APIError
 from jaxserve.server.state import ServerState
 
-ALWAYS_OPEN = ("/metrics",)
+ALWAYS_OPEN = ("/metrics", "/version")
 
 
 class LoadingGate:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import random
 import shutil
@@ -486,6 +487,35 @@ def test_models_health_and_metrics(server, http):
     assert finished and float(finished[0].split()[-1]) >= 1
 
 
+def test_version_ping_and_model_retrieval(server, client, http):
+    with httpx.Client(base_url=server.url) as anonymous:  # open, as /health is
+        version = anonymous.get("/version")
+        assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("jaxserve")}
+        for method in ("GET", "POST"):
+            ping = anonymous.request(method, "/ping")
+            assert ping.status_code == 200 and ping.json() == {"status": "ok"}, method
+        for path in ("/invocations", f"/v1/models/{MODEL}"):  # these stay behind the key, as /v1 does
+            assert anonymous.request("POST" if path == "/invocations" else "GET", path).status_code == 401, path
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump()["max_model_len"] == CONFIG.max_model_len
+    assert http.get(f"/v1/models/{MODEL}").json() == http.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
+    missing = http.get("/v1/models/org/other-model").json()["error"]
+    assert missing["code"] == 404 and missing["param"] == "model" and "org/other-model" in missing["message"]
+
+
+def test_invocations_dispatch_to_chat_or_completions(http):
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    completion = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion", completion.text
+    neither = http.post("/invocations", json={"max_tokens": 2})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+    bad_chat = http.post("/invocations", json={"messages": "Hi"})
+    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+
+
 def test_auth(server):
     body = {"prompt": "Hi", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
@@ -538,6 +568,9 @@ CHAT_BAD = [
         {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": "yes"}},
         "chat_template_kwargs.thinking",
     ),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),  # no tools
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
 ]
 
 
@@ -561,10 +594,47 @@ def test_context_overflow_uses_the_wording_clients_match(http):
     )
 
 
-@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"[1, 2]", "body"), (b"\xff\xfe", "JSON")])
+@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"\xff\xfe", "JSON"), (b"", "JSON")])
 def test_malformed_bodies_are_a_400(http, content, what):
     response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400 and what in response.json()["error"]["message"]
+
+
+def local_port(response: httpx.Response) -> int:
+    """The client's port of the connection `response` came on."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations", "/tokenize"])
+def test_a_body_that_is_not_a_json_object_is_a_400_and_the_connection_stays_up(http, path):
+    answers = []
+    for content in (b"null", b"[1, 2]", b"3", b'"Hi"', b"true"):
+        answers.append(http.post(path, content=content, headers={"content-type": "application/json"}))
+        error = answers[-1].json()["error"]
+        assert answers[-1].status_code == 400 and error["param"] == "body", (content, answers[-1].text)
+        assert error["message"].startswith("body: must be a JSON object"), error
+    for content_type in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", "multipart/form-data"):
+        answers.append(http.post(path, content=b"prompt=Hi", headers={"content-type": content_type}))
+        assert answers[-1].status_code == 400 and content_type.split(";")[0] in answers[-1].json()["error"]["message"]
+    answers.append(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}))
+    assert answers[-1].status_code == 200
+    assert len({local_port(answer) for answer in answers}) == 1  # every refusal kept the connection alive
+
+
+def test_an_empty_model_name_is_the_served_model_and_an_unknown_one_a_404(http):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        served = http.post(path, json={**body, "model": "", "max_tokens": 1})
+        assert served.status_code == 200 and served.json()["model"] == MODEL, served.text
+        unknown = http.post(path, json={**body, "model": "gpt-4", "max_tokens": 1})
+        assert unknown.status_code == 404 and unknown.json()["error"] == {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
 
 
 def test_unknown_route_and_method_keep_the_error_shape(http):
