@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
@@ -54,6 +55,7 @@ CONFIG = EngineConfig(
 MODEL = "tiny-v4"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PREFIX = "jaxserve:"
 SETTLE_S = 1.0  # how long the engine may take to return an aborted request's pages (a deadline, not a timing)
 
 
@@ -485,6 +487,50 @@ def test_models_health_and_metrics(server, http):
         line for line in text.splitlines() if line.startswith('jaxserve:request_success_total{finished_reason="length"')
     ]
     assert finished and float(finished[0].split()[-1]) >= 1
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, its labels but model_name) -> value, from a /metrics exposition."""
+    return {
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_vllm_request_step_and_cache_metrics(server, http):
+    """The queue time, token counts per request and tokens per step that one request adds, and the constant ones."""
+    prompt = [5, 6, 7, 8, 9]
+    before = metric_samples(http.get("/metrics").text)
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200
+    wait_for(lambda: settled(server.engine), SETTLE_S, "the request to finish")
+    after = metric_samples(http.get("/metrics").text)
+
+    def added(name: str, **labels) -> float:
+        key = (PREFIX + name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert added("request_prompt_tokens_count") == 1 and added("request_prompt_tokens_sum") == len(prompt)
+    assert added("request_generation_tokens_count") == 1 and added("request_generation_tokens_sum") == 3
+    assert (
+        added("request_generation_tokens_bucket", le="2.0") == 0
+        and added("request_generation_tokens_bucket", le="5.0") == 1
+    )
+    assert added("request_queue_time_seconds_count") == 1 and 0 <= added("request_queue_time_seconds_sum") < 5
+    # A prefill step of the 5 prompt tokens (its first token), then a decode step of one row for each other token.
+    assert added("iteration_tokens_total_count") >= 3 and added("iteration_tokens_total_sum") >= len(prompt) + 2
+    assert added("iteration_tokens_total_bucket", le="1.0") >= 2
+    assert after[(PREFIX + "num_preemptions_total", ())] == 0
+    geometry = server.engine.geometry
+    cache = {
+        "block_size": str(geometry.page_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "False",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(geometry.num_pages),
+    }
+    assert after[(PREFIX + "cache_config_info", tuple(sorted(cache.items())))] == 1
 
 
 def test_version_ping_and_model_retrieval(server, client, http):
