@@ -20,6 +20,8 @@ import socket
 import statistics
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import httpx
@@ -785,6 +787,21 @@ def test_big_bodies_are_refused_without_stalling_a_running_stream(server, runner
     assert len(arrivals) == 250 and done_during_the_stream < 250  # the refusals came while it streamed
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert max(gaps) < 5 * statistics.median(gaps), (max(gaps), statistics.median(gaps))
+
+
+def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(server):
+    """Python's urllib sends all of a body before it reads the answer: the server reads and drops the rest of an
+    over-limit body after refusing it (a lingering close), so the client reads the 413, not a connection reset."""
+    limit = ServerConfig().max_request_bytes
+    for size in (limit + 1, 5_000_000, 20_000_000):
+        request = urllib.request.Request(
+            server.url + "/v1/completions", data=b" " * size, headers={**AUTH, "Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 413, size
+        error = json.loads(refused.value.read())["error"]
+        assert error["message"].startswith(f"The request body is too large: {size} bytes"), error
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(runner, loaded, server):
