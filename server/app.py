@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI routes under /v1 (behind the API key), /health, /metrics, OpenAI-shaped errors, behind
-the guards (503 while loading or draining, 413 for oversized bodies) and the access log.
+"""The FastAPI app: OpenAI routes under /v1 and SageMaker's /invocations (behind the API key), /health and /ping,
+/version, /metrics, OpenAI-shaped errors, behind the guards (503 while loading or draining, 413 for oversized
+bodies) and the access log.
 
 The app uses only the engine's public API and does not own its lifecycle: whoever made the engine starts it
 (every route but /metrics answers 503 "Loading model" until then) and shuts it down.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from importlib.metadata import version as package_version
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -19,10 +21,12 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import install_error_handlers
 from jaxserve.server.guards import BodyLimit, LoadingGate
 from jaxserve.server.metrics import CONTENT_TYPE
-from jaxserve.server.routes import router
+from jaxserve.server.routes import router, sagemaker_router
 from jaxserve.server.state import ServerState
 from jaxserve.server.stats_log import log_stats_forever
 from jaxserve.server.tokenize import router as tokenize_router
+
+JAXSERVE_VERSION = package_version("jaxserve")
 
 
 def create_app(
@@ -48,6 +52,7 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(sagemaker_router)
     app.include_router(tokenize_router)
     # add_middleware puts each one outside the ones before it: the access log sees every answer, the guards' too.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
@@ -55,9 +60,15 @@ def create_app(
     if config.access_log:
         app.add_middleware(AccessLog)
 
+    # /ping is SageMaker's /health (GET and POST, as vLLM serves it); both stay open, as /version and /metrics do.
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         return JSONResponse({"status": "ok"})  # the gate answers 503 while loading or draining
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": JAXSERVE_VERSION}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,4 +1,6 @@
-"""`--api-key`: the /v1 routes want `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM."""
+"""`--api-key`: the /v1 routes want `Authorization: Bearer <key>`; /health, /ping, /version and /metrics stay open,
+as in vLLM. Unlike vLLM's (which guards /v1 only), /invocations and the tokenizer routes want it too: they
+generate or tokenize on the server's devices and CPU."""
 
 from __future__ import annotations
 

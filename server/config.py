@@ -34,7 +34,10 @@ class ServerConfig:
     api_key: str | None = field(
         default=None,
         metadata=flag(
-            str, "require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)", metavar="KEY"
+            str,
+            "require `Authorization: Bearer KEY` on /v1/*, /invocations and the tokenizer routes (/health, /ping, "
+            "/version and /metrics stay open)",
+            metavar="KEY",
         ),
     )
     shutdown_timeout: float = field(

@@ -1,8 +1,10 @@
 """Prometheus metrics under vLLM's names with a `jaxserve:` prefix and a `model_name` label.
 
 Latency histograms are measured here, per request, from the server's arrival time (so time to first token
-includes tokenization and queueing, as in vLLM); gauges, token and step counters and finished requests by reason
-are the engine's own counters, read from `engine.stats()` at scrape time (the logs read the same ones). Each app has
+includes tokenization and queueing, as in vLLM); the queue time, the token counts of each finished request and the
+tokens of each step are observed as the engine reports them (`engine.listeners`, on its thread); gauges, token and
+step counters and finished requests by reason are the engine's own counters, read from `engine.stats()` at scrape
+time (the logs read the same ones). Each app has
 its own registry, so several apps can live in one process.
 """
 
@@ -15,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine import Engine, EngineStats
+from jaxserve.request import Request
 from jaxserve.request.step import ForcedBy
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
@@ -91,6 +94,22 @@ E2E_BUCKETS = (
     7680.0,
 )
 
+# vLLM's buckets for tokens per engine step when it runs without CUDA graphs (jaxserve has none).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value` (its max_model_len)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 # metric name -> (help, its value in an EngineStats); gauges then counters.
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "num_requests_running": ("Requests admitted and unfinished: prefilling or decoding.", lambda s: s.running),
@@ -111,6 +130,11 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "stall_decode_steps": (
         "Decode steps the --max-decode-stall-ms budget asked for.",
         lambda s: s.steps.forced[ForcedBy.STALL],
+    ),
+    "num_preemptions": (
+        "Requests preempted: always 0, jaxserve never preempts (admission reserves a request's KV pages for its "
+        "prompt and max_tokens).",
+        lambda s: 0,
     ),
 }
 
@@ -133,6 +157,18 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
+        # vLLM's info gauge of its CacheConfig (a KV page is its block), always 1.
+        geometry = self.engine.geometry
+        info = {
+            "block_size": geometry.page_size,
+            "num_gpu_blocks": geometry.num_pages,
+            "cache_dtype": geometry.kv_cache_dtype,
+            "num_cpu_blocks": None,  # no CPU swap space
+            "enable_prefix_caching": False,
+        }
+        cache = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(info))
+        cache.add_metric([str(value) for value in info.values()], 1)
+        yield cache
 
 
 class RequestTimer:
@@ -169,7 +205,34 @@ class ServerMetrics:
             "inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        # Measured by the engine (engine.listeners), as vLLM's engine measures them.
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited for admission: from its submission to the engine (after tokenization) until "
+            "its KV pages and slot were reserved. Requests that finished before admission are not counted.",
+            E2E_BUCKETS,
+        )
+        token_buckets = buckets_1_2_5(engine.max_model_len)
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", token_buckets
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated for each finished request.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step (prefill and decode rows).", ITERATION_TOKENS_BUCKETS
+        )
         self.registry.register(_EngineCollector(engine, model_name))
+        engine.listeners.append(self)
+
+    def on_step(self, num_tokens: int) -> None:  # engine thread
+        self.iteration_tokens.observe(num_tokens)
+
+    def on_finish(self, request: Request) -> None:  # engine thread
+        self.prompt_tokens.observe(request.prompt_len)
+        self.generation_tokens.observe(len(request.output_ids))
+        if request.queue_time is not None:
+            self.queue_time.observe(request.queue_time)
 
     def timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)

@@ -1,4 +1,5 @@
-"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions, and SageMaker's
+/invocations, which dispatches to the last two.
 
 Every refusal (bad field, unknown model, loading or draining, context too long, queue full) is decided before the
 response starts, so it gets its real status code; only engine failures after that arrive as an SSE error event.
@@ -33,8 +34,8 @@ from jaxserve.text.generation import Delta, Generation, Output
 from jaxserve.text.tokenizer import TokenizerError
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+sagemaker_router = APIRouter(dependencies=[Depends(require_api_key)])
 
-T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
 # A text prompt longer than this many characters per token of context is first judged by its head alone (see
 # _encode_prompt): real text averages 3-5 characters per token.
@@ -44,8 +45,19 @@ HEAD_CUT_MARGIN_TOKENS = 16
 
 @router.get("/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request.app.state.server)]}
+
+
+@router.get("/models/{model_id:path}")  # the openai client's models.retrieve; a served name may hold a '/'
+async def model(request: Request, model_id: str) -> dict:
     state: ServerState = request.app.state.server
-    card = {
+    if model_id != state.served_model_name:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {
         "id": state.served_model_name,
         "object": "model",
         "created": state.created,
@@ -54,7 +66,14 @@ async def models(request: Request) -> dict:
         "parent": None,
         "max_model_len": state.context_limit,
     }
-    return {"object": "list", "data": [card]}
+
+
+@sagemaker_router.post("/invocations")
+async def invocations(request: Request) -> Response:
+    """SageMaker's one inference route: a body with `messages` is a chat completion, any other a completion (as
+    vLLM dispatches it). Behind the API key, unlike vLLM's (which guards only /v1): it generates like /v1."""
+    body = await json_body(request)
+    return await (chat_completions(request) if "messages" in body else completions(request))
 
 
 @router.post("/completions")
@@ -114,17 +133,34 @@ def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
         raise bad_request("messages", f"messages: {error}") from None
 
 
-async def json_body(request: Request, parse: Callable[[Any], T] = lambda body: body) -> T:
-    """`parse` of the decoded JSON body, both on a worker thread (a large body never stalls the event loop)."""
-    return await run_in_threadpool(_decode, await request.body(), parse)
+async def json_body(request: Request) -> dict:
+    """The body, a JSON object, decoded on a worker thread (a large body never stalls the event loop). It is kept on
+    the request, so a route that dispatches on it (/invocations) decodes it once."""
+    _check_content_type(request)
+    body: dict | None = getattr(request.state, "json_body", None)
+    if body is None:
+        body = request.state.json_body = await run_in_threadpool(_decode, await request.body())
+    return body
 
 
-def _decode(body: bytes, parse: Callable[[Any], T]) -> T:
+def _check_content_type(request: Request) -> None:
+    # As vLLM's validate_json_request, except that a body sent with no Content-Type at all is read as JSON (curl
+    # scripts and bare HTTP clients leave it out); one declared as anything else is refused before it is read.
+    media_type = request.headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise bad_request(
+            None, f"Unsupported Content-Type {media_type!r}: the body must be JSON, sent as application/json"
+        )
+
+
+def _decode(body: bytes) -> dict:
     try:
         raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(None, f"Invalid JSON body: {error}") from None
-    return parse(raw)
+    if not isinstance(raw, dict):
+        raise bad_request("body", f"body: must be a JSON object, got {type(raw).__name__} {raw!r:.60}")
+    return raw
 
 
 class ParsedRequest(Protocol):
@@ -140,7 +176,7 @@ RequestT = TypeVar("RequestT", bound=ParsedRequest)
 async def _parse(request: Request, parse: Callable[[Any], RequestT]) -> tuple[ServerState, RequestT]:
     """The server state and the validated request, after the checks both endpoints share."""
     state: ServerState = request.app.state.server
-    parsed = await json_body(request, parse)
+    parsed = await run_in_threadpool(parse, await json_body(request))  # validating a large body takes a while too
     state.check_model(parsed.params.model)
     if parsed.params.stop and not state.tokenizer.has_text:
         raise bad_request("stop", "stop: stop strings need a tokenizer and this server has none; use stop_token_ids")

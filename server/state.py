@@ -41,7 +41,8 @@ class ServerState:
             raise APIError(503, reason)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        # No name, or an empty one, is the served model (vLLM serves both as its default model).
+        if name and name != self.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def default_max_tokens(self, prompt_len: int) -> int:

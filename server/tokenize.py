@@ -71,9 +71,7 @@ async def tokenizer_info(request: Request) -> dict:
 async def _body(request: Request) -> tuple[ServerState, Tokenizer, dict]:
     """The server state, its tokenizer (refused in token-id-only mode) and the JSON object of the body."""
     state: ServerState = request.app.state.server
-    body: Any = await json_body(request)
-    if not isinstance(body, dict):
-        raise bad_request(None, f"body: must be a JSON object, got {type(body).__name__}")
+    body = await json_body(request)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"model: must be a string, got {model!r:.60}")

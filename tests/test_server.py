@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import random
 import shutil
@@ -19,11 +20,14 @@ import socket
 import statistics
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
@@ -53,6 +57,7 @@ CONFIG = EngineConfig(
 MODEL = "tiny-v4"
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PREFIX = "jaxserve:"
 SETTLE_S = 1.0  # how long the engine may take to return an aborted request's pages (a deadline, not a timing)
 
 
@@ -487,6 +492,79 @@ def test_models_health_and_metrics(server, http):
     assert finished and float(finished[0].split()[-1]) >= 1
 
 
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, its labels but model_name) -> value, from a /metrics exposition."""
+    return {
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_vllm_request_step_and_cache_metrics(server, http):
+    """The queue time, token counts per request and tokens per step that one request adds, and the constant ones."""
+    prompt = [5, 6, 7, 8, 9]
+    before = metric_samples(http.get("/metrics").text)
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200
+    wait_for(lambda: settled(server.engine), SETTLE_S, "the request to finish")
+    after = metric_samples(http.get("/metrics").text)
+
+    def added(name: str, **labels) -> float:
+        key = (PREFIX + name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert added("request_prompt_tokens_count") == 1 and added("request_prompt_tokens_sum") == len(prompt)
+    assert added("request_generation_tokens_count") == 1 and added("request_generation_tokens_sum") == 3
+    assert (
+        added("request_generation_tokens_bucket", le="2.0") == 0
+        and added("request_generation_tokens_bucket", le="5.0") == 1
+    )
+    assert added("request_queue_time_seconds_count") == 1 and 0 <= added("request_queue_time_seconds_sum") < 5
+    # A prefill step of the 5 prompt tokens (its first token), then a decode step of one row for each other token.
+    assert added("iteration_tokens_total_count") >= 3 and added("iteration_tokens_total_sum") >= len(prompt) + 2
+    assert added("iteration_tokens_total_bucket", le="1.0") >= 2
+    assert after[(PREFIX + "num_preemptions_total", ())] == 0
+    geometry = server.engine.geometry
+    cache = {
+        "block_size": str(geometry.page_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "False",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(geometry.num_pages),
+    }
+    assert after[(PREFIX + "cache_config_info", tuple(sorted(cache.items())))] == 1
+
+
+def test_version_ping_and_model_retrieval(server, client, http):
+    with httpx.Client(base_url=server.url) as anonymous:  # open, as /health is
+        version = anonymous.get("/version")
+        assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("jaxserve")}
+        for method in ("GET", "POST"):
+            ping = anonymous.request(method, "/ping")
+            assert ping.status_code == 200 and ping.json() == {"status": "ok"}, method
+        for path in ("/invocations", f"/v1/models/{MODEL}"):  # these stay behind the key, as /v1 does
+            assert anonymous.request("POST" if path == "/invocations" else "GET", path).status_code == 401, path
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump()["max_model_len"] == CONFIG.max_model_len
+    assert http.get(f"/v1/models/{MODEL}").json() == http.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
+    missing = http.get("/v1/models/org/other-model").json()["error"]
+    assert missing["code"] == 404 and missing["param"] == "model" and "org/other-model" in missing["message"]
+
+
+def test_invocations_dispatch_to_chat_or_completions(http):
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    completion = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion", completion.text
+    neither = http.post("/invocations", json={"max_tokens": 2})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+    bad_chat = http.post("/invocations", json={"messages": "Hi"})
+    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+
+
 def test_auth(server):
     body = {"prompt": "Hi", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
@@ -539,6 +617,9 @@ CHAT_BAD = [
         {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": "yes"}},
         "chat_template_kwargs.thinking",
     ),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),  # no tools
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
 ]
 
 
@@ -562,10 +643,47 @@ def test_context_overflow_uses_the_wording_clients_match(http):
     )
 
 
-@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"[1, 2]", "body"), (b"\xff\xfe", "JSON")])
+@pytest.mark.parametrize("content, what", [(b"{not json", "JSON"), (b"\xff\xfe", "JSON"), (b"", "JSON")])
 def test_malformed_bodies_are_a_400(http, content, what):
     response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400 and what in response.json()["error"]["message"]
+
+
+def local_port(response: httpx.Response) -> int:
+    """The client's port of the connection `response` came on."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations", "/tokenize"])
+def test_a_body_that_is_not_a_json_object_is_a_400_and_the_connection_stays_up(http, path):
+    answers = []
+    for content in (b"null", b"[1, 2]", b"3", b'"Hi"', b"true"):
+        answers.append(http.post(path, content=content, headers={"content-type": "application/json"}))
+        error = answers[-1].json()["error"]
+        assert answers[-1].status_code == 400 and error["param"] == "body", (content, answers[-1].text)
+        assert error["message"].startswith("body: must be a JSON object"), error
+    for content_type in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", "multipart/form-data"):
+        answers.append(http.post(path, content=b"prompt=Hi", headers={"content-type": content_type}))
+        assert answers[-1].status_code == 400 and content_type.split(";")[0] in answers[-1].json()["error"]["message"]
+    answers.append(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}))
+    assert answers[-1].status_code == 200
+    assert len({local_port(answer) for answer in answers}) == 1  # every refusal kept the connection alive
+
+
+def test_an_empty_model_name_is_the_served_model_and_an_unknown_one_a_404(http):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        served = http.post(path, json={**body, "model": "", "max_tokens": 1})
+        assert served.status_code == 200 and served.json()["model"] == MODEL, served.text
+        unknown = http.post(path, json={**body, "model": "gpt-4", "max_tokens": 1})
+        assert unknown.status_code == 404 and unknown.json()["error"] == {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
 
 
 def test_unknown_route_and_method_keep_the_error_shape(http):
@@ -670,6 +788,21 @@ def test_big_bodies_are_refused_without_stalling_a_running_stream(server, runner
     assert len(arrivals) == 250 and done_during_the_stream < 250  # the refusals came while it streamed
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert max(gaps) < 5 * statistics.median(gaps), (max(gaps), statistics.median(gaps))
+
+
+def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(server):
+    """Python's urllib sends all of a body before it reads the answer: the server reads and drops the rest of an
+    over-limit body after refusing it (a lingering close), so the client reads the 413, not a connection reset."""
+    limit = ServerConfig().max_request_bytes
+    for size in (limit + 1, 5_000_000, 20_000_000):
+        request = urllib.request.Request(
+            server.url + "/v1/completions", data=b" " * size, headers={**AUTH, "Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 413, size
+        error = json.loads(refused.value.read())["error"]
+        assert error["message"].startswith(f"The request body is too large: {size} bytes"), error
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(runner, loaded, server):

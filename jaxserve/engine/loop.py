@@ -184,6 +184,15 @@ class EngineStats:
         return 1 - self.free_pages / self.total_pages
 
 
+class EngineListener(Protocol):
+    """Told, on the engine thread, of each completed step and each finished request (the server's per-step and
+    per-request histograms); it must be quick, the next step waits for it."""
+
+    def on_step(self, num_tokens: int) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
 class PendingStep(Protocol):
     def sample(self) -> None:
         """Launch the step's sampling, once every token before this step's is delivered (its rows' token masks
@@ -248,6 +257,7 @@ class Engine:
         )
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
+        self.listeners: list[EngineListener] = []  # added before start()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -505,6 +515,8 @@ class Engine:
                 plan.kind, plan.forced_by, tuple(r.request_id for r in plan.requests), plan.num_tokens, started, ended
             )
         )
+        for listener in self.listeners:
+            listener.on_step(plan.num_tokens)
         self._publish_stats()
         self._log_step(plan, seconds)  # reads the counts just published
 
@@ -558,6 +570,8 @@ class Engine:
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        for listener in self.listeners:
+            listener.on_finish(request)
         with self._admission:
             _, handle = self._live.pop(request.request_id)
             self._admission.notify_all()

@@ -164,6 +164,7 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # when it left the queue (moved to PREFILLING: pages and slot reserved)
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens already scheduled into the KV cache
     num_sampled: int = 0  # output tokens sampled by dispatched steps (output_ids lags by the step in flight)
@@ -223,6 +224,13 @@ class Request:
                 f"request {self.request_id!r}: {self.status.value} -> {status.value} is not a legal move"
             )
         self.status = status
+        if status is RequestStatus.PREFILLING:
+            self.admitted_time = time.monotonic()
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submission to admission (vLLM's queued interval); None if it was never admitted."""
+        return None if self.admitted_time is None else self.admitted_time - self.arrival_time
 
     def mark_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.move_to(RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED)

@@ -141,6 +141,8 @@ def chat_options(
             f"(DeepSeek-V4's levels), got {reasoning_effort!r}",
         )
     functions = _tools(tools)
+    if tools is None and tool_choice not in (None, "none"):  # vLLM's check_tool_usage, the same message
+        raise ChatTemplateError("tool_choice", "tool_choice: When using `tool_choice`, `tools` must be set.")
     choice, name = _tool_choice(tool_choice, functions)
     if thinking and choice in ("required", "function") and functions:
         raise ChatTemplateError(
@@ -157,6 +159,10 @@ def _tools(tools: Any) -> tuple[dict, ...]:
         return ()
     if not isinstance(tools, list):
         raise ChatTemplateError("tools", f"tools: must be a list of tools, got {type(tools).__name__}")
+    if not tools:  # as OpenAI and vLLM
+        raise ChatTemplateError(
+            "tools", "tools: must not be an empty array; provide at least one tool or leave the field out"
+        )
     functions, names = [], set()
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
@@ -185,8 +191,6 @@ def _tool_choice(choice: Any, functions: tuple[dict, ...]) -> tuple[str, str | N
     if choice is None:
         return "auto", None
     if choice in ("auto", "none", "required"):
-        if choice == "required" and not functions:
-            raise ChatTemplateError("tool_choice", "tool_choice: 'required' needs tools")
         return choice, None
     named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = named.get("name") if isinstance(named, dict) else None
