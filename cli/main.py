@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -69,8 +70,10 @@ def config_flags(config: type) -> list[tuple[str, Any, Flag]]:
 
 
 def flag_value(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """`parse` with our ConfigError turned into argparse's error, so the message (exit 2) says the flag and why."""
+    """`parse` with our ConfigError turned into argparse's error, so the message (exit 2) says the flag and why;
+    other errors keep argparse's wording (`invalid int value`: wraps keeps the name it quotes)."""
 
+    @functools.wraps(parse)
     def parsed(text: str) -> Any:
         try:
             return parse(text)

@@ -111,6 +111,7 @@ def test_the_model_is_positional_or_model(argv, model):
             "argument --gpu-memory-utilization: 0.0: must be a number in (0, 1]",
         ),
         (["plan", "--gpu-memory-utilization", "most"], "argument --gpu-memory-utilization: 'most': not a number"),
+        (["serve", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),  # argparse's own words
     ],
 )
 def test_bad_model_and_memory_flags_exit_2_naming_them(argv, message, capsys):
@@ -332,6 +333,26 @@ def test_a_second_sigint_quits_at_once(tmp_path):
     # said so in one line.
     assert_one_clean_line(output, "jaxserve: SIGINT during start-up")
     assert sum(line.startswith("jaxserve: second SIGINT: quitting now") for line in output.splitlines()) <= 1
+
+
+def test_ctrl_c_once_ready_does_not_wait_for_the_shapes_still_compiling(tmp_path):
+    # A fresh compile cache, so the other step shapes really are compiling when SIGINT lands; a compile in progress
+    # cannot be interrupted, so waiting for it would take about one shape's compile (the first two took `startup`).
+    process = ServeProcess(*SMALL, "--port", "0", compile_cache=tmp_path / "cache")
+    try:
+        process.wait_for_line("jaxserve ready on ", 600)
+        process.process.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        status = process.process.wait(timeout=120)
+        seconds = time.perf_counter() - sent
+    finally:
+        process.kill()
+    process.reader.join(timeout=10)
+    output = "".join(process.output)
+    startup = float(re.search(r"compiled 2 step shapes in ([\d.]+) s", output).group(1))
+    assert status == 0, output[-3000:]  # a shutdown once serving
+    assert "compiled all" not in output and seconds < startup / 4, (seconds, startup, output[-3000:])
+    assert_one_clean_line(output, "jaxserve ready on ")
 
 
 class ServeProcess:
