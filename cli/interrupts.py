@@ -7,7 +7,7 @@ handler, though, writes each signal's number to the wakeup fd at once; a watcher
 - The first signal during start-up: one line; start-up then stops once the step shape being compiled is done: the
   main thread checks `requested` after loading and between compiles and raises Interrupted itself (a handler that
   raised would do so wherever the main thread happens to be, a garbage-collector callback of XLA's included, which
-  swallows it). Compiles run on the main thread only, so nothing is left inside XLA when it unwinds (and the CLI
+  swallows it). Start-up's compiles run on the main thread, so nothing is left inside XLA when it unwinds (and the CLI
   skips the interpreter's teardown, which can crash in jaxlib after an abandoned compile).
 - The first signal once serving: `requested` is set; the caller drains and stops.
 - A second signal: one line, and the process ends at once (os._exit, so no interpreter teardown waits for a

@@ -1,9 +1,11 @@
 """The `jaxserve` command: `serve` (the default: plain `jaxserve` is `jaxserve serve`), `generate`, `convert`.
 
 Every flag fills one field of EngineConfig (the engine) or of ServerConfig (the HTTP server, `serve` only), is
-named as in vLLM/SGLang and has the field's default. `serve` binds its port first (a taken port is an error at
-once), loads the weights, starts answering HTTP (503 until ready), compiles every step shape, then prints one
-stable line, `jaxserve ready on http://HOST:PORT`, that scripts can wait for.
+named as in vLLM/SGLang and has the field's default; as with vLLM, `jaxserve serve MODEL` is `--model MODEL` and
+--trust-remote-code is accepted (it changes nothing). `python -m jaxserve` is the same command. `serve` binds its
+port first (a taken port is an error at once), loads the weights, starts answering HTTP (503 until ready), compiles
+the step shapes that serve one request at a time, prints one stable line, `jaxserve ready on http://HOST:PORT`, that
+scripts can wait for, and compiles the others on a thread of their own while serving.
 
 Exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C once serving: drain, then stop); 1 when serving fails or
 start-up is interrupted; 2 for bad flags, configs or checkpoints. Never a signal's.
@@ -13,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from importlib.metadata import version
@@ -34,6 +39,7 @@ from jaxserve.config import (
     DEFAULT_COMPILE_CACHE,
     QUANTIZATION_MODES,
     SUPPORTED_DTYPES,
+    ConfigError,
     EngineConfig,
     Flag,
     ModelConfig,
@@ -43,7 +49,7 @@ from jaxserve.model.cache import storage_dtype
 from jaxserve.model.sharding import make_mesh
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
-from jaxserve.runner.plan import MEMORY_FRACTION_ENV, make_plan, usable_memory
+from jaxserve.runner.plan import give_the_allocator, make_plan, memory_share, usable_memory
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
 from jaxserve.text.generation import Generation
 
@@ -52,6 +58,10 @@ log = logging.getLogger("jaxserve.cli")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 DEFAULT_METAVARS: dict[Callable, str] = {int: "N", float: "SECONDS"}
+# Libraries that log every step of their own work at INFO (orbax: ~60 absl lines per checkpoint restore; JAX: every
+# backend it probes and does not find, `Unable to initialize backend 'tpu'`): WARNING and up only, unless the log
+# level is debug. orbax logs through absl's logger.
+CHATTY_LIBRARIES = ("absl", "orbax", "jax")
 
 
 def config_flags(config: type) -> list[tuple[str, Any, Flag]]:
@@ -59,8 +69,41 @@ def config_flags(config: type) -> list[tuple[str, Any, Flag]]:
     return [(f.name, f.default, f.metadata["flag"]) for f in dataclasses.fields(config) if "flag" in f.metadata]
 
 
+def flag_value(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` with our ConfigError turned into argparse's error, so the message (exit 2) says the flag and why;
+    other errors keep argparse's wording (`invalid int value`: wraps keeps the name it quotes)."""
+
+    @functools.wraps(parse)
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parsed
+
+
+class TrustRemoteCode(argparse.Action):
+    """vLLM's --trust-remote-code, accepted so vLLM command lines run unchanged: jaxserve reads a checkpoint's JSON
+    and tensors only and never runs code from it, so there is nothing to trust; one line says so. It sets nothing."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            "jaxserve: --trust-remote-code accepted; it changes nothing: jaxserve never runs code from a checkpoint",
+            file=sys.stderr,
+        )
+
+
 def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
-    """The flags of EngineConfig, and with `server` those of ServerConfig too."""
+    """The flags of EngineConfig, and with `server` those of ServerConfig too; and vLLM's --trust-remote-code."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action=TrustRemoteCode,
+        help="accepted, as vLLM's; jaxserve never runs code from a checkpoint, so it changes nothing",
+    )
     for config in (EngineConfig, ServerConfig) if server else (EngineConfig,):
         for field, default, flag in config_flags(config):
             name = "--" + field.replace("_", "-")
@@ -77,7 +120,7 @@ def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
             parser.add_argument(
                 name,
                 dest=field,
-                type=flag.type,
+                type=flag_value(flag.type),
                 default=default,
                 choices=flag.choices,
                 metavar=metavar,
@@ -103,7 +146,7 @@ def device_memory(cfg: EngineConfig) -> int | None:
     """Usable bytes per device: JAX's share of --device-memory, or the smallest memory limit the devices' allocators
     report (that share already taken; CPUs report none)."""
     if cfg.device_memory is not None:
-        return usable_memory(cfg.device_memory)
+        return usable_memory(cfg.device_memory, cfg.gpu_memory_utilization)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
     known = [limit for limit in limits if limit]
     return min(known) if limits and len(known) == len(limits) else None
@@ -139,12 +182,18 @@ def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine
 # ---- start-up ------------------------------------------------------------------------------------------------------
 
 
-def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
+def configure_logging(level_name: str) -> None:
+    """The process's log at `level_name` (--log-level), the chatty libraries at WARNING unless that is debug."""
+    level = logging.getLevelNamesMapping()[level_name.upper()]
     # force: a library imported before this (absl, say) may already have given the root logger a bare handler.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    # JAX reports at INFO every backend it probes and does not find (`Unable to initialize backend 'tpu'` on every
-    # machine without libtpu); its warnings and errors still show.
-    logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
+
+
+def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
+    configure_logging(cfg.log_level)
+    give_the_allocator(cfg.gpu_memory_utilization)  # before the first jax.devices() below starts the backend
     cache = cfg.compilation_cache_dir
     if cache is None:
         cache = os.environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
@@ -214,6 +263,28 @@ def _compile_the_rest(engine: Engine, stop) -> None:
         _freeze_heap()
 
 
+class RestCompiles(threading.Thread):
+    """_compile_the_rest on a daemon thread of its own. A compile in progress cannot be interrupted (one of the
+    default's shapes took 49 s on 2 busy cores), so a shutdown must not wait for it: the main thread drains and the
+    process ends without the interpreter's teardown (end_process), which could crash under an unfinished compile."""
+
+    def __init__(self, engine: Engine, stop: Callable[[], bool]):
+        super().__init__(name="jaxserve-compile", daemon=True)
+        self.engine, self.stop = engine, stop
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            _compile_the_rest(self.engine, self.stop)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread, which ends the process
+            self.error = error
+
+
+def compile_failed(error: Exception) -> int:
+    print(f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def _freeze_heap() -> None:
     # Everything alive now (JAX, the executables, the weights' host objects) lives as long as the process. Freezing
     # it keeps the collector from walking it: a full collection of that heap took ~200 ms on 2 cores, a stall the
@@ -225,13 +296,11 @@ def _freeze_heap() -> None:
 # ---- commands ------------------------------------------------------------------------------------------------------
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> NoReturn:
     cfg, server_cfg = engine_config(args), server_config(args)
     with Interrupts() as interrupts:
         status = _serve(cfg, server_cfg, interrupts)
-    if status != 0:
-        end_process(status)
-    return status
+    end_process(status)  # a step shape may still be compiling on its thread (RestCompiles)
 
 
 def end_process(status: int) -> NoReturn:
@@ -266,20 +335,20 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
         http.start()
         url = f"http://{server_cfg.host}:{http.address[1]}"
         print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
-        try:  # compiles run on this thread: see cli/interrupts.py
+        try:  # start-up's compiles run on this thread: see cli/interrupts.py
             _start(engine, engine.runner.buckets.first_shapes(), interrupts)
-            interrupts.serving = True
-            print(f"jaxserve ready on {url} (model={name})", flush=True)
-            _compile_the_rest(engine, stop=interrupts.requested.is_set)
         except Exception as error:  # noqa: BLE001 - one line, not XLA's traceback
-            print(
-                f"jaxserve: error: compiling the step shapes failed: {type(error).__name__}: {error}", file=sys.stderr
-            )
-            return EXIT_FAILED
+            return compile_failed(error)
+        interrupts.serving = True
+        print(f"jaxserve ready on {url} (model={name})", flush=True)
+        compiles = RestCompiles(engine, stop=interrupts.requested.is_set)
+        compiles.start()
         while not interrupts.requested.wait(0.2):
             if http.stopped.is_set():
                 print("jaxserve: error: the HTTP server stopped on its own", file=sys.stderr)
                 return EXIT_FAILED
+            if compiles.error is not None:
+                return compile_failed(compiles.error)
         log.info(
             "shutdown requested: draining, running requests get up to %.0f s to finish", server_cfg.shutdown_timeout
         )
@@ -311,7 +380,9 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
         return EXIT_USAGE
-    engine, loaded = _setup(cfg)
+    # stdout carries the generated text alone (a pipe gets just that); the banner and progress go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        engine, loaded = _setup(cfg)
     tokenizer = loaded.tokenizer
     if not tokenizer.has_text:
         print("jaxserve generate: this checkpoint has no tokenizer.json; serve it and send token ids", file=sys.stderr)
@@ -326,7 +397,8 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"jaxserve generate: {error}", file=sys.stderr)
         return EXIT_USAGE
-    _start(engine, engine.runner.buckets.prompt_shapes(len(prompt_ids)))  # only what this one prompt needs
+    with contextlib.redirect_stdout(sys.stderr):
+        _start(engine, engine.runner.buckets.prompt_shapes(len(prompt_ids)))  # only what this one prompt needs
 
     async def stream() -> tuple[int, str | None]:
         generation = Generation(engine, tokenizer, prompt_ids, sampling, tuple(args.stop), "generate")
@@ -342,8 +414,9 @@ def generate(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     seconds = time.perf_counter() - started
+    print(flush=True)  # the text ends with a newline
     print(
-        f"\n[{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), finish reason: {reason}]",
+        f"[{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), finish reason: {reason}]",
         file=sys.stderr,
     )
     return 0 if reason != "error" else EXIT_FAILED
@@ -382,11 +455,12 @@ def plan(args: argparse.Namespace) -> int:
         model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization)
     else:
         model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
+    share, source = memory_share(cfg.gpu_memory_utilization)
     the_plan = make_plan(
         model_cfg,
         cfg,
         make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, jax.devices("cpu")),
-        usable_memory(cfg.device_memory),
+        usable_memory(cfg.device_memory, cfg.gpu_memory_utilization),
     )
     if args.json:
         print(json.dumps(the_plan.to_json(), indent=2))
@@ -394,7 +468,7 @@ def plan(args: argparse.Namespace) -> int:
         gb = 1e9
         print(
             f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
-            f"usable (${MEMORY_FRACTION_ENV}), tensor x expert = {cfg.tensor_parallel_size} x "
+            f"usable ({share:g}: {source}), tensor x expert = {cfg.tensor_parallel_size} x "
             f"{cfg.expert_parallel_size}"
         )
         print(
@@ -428,8 +502,22 @@ def serve_parser() -> argparse.ArgumentParser:
         "fit these devices). Each has --help.",
     )
     parser.add_argument("--version", action="version", version=f"jaxserve {version('jaxserve')}")
+    parser.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="checkpoint folder, as in `vllm serve MODEL`: the same as --model"
+    )
     add_flags(parser, server=True)
     return parser
+
+
+def take_positional_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`jaxserve serve MODEL` fills --model (then every flag is a config field again); MODEL and --model naming
+    different folders is an error (exit 2) rather than one silently winning."""
+    tag = vars(args).pop("model_tag")
+    if tag is None:
+        return
+    if args.model is not None and Path(args.model).resolve() != Path(tag).resolve():
+        parser.error(f"the model is given twice: MODEL {tag!r} and --model {args.model!r}; give one")
+    args.model = tag
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -503,7 +591,11 @@ def parse(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argpars
     """(command, its parsed arguments); without a command name, `serve`."""
     name = argv[0] if argv and argv[0] in COMMANDS else "serve"
     make_parser, command = COMMANDS[name]
-    return command, make_parser().parse_args(argv[1:] if argv and argv[0] == name else argv)
+    parser = make_parser()
+    args = parser.parse_args(argv[1:] if argv and argv[0] == name else argv)
+    if name == "serve":
+        take_positional_model(parser, args)
+    return command, args
 
 
 def main(argv: list[str] | None = None) -> int:

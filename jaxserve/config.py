@@ -511,6 +511,25 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def check_memory_fraction(value: float, name: str | None) -> float:
+    """`value` if it is a share of a device's memory, in (0, 1]; else ConfigError naming `name` (a field or a
+    variable; None: a flag's value, which argparse names)."""
+    if not 0 < value <= 1:
+        raise ConfigError(f"{'' if name is None else name + '='}{value!r}: must be a number in (0, 1]")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """'0.9' -> 0.9, refused outside (0, 1] (--gpu-memory-utilization)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{text!r}: not a number; write e.g. 0.9") from None
+    return check_memory_fraction(value, None)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 # --scheduling-policy: the order waiting requests are admitted in (jaxserve.scheduler.queue_order).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -615,10 +634,20 @@ class EngineConfig:
         default=None,
         metadata=flag(
             parse_bytes,
-            "memory of one device (80GiB, 141GB, 24e9) to check the model against before loading it, of which JAX's "
-            "share is usable ($XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75) (default: what the device reports; none "
-            "on CPU: no check)",
+            "memory of one device (80GiB, 141GB, 24e9) to check the model against before loading it, of which the "
+            "--gpu-memory-utilization share is usable (default: what the device reports; none on CPU: no check)",
             metavar="BYTES",
+        ),
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=flag(
+            parse_fraction,
+            "the share of each device's memory, in (0, 1], this process may use for weights, step temporaries and the "
+            "KV cache (as vLLM's): JAX's GPU allocator is given it before it starts, and the fit check counts it of "
+            "--device-memory (default: $XLA_CLIENT_MEM_FRACTION, or its older name $XLA_PYTHON_CLIENT_MEM_FRACTION, "
+            "else JAX's 0.75)",
+            metavar="FRACTION",
         ),
     )
     seed: int = field(
@@ -683,6 +712,14 @@ class EngineConfig:
         ),
     )
     decode_log_interval: int = field(default=50, metadata=flag(int, "log one decode step in this many"))
+    log_level: str = field(
+        default="info",
+        metadata=flag(
+            str,
+            "the log's threshold; below debug, the libraries' own INFO chatter (absl, orbax, JAX) is left out",
+            choices=LOG_LEVELS,
+        ),
+    )
 
     def __post_init__(self):
         positive = (
@@ -707,6 +744,10 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {QUANTIZATION_MODES}")
+        if self.gpu_memory_utilization is not None:
+            check_memory_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
         if self.scheduling_policy not in SCHEDULING_POLICIES:

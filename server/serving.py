@@ -1,9 +1,9 @@
 """uvicorn on a socket bound before anything slow starts, serving from its own thread.
 
 Binding first makes a taken port an immediate, one-line error instead of one found after the weights are loaded
-and compiled. Serving from a thread leaves the main thread to the caller, with the signals and the XLA compiles:
-the caller decides when to drain and stop (see the CLI's `serve`), and no compile ever runs on a thread the
-interpreter could abandon at exit.
+and compiled. Serving from a thread leaves the main thread to the caller, with the signals and start-up's XLA
+compiles: the caller decides when to drain and stop (see the CLI's `serve`, which compiles the other step shapes on
+a thread of their own once ready and ends the process without the interpreter's teardown).
 """
 
 from __future__ import annotations

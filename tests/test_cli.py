@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import queue
 import re
@@ -22,7 +23,15 @@ import jax
 import pytest
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.cli.main import build_engine, engine_config, parse, serve, server_config
+from jaxserve.cli.main import (
+    CHATTY_LIBRARIES,
+    build_engine,
+    configure_logging,
+    engine_config,
+    parse,
+    serve,
+    server_config,
+)
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler import step_policies
 from jaxserve.server.config import ServerConfig
@@ -66,6 +75,83 @@ def test_help_explains_decode_interleave_every():
     assert run_cli("--version").stdout.strip() == "jaxserve 0.1.0"
     assert "--[no-]mixed-batches" in text or "--mixed-batches, --no-mixed-batches" in text
     assert "--scheduling-policy {fcfs,priority}" in text
+    assert "[MODEL]" in text and "--gpu-memory-utilization FRACTION" in text and "--trust-remote-code" in text
+    # `python -m jaxserve` is the same command.
+    module = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "--help"], capture_output=True, text=True, timeout=120, env=cli_env()
+    )
+    assert module.returncode == 0 and module.stdout == result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, model",
+    [
+        (["serve", "/models/v4"], "/models/v4"),  # as `vllm serve MODEL`
+        (["/models/v4", "--port", "0"], "/models/v4"),  # plain `jaxserve MODEL`
+        (["serve", "--model", "/models/v4"], "/models/v4"),
+        (["serve", "/models/v4/", "--model", "/models/v4"], "/models/v4/"),  # the same folder twice is fine
+        (["serve"], None),
+    ],
+)
+def test_the_model_is_positional_or_model(argv, model):
+    _, args = parse(argv)
+    assert engine_config(args).model == model and "model_tag" not in vars(args)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "/a", "--model", "/b"], "the model is given twice: MODEL '/a' and --model '/b'"),
+        (
+            ["serve", "--gpu-memory-utilization", "1.5"],
+            "argument --gpu-memory-utilization: 1.5: must be a number in (0, 1]",
+        ),
+        (
+            ["serve", "--gpu-memory-utilization", "0"],
+            "argument --gpu-memory-utilization: 0.0: must be a number in (0, 1]",
+        ),
+        (["plan", "--gpu-memory-utilization", "most"], "argument --gpu-memory-utilization: 'most': not a number"),
+        (["serve", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),  # argparse's own words
+    ],
+)
+def test_bad_model_and_memory_flags_exit_2_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        parse(argv)
+    assert exit_status.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_trust_remote_code_is_accepted_with_one_line(capsys):
+    for argv in (["serve", "--trust-remote-code"], ["generate", "Hi", "--trust-remote-code"]):
+        _, args = parse(argv)
+        assert engine_config(args) == EngineConfig()  # it sets nothing
+        lines = capsys.readouterr().err.splitlines()
+        assert lines == [
+            "jaxserve: --trust-remote-code accepted; it changes nothing: jaxserve never runs code from a checkpoint"
+        ]
+
+
+@pytest.fixture
+def restored_logging():
+    """Put the process's logging back as it was after a test that configures it."""
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:], {name: logging.getLogger(name).level for name in CHATTY_LIBRARIES}
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    for name, level in saved[2].items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.mark.parametrize("level, libraries_info", [("info", False), ("warning", False), ("debug", True)])
+def test_orbax_and_absl_info_lines_show_only_at_debug(level, libraries_info, restored_logging):
+    configure_logging(level)
+    ours = logging.getLogger("jaxserve.cli")
+    assert (
+        ours.isEnabledFor(logging.INFO) == (level != "warning") and ours.isEnabledFor(logging.DEBUG) == libraries_info
+    )
+    for name in ("absl", "orbax.checkpoint", "jax._src.xla_bridge"):  # orbax logs through absl's logger
+        assert logging.getLogger(name).isEnabledFor(logging.INFO) == libraries_info
+        assert logging.getLogger(name).isEnabledFor(logging.WARNING)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +236,12 @@ def test_generate_streams_one_prompt_to_the_terminal():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[6 tokens in" in result.stderr and "finish reason: length" in result.stderr
     # Only what its one prompt needs: the chunk that holds the prompt and a one-row decode (of 5 shapes in all).
-    assert "compiled 2 step shapes in" in result.stdout
+    assert "compiled 2 step shapes in" in result.stderr and "loading weights from" in result.stderr
+    # stdout is the text alone, ended by a newline: the banner, the progress and the summary are on stderr.
+    text = result.stdout
+    assert text.endswith("\n") and not text.startswith("\n")
+    for chatter in ("jaxserve", "loading", "compil", "KV cache", "tokens in"):
+        assert chatter not in text, text
 
 
 def test_a_split_the_mesh_cannot_make_is_refused_naming_axis_size_and_parallel_size(tmp_path):
@@ -242,6 +333,26 @@ def test_a_second_sigint_quits_at_once(tmp_path):
     # said so in one line.
     assert_one_clean_line(output, "jaxserve: SIGINT during start-up")
     assert sum(line.startswith("jaxserve: second SIGINT: quitting now") for line in output.splitlines()) <= 1
+
+
+def test_ctrl_c_once_ready_does_not_wait_for_the_shapes_still_compiling(tmp_path):
+    # A fresh compile cache, so the other step shapes really are compiling when SIGINT lands; a compile in progress
+    # cannot be interrupted, so waiting for it would take about one shape's compile (the first two took `startup`).
+    process = ServeProcess(*SMALL, "--port", "0", compile_cache=tmp_path / "cache")
+    try:
+        process.wait_for_line("jaxserve ready on ", 600)
+        process.process.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        status = process.process.wait(timeout=120)
+        seconds = time.perf_counter() - sent
+    finally:
+        process.kill()
+    process.reader.join(timeout=10)
+    output = "".join(process.output)
+    startup = float(re.search(r"compiled 2 step shapes in ([\d.]+) s", output).group(1))
+    assert status == 0, output[-3000:]  # a shutdown once serving
+    assert "compiled all" not in output and seconds < startup / 4, (seconds, startup, output[-3000:])
+    assert_one_clean_line(output, "jaxserve ready on ")
 
 
 class ServeProcess:

@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import pytest
 
 from jaxserve.cli.main import main
-from jaxserve.config import EngineConfig
+from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.kernels.quant import FP4
 from jaxserve.model.cache import bytes_per_token
 from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
-from jaxserve.runner.plan import MEMORY_FRACTION_ENV, Plan, make_plan, weight_bytes
+from jaxserve.runner.plan import (
+    LEGACY_MEMORY_FRACTION_ENV,
+    MEMORY_FRACTION_ENV,
+    Plan,
+    give_the_allocator,
+    make_plan,
+    memory_share,
+    weight_bytes,
+)
 
 FLASH = preset("flash", dtype="bfloat16")
 TINY = preset("tiny", dtype="bfloat16")
@@ -166,12 +175,47 @@ def test_only_jax_share_of_a_device_is_usable_so_flash_in_bf16_does_not_fit_80gi
         "--json",
     ]
     monkeypatch.delenv(MEMORY_FRACTION_ENV, raising=False)
+    monkeypatch.delenv(LEGACY_MEMORY_FRACTION_ENV, raising=False)
     status = main(flash_bf16)
     report = json.loads(capsys.readouterr().out)
     assert report["device_memory"] == int(80 * 2**30 * 0.75)  # JAX's GPU allocator takes 75% unless told
     assert status == 1 and not report["fits"] and report["reason"].startswith("weights need 74.9 GB per device")
     monkeypatch.setenv(MEMORY_FRACTION_ENV, "most")
     assert main(flash_bf16) == 2 and f"{MEMORY_FRACTION_ENV}='most'" in capsys.readouterr().err
+    # --gpu-memory-utilization is the share when given: the variable (still 'most') is not read.
+    assert main([*flash_bf16, "--gpu-memory-utilization", "0.5"]) == 1
+    assert json.loads(capsys.readouterr().out)["device_memory"] == int(80 * 2**30 * 0.5)
+
+
+@pytest.mark.parametrize(
+    "flag, env, share",
+    [
+        (None, {}, (0.75, "JAX's default")),
+        (None, {LEGACY_MEMORY_FRACTION_ENV: "0.6"}, (0.6, f"${LEGACY_MEMORY_FRACTION_ENV}")),
+        (None, {MEMORY_FRACTION_ENV: "0.5"}, (0.5, f"${MEMORY_FRACTION_ENV}")),
+        (0.9, {MEMORY_FRACTION_ENV: "0.5", LEGACY_MEMORY_FRACTION_ENV: "0.6"}, (0.9, "--gpu-memory-utilization")),
+    ],
+)
+def test_the_memory_share_is_the_flag_else_jax_allocators_variables(flag, env, share, monkeypatch):
+    for name in (MEMORY_FRACTION_ENV, LEGACY_MEMORY_FRACTION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert memory_share(flag) == share
+    # The allocator is told the flag's share under jaxlib's name alone (it refuses both names at once); unset, the
+    # variables are left as they are.
+    give_the_allocator(flag)
+    told = {name: os.environ.get(name) for name in (MEMORY_FRACTION_ENV, LEGACY_MEMORY_FRACTION_ENV)}
+    if flag is None:
+        assert told == {name: env.get(name) for name in told}
+    else:
+        assert told == {MEMORY_FRACTION_ENV: str(flag), LEGACY_MEMORY_FRACTION_ENV: None}
+    assert memory_share()[0] == share[0]  # what JAX's allocator takes is what the plan counts
+
+
+def test_a_memory_share_out_of_range_is_refused():
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1.2: must be a number in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=1.2)
 
 
 def test_device_memory_sizes_parse():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
-from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
@@ -31,8 +31,11 @@ GB = 1e9
 # layer scan: a full f32 copy of every stacked weight (temporaries 2x the bf16 weights) that a device with native
 # bf16 / fp8 dots never makes. Left in the loop, each layer's conversion is a one-layer temporary.
 ACCELERATOR_LIKE: dict[str, str | bool] = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-JAX_MEMORY_FRACTION = 0.75  # of a GPU's memory, what JAX's allocator takes unless MEMORY_FRACTION_ENV says otherwise
+# jaxlib reads the share of a GPU its allocator takes from these when the GPU backend starts (xla_client's
+# generate_pjrt_gpu_plugin_options), the older name only when the newer is unset (both set is an error there).
+MEMORY_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
+LEGACY_MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_MEMORY_FRACTION = 0.75  # what JAX's allocator takes when neither says otherwise
 
 
 @dataclass
@@ -58,17 +61,36 @@ class Plan:
         return asdict(self)
 
 
-def usable_memory(device_memory: int) -> int:
-    """The bytes of a device of `device_memory` that the serving process may allocate: the share JAX's allocator
-    takes ($XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75; the rest is left to the runtime and others)."""
-    raw = os.environ.get(MEMORY_FRACTION_ENV, str(JAX_MEMORY_FRACTION))
-    try:
-        fraction = float(raw)
-    except ValueError:
-        fraction = -1.0
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"{MEMORY_FRACTION_ENV}={raw!r}: must be a number in (0, 1]")
-    return int(device_memory * fraction)
+def memory_share(gpu_memory_utilization: float | None = None) -> tuple[float, str]:
+    """(the share of a device the serving process may allocate, where it comes from): --gpu-memory-utilization,
+    else what JAX's allocator is told ($XLA_CLIENT_MEM_FRACTION, else $XLA_PYTHON_CLIENT_MEM_FRACTION), else JAX's
+    default 0.75; the rest is left to the runtime and others."""
+    if gpu_memory_utilization is not None:
+        return check_memory_fraction(gpu_memory_utilization, "gpu_memory_utilization"), "--gpu-memory-utilization"
+    for name in (MEMORY_FRACTION_ENV, LEGACY_MEMORY_FRACTION_ENV):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r}: must be a number in (0, 1]") from None
+            return check_memory_fraction(value, name), f"${name}"
+    return JAX_MEMORY_FRACTION, "JAX's default"
+
+
+def usable_memory(device_memory: int, gpu_memory_utilization: float | None = None) -> int:
+    """The bytes of a device of `device_memory` that the serving process may allocate (memory_share)."""
+    return int(device_memory * memory_share(gpu_memory_utilization)[0])
+
+
+def give_the_allocator(gpu_memory_utilization: float | None) -> None:
+    """Tell JAX's GPU allocator --gpu-memory-utilization, if set, so it takes that share and reports it as its limit
+    (which the fit check then reads). Effective only before JAX starts its backends (jaxlib reads the variable when
+    it creates the GPU client); the flag replaces both variables' values. CPUs ignore it."""
+    if gpu_memory_utilization is None:
+        return
+    os.environ.pop(LEGACY_MEMORY_FRACTION_ENV, None)
+    os.environ[MEMORY_FRACTION_ENV] = str(memory_share(gpu_memory_utilization)[0])
 
 
 def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
