@@ -102,7 +102,7 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str | list[int]
+    prompts: tuple[str | list[int], ...]  # one or more, each a text or token ids; each gets its own `n` choices
     params: GenerationParams
 
 
@@ -125,7 +125,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if max_tokens == 0 and not echo:
         raise bad_request("max_tokens", "max_tokens: 0 asks for the prompt alone, which only `echo: true` returns")
     params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs", echo)
-    return CompletionRequest(_prompt(body.get("prompt")), params)
+    return CompletionRequest(_prompts(body.get("prompt")), params)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -219,27 +219,36 @@ def _generation_params(
     )
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt is that prompt
+def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a batch: a list of strings or of token-id lists
+    (not mixed). Every prompt is checked here, so a bad one refuses the whole call before anything runs."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        kinds = {type(p) for p in prompt}
+        if len(kinds) > 1:
+            raise bad_request("prompt", "prompt: a batch is a list of strings or a list of token-id lists, not both")
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return (_prompt(prompt, "prompt"),)
+
+
+def _prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("prompt", "prompt: must not be empty")
+            raise bad_request("prompt", f"{where}: must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("prompt", "prompt: batches of several prompts are not supported; send one per request")
     if isinstance(prompt, list):
-        return _token_ids("prompt", prompt)
-    raise bad_request("prompt", f"prompt: must be a string or a list of token ids, got {_show(prompt)}")
+        return _token_ids(where, prompt, param="prompt")
+    raise bad_request("prompt", f"{where}: must be a string or a list of token ids, got {_show(prompt)}")
 
 
-def _token_ids(name: str, ids: Any, allow_empty: bool = False) -> list[int]:
+def _token_ids(name: str, ids: Any, allow_empty: bool = False, param: str | None = None) -> list[int]:
+    """`param`: the field the 400 names when `name` is a place inside it (prompt[2] is in prompt)."""
+    param = param or name
     if not isinstance(ids, list) or (not ids and not allow_empty):
         kind = "a list" if allow_empty else "a non-empty list"
-        raise bad_request(name, f"{name}: must be {kind} of token ids, got {_show(ids)}")
+        raise bad_request(param, f"{name}: must be {kind} of token ids, got {_show(ids)}")
     for i, token in enumerate(ids):
         if not _is_int(token):
-            raise bad_request(name, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
+            raise bad_request(param, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
     return ids
 
 

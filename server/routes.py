@@ -24,7 +24,7 @@ from jaxserve.request import InvalidRequest
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.formats import ChatFormat, CompletionFormat
+from jaxserve.server.formats import ChatFormat, CompletionFormat, Echo
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
@@ -62,21 +62,24 @@ async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
     params = parsed.params
-    prompt_ids = await _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-    echo_text = None
+    prompts = [await _encode_prompt(state, p) if isinstance(p, str) else p for p in parsed.prompts]
+    echoes = None
     if params.echo:
-        echo_text = parsed.prompt if isinstance(parsed.prompt, str) else state.tokenizer.decode(prompt_ids)
+        echoes = [
+            Echo(sent, True) if isinstance(sent, str) else Echo(state.tokenizer.decode(ids), False)
+            for sent, ids in zip(parsed.prompts, prompts)
+        ]
     fmt = CompletionFormat(
         state.served_model_name,
-        prompt_ids,
+        prompts,
         params.return_token_ids,
         state.tokenizer,
         params.n,
         params.logprobs is not None,
         params.tokens_as_ids,
-        echo_text,
+        echoes,
     )
-    return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
+    return await _generate(request, state, fmt, prompts, parsed.params, "prompt", arrival)
 
 
 @router.post("/chat/completions")
@@ -95,7 +98,7 @@ async def chat_completions(request: Request) -> Response:
         params.tokens_as_ids,
         parsed.options,
     )
-    return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
+    return await _generate(request, state, fmt, [prompt_ids], parsed.params, "messages", arrival)
 
 
 def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
@@ -175,13 +178,12 @@ async def _generate(
     request: Request,
     state: ServerState,
     fmt,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: GenerationParams,
     prompt_field: str,
     arrival: float,
 ) -> Response:
-    max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
-    generations = _submit(state, fmt, prompt_ids, params, max_tokens, prompt_field, arrival)
+    generations = _submit(state, fmt, prompts, params, prompt_field, arrival)
     request.state.generations = generations  # for the access log's token counts
     if params.stream:
         return sse_response(_chunks(generations, fmt, params.include_usage))
@@ -198,25 +200,27 @@ async def _generate(
 def _submit(
     state: ServerState,
     fmt,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: GenerationParams,
-    max_tokens: int,
     prompt_field: str,
     arrival: float,
 ) -> list[Generation]:
-    """One engine request per choice; if any is refused, those already submitted are aborted and the refusal
-    answered (429, 503 or 400 naming the client's field)."""
+    """One engine request per choice, `n` per prompt in the choices' order (choice j of every prompt samples with
+    seed + j, so a batch answers what its prompts sent one by one would); if any is refused, those already
+    submitted are aborted and the refusal answered (429, 503 or 400 naming the client's field)."""
     generations: list[Generation] = []
     try:
-        for choice in range(params.n):
+        for index in range(len(prompts) * params.n):
+            prompt_ids = prompts[index // params.n]
+            max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
             generations.append(
                 Generation(
                     state.engine,
                     state.tokenizer,
                     prompt_ids,
-                    params.sampling(max_tokens, choice),
+                    params.sampling(max_tokens, index % params.n),
                     params.stop,
-                    fmt.request_id(choice),
+                    fmt.request_id(index),
                     state.metrics.timer(arrival),
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,

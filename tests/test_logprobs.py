@@ -127,6 +127,38 @@ def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, refere
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
 
 
+BOS_TEXT = "<｜begin▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[0, 46, 79, 0, 57, 134, 103], BOS_TEXT + "São Paulo" + BOS_TEXT + " – ünï"],
+    ids=["ids-with-bos", "text-with-bos"],
+)
+def test_echo_offsets_index_the_text_returned_and_pieces_of_characters_keep_their_bytes(http, loaded, prompt):  # noqa: F811
+    tokenizer = loaded.tokenizer
+    body = complete(http, prompt=prompt, echo=True, logprobs=5, max_tokens=12, temperature=0, ignore_eos=True)
+    choice = body["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # an id prompt's BOS is not text
+    assert text.startswith(echo) and len(logprobs["tokens"]) == len(ids) + 12
+    pieces = 0
+    offsets = logprobs["text_offset"]
+    for k, token in enumerate(logprobs["tokens"]):
+        if token.startswith("bytes:"):  # a piece of a character: its bytes, in OpenAI's notation
+            pieces += 1
+        elif k < len(ids) and token == BOS_TEXT and not isinstance(prompt, str):  # not in the text: takes no room
+            assert offsets[k] == offsets[k + 1], k
+        else:
+            assert text[offsets[k] : offsets[k] + len(token)] == token, (k, token, offsets[k])
+    assert pieces >= 2  # São and ünï are split inside their characters
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    # Pieces of characters no longer share the U+FFFD key: every position lists its 5 best, distinctly named.
+    assert all(len(top) >= 5 for top in logprobs["top_logprobs"][1:]), logprobs["top_logprobs"]
+    assert all(t in top for t, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]))
+
+
 def test_greedy_tokens_and_their_logprobs_match_the_reference_streaming_and_not(http, reference):
     prompt = PROMPT[:20]
     tokens, rows = reference_greedy(reference, prompt, 8)
@@ -170,7 +202,9 @@ def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, 
     assert len(content) == 6
     for entry, token, row in zip(content, tokens, rows):
         assert entry["token"] == loaded.tokenizer.token_text(token)
-        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        # A token's own bytes: a piece of a character is not U+FFFD's (the greedy run has such pieces).
+        assert entry["bytes"] == list(loaded.tokenizer.token_bytes(token))
+        assert bytes(entry["bytes"]).decode("utf-8", errors="replace") == entry["token"]
         assert abs(entry["logprob"] - row[token]) <= TOL
         best = np.argsort(-row)[:2]
         assert [e["token"] for e in entry["top_logprobs"]] == [loaded.tokenizer.token_text(int(t)) for t in best]
@@ -210,6 +244,52 @@ def test_n_choices_are_seeded_reproducible_and_count_the_prompt_once(http, serve
         json={"model": MODEL, "n": 2, "max_tokens": 3, "seed": 5, "messages": [{"role": "user", "content": "Hi"}]},
     ).json()
     assert [c["index"] for c in chat["choices"]] == [0, 1] and chat["usage"]["completion_tokens"] <= 6
+    wait_for(lambda: settled(server.engine), 5, "every page back")
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 99}], ids=["greedy", "seeded"])
+def test_a_batch_of_prompts_gives_the_choices_of_the_single_calls_in_openai_order(http, server, sampling):
+    prompts = [PROMPT[:5], PROMPT[10:13], PROMPT[20:28], PROMPT[40:44]]
+    args = dict(max_tokens=4, ignore_eos=True, return_token_ids=True, **sampling)
+    singles = [
+        complete(http, prompt=p, **({**args, "seed": sampling["seed"] + j} if "seed" in sampling else args))
+        for p in prompts
+        for j in range(2)
+    ]
+    expected = [s["choices"][0]["token_ids"] for s in singles]
+    if "seed" in sampling:  # the seeds differ, so the two choices of a prompt do too
+        assert all(expected[2 * i] != expected[2 * i + 1] for i in range(4)), expected
+
+    body = complete(http, prompt=prompts, n=2, **args)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(8))
+    assert [c["token_ids"] for c in choices] == expected  # index = prompt * n + choice
+    assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
+    assert [c["text"] for c in choices] == [s["choices"][0]["text"] for s in singles]
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 32,
+        "total_tokens": prompt_tokens + 32,
+    }
+
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompts,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **args,
+        },
+    ) as response:
+        chunks = [p for p in sse_payloads(response.iter_lines()) if p != "[DONE]"]
+    streamed = [
+        [t for c in chunks for ch in c["choices"] if ch["index"] == i for t in ch["token_ids"]] for i in range(8)
+    ]
+    assert streamed == expected and chunks[-1]["usage"] == body["usage"]
     wait_for(lambda: settled(server.engine), 5, "every page back")
 
 

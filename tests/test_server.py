@@ -503,7 +503,11 @@ COMPLETION_BAD = [
     ({"prompt": [1, 512]}, "prompt"),  # the vocabulary is [0, 512)
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1, 2]]}, "prompt"),  # a batch is of one kind
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [[1, 2], [3, "x"]]}, "prompt"),
+    ({"prompt": ["Hi", ""]}, "prompt"),
+    ({"prompt": [[1, 2], [1, 512]]}, "prompt"),  # a refused prompt refuses the whole batch
     ({"prompt": list(range(2, 302))}, "prompt"),  # longer than the context on its own
     ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),  # without echo
