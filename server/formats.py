@@ -104,6 +104,11 @@ class _Format:
     def _usage(self, outputs: list[Output]) -> dict:
         return usage(self._prompt_tokens(), sum(len(o.token_ids) for o in outputs))
 
+    def with_usage(self, chunk: dict, completion_tokens: int) -> dict:
+        """`chunk` (of one choice) with that choice's usage so far."""
+        prompt = self.prompt_ids(chunk["choices"][0]["index"])
+        return {**chunk, "usage": usage(len(prompt), completion_tokens)}
+
     def _prompt_tokens(self) -> int:
         """Every prompt counted once, however many choices it has."""
         return sum(len(p) for p in self.prompts)

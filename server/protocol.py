@@ -60,6 +60,23 @@ class GenerationParams:
     priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
     min_tokens: int = 0  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it (its last k tokens), or a 400 as vLLM words it."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        k = max_model_len if k == -1 else k
+        if k > max_model_len:
+            raise bad_request(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                "Please, select a smaller truncation size.",
+            )
+        return prompt_ids[-k:]
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -185,6 +202,8 @@ def _generation_params(
     options = fields.object("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options", "stream_options: only allowed when stream is true")
+    stream_fields = _Fields(options, prefix="stream_options.")
+    include_usage = stream_fields.boolean("include_usage", False)
     seed = fields.integer("seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
@@ -206,7 +225,7 @@ def _generation_params(
         ),
         ignore_eos=fields.boolean("ignore_eos", False),
         stream=stream,
-        include_usage=_Fields(options, prefix="stream_options.").boolean("include_usage", False),
+        include_usage=include_usage,
         return_token_ids=fields.boolean("return_token_ids", False),
         n=n,
         logprobs=logprobs,
@@ -216,7 +235,18 @@ def _generation_params(
         priority=fields.integer("priority", 0),
         logit_bias=_logit_bias(fields.object("logit_bias")),
         min_tokens=fields.integer("min_tokens", 0),
+        include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
+        continuous_usage=include_usage and stream_fields.boolean("continuous_usage_stats", False),
+        truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
     )
+
+
+def _truncation(k: int | None) -> int | None:
+    if k is not None and k != -1 and k < 1:
+        raise bad_request(
+            "truncate_prompt_tokens", f"truncate_prompt_tokens: must be -1 (the context's length) or >= 1, got {k}"
+        )
+    return k
 
 
 def _prompts(prompt: Any) -> tuple[str | list[int], ...]:

@@ -62,12 +62,18 @@ async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
     params = parsed.params
-    prompts = [await _encode_prompt(state, p) if isinstance(p, str) else p for p in parsed.prompts]
+    whole = [
+        await _encode_prompt(state, p, params.truncate_prompt_tokens is None) if isinstance(p, str) else p
+        for p in parsed.prompts
+    ]
+    prompts = [params.truncated(ids, state.context_limit) for ids in whole]
     echoes = None
-    if params.echo:
+    if params.echo:  # a prompt comes back as sent, unless truncation cut it: then what is left of it
         echoes = [
-            Echo(sent, True) if isinstance(sent, str) else Echo(state.tokenizer.decode(ids), False)
-            for sent, ids in zip(parsed.prompts, prompts)
+            Echo(sent, True)
+            if isinstance(sent, str) and len(ids) == len(all_ids)
+            else Echo(state.tokenizer.decode(ids), False)
+            for sent, ids, all_ids in zip(parsed.prompts, prompts, whole)
         ]
     fmt = CompletionFormat(
         state.served_model_name,
@@ -86,8 +92,8 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_chat)
-    prompt_ids = await run_in_threadpool(chat_prompt_ids, state, parsed)
     params = parsed.params
+    prompt_ids = params.truncated(await run_in_threadpool(chat_prompt_ids, state, parsed), state.context_limit)
     fmt = ChatFormat(
         state.served_model_name,
         prompt_ids,
@@ -150,13 +156,14 @@ async def _parse(request: Request, parse: Callable[[Any], RequestT]) -> tuple[Se
     return state, parsed
 
 
-async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
+async def _encode_prompt(state: ServerState, prompt: str, judge_head: bool = True) -> list[int]:
+    """`judge_head`: a prompt too long by its head alone is refused untokenized (not when it will be truncated)."""
     tokenizer = state.tokenizer
     if not tokenizer.has_text:
         raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
     limit = state.context_limit
     head = prompt[: limit * HEAD_CHARS_PER_TOKEN]
-    if len(head) < len(prompt):
+    if judge_head and len(head) < len(prompt):
         # A prompt whose head alone is longer than the context is refused without tokenizing the rest (up to
         # --max-request-bytes of it). Only the last word of the head can tokenize differently in the whole prompt,
         # hence the margin.
@@ -186,7 +193,7 @@ async def _generate(
     generations = _submit(state, fmt, prompts, params, prompt_field, arrival)
     request.state.generations = generations  # for the access log's token counts
     if params.stream:
-        return sse_response(_chunks(generations, fmt, params.include_usage))
+        return sse_response(_chunks(generations, fmt, params.include_usage, params.continuous_usage))
     try:
         outputs = await cancel_on_disconnect(request, _outputs(generations))
     except ClientDisconnected:
@@ -224,6 +231,7 @@ def _submit(
                     state.metrics.timer(arrival),
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,
+                    include_stop=params.include_stop_str_in_output,
                 )
             )
     except (QueueFull, EngineDraining, InvalidRequest) as error:
@@ -278,13 +286,16 @@ async def _outputs(generations: list[Generation]) -> list[Output]:
     return outputs
 
 
-async def _chunks(generations: list[Generation], fmt, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(generations: list[Generation], fmt, include_usage: bool, continuous: bool) -> AsyncIterator[dict]:
+    """The stream; `continuous` (vLLM's continuous_usage_stats): every chunk also carries its choice's usage so
+    far (its prompt, its tokens), as vLLM's do."""
     for chunk in fmt.opening_chunks():
-        yield chunk
+        yield fmt.with_usage(chunk, 0) if continuous else chunk
     async with aclosing(_interleaved(generations)) as deltas:
         async for index, delta in deltas:
             if delta.finish_reason == "error":
                 raise APIError(500, f"generation failed: {delta.error}")
-            yield fmt.chunk(index, delta)
+            chunk = fmt.chunk(index, delta)
+            yield fmt.with_usage(chunk, generations[index].num_generated) if continuous else chunk
     if include_usage:
         yield fmt.usage_chunk(sum(g.num_generated for g in generations))
