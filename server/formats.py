@@ -240,9 +240,12 @@ class ChatFormat(_Format):
         logprobs: bool = False,
         tokens_as_ids: bool = False,
         options: ChatOptions = ChatOptions(),
+        include_reasoning: bool = True,
     ):
+        """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply."""
         super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
         self.options = options
+        self.include_reasoning = include_reasoning
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
         self._num_calls = [0] * n
 
@@ -263,8 +266,8 @@ class ChatFormat(_Format):
         if delta.finish_reason is not None:
             parsed.extend(parser.finish())
         body: dict = {"content": parsed.content}  # always a string, as before: clients concatenate it
-        if parsed.reasoning:
-            body["reasoning_content"] = parsed.reasoning
+        if parsed.reasoning and self.include_reasoning:
+            body.update(self._reasoning(parsed.reasoning))
         if parsed.tool_calls:
             body["tool_calls"] = [
                 {"index": self._num_calls[index] + k, **call.to_openai()} for k, call in enumerate(parsed.tool_calls)
@@ -284,7 +287,7 @@ class ChatFormat(_Format):
             choices.append(
                 self._choice(
                     index,
-                    {"message": self._message(parsed)},
+                    {"message": self._message(parsed, self.include_reasoning)},
                     self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
                     output.stop_reason,
                     output.token_ids,
@@ -308,11 +311,16 @@ class ChatFormat(_Format):
         }
 
     @staticmethod
-    def _message(parsed: ParsedDelta) -> dict:
+    def _reasoning(reasoning: str | None) -> dict:
+        # Current vLLM clients read `reasoning`; older ones (and DeepSeek's API) `reasoning_content`.
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    @classmethod
+    def _message(cls, parsed: ParsedDelta, include_reasoning: bool) -> dict:
         message: dict = {
             "role": "assistant",
             "content": parsed.content if parsed.content or not parsed.tool_calls else None,
-            "reasoning_content": parsed.reasoning or None,
+            **(cls._reasoning(parsed.reasoning or None) if include_reasoning else {}),
         }
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]

@@ -128,6 +128,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     options: ChatOptions  # thinking, reasoning effort, tools and tool_choice
     params: GenerationParams
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -163,7 +164,7 @@ def parse_chat(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
-    return ChatRequest(messages, _chat_options(fields), params)
+    return ChatRequest(messages, _chat_options(fields), params, fields.boolean("include_reasoning", True))
 
 
 def _chat_options(fields: _Fields) -> ChatOptions:

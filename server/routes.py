@@ -103,6 +103,7 @@ async def chat_completions(request: Request) -> Response:
         params.logprobs is not None,
         params.tokens_as_ids,
         parsed.options,
+        parsed.include_reasoning,
     )
     return await _generate(request, state, fmt, [prompt_ids], parsed.params, "messages", arrival)
 

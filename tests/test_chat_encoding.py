@@ -226,6 +226,12 @@ def test_reasoning_effort_max_puts_the_release_preamble_after_bos():
     assert render_prompt(messages, chat_options(thinking=False, reasoning_effort="max")) == plain.replace(
         THINK, END_THINK
     )
+    # The levels OpenAI and vLLM clients send, on DeepSeek-V4's two; "none" turns thinking off.
+    for effort, rendered in [("minimal", plain), ("low", plain), ("medium", plain), ("xhigh", None)]:
+        expected = rendered or BOS + preamble + USER + "q" + ASSISTANT + THINK
+        assert render_prompt(messages, chat_options(thinking=True, reasoning_effort=effort)) == expected, effort
+    off = chat_options(thinking=True, reasoning_effort="none")
+    assert not off.thinking and render_prompt(messages, off) == plain.replace(THINK, END_THINK)
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call():
@@ -241,7 +247,8 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call():
 @pytest.mark.parametrize(
     "kwargs, field, text",
     [
-        ({"reasoning_effort": "low"}, "reasoning_effort", "high, max"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort", "none, minimal, low, medium, high, xhigh, max"),
+        ({"reasoning_effort": ["high"]}, "reasoning_effort", "must be one of"),
         ({"tools": {"name": "x"}}, "tools", "must be a list"),
         ({"tools": [{"type": "function"}]}, "tools", "tools[0].function"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tools[0].function.name"),

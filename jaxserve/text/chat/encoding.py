@@ -9,7 +9,8 @@
 - Thinking mode drops the reasoning of turns before the last user turn, and developer turns before it, unless
   the request has tools: then every turn keeps its reasoning.
 - `reasoning_effort="max"` (thinking mode only) puts the release's "Reasoning Effort" preamble right after BOS;
-  "high" renders nothing extra.
+  "high" renders nothing extra. Clients' other levels map onto these (REASONING_EFFORTS): "none" turns thinking
+  off, "minimal" to "medium" are "high", "xhigh" is "max".
 - `tool_choice` "required" or a named function cannot be enforced by sampling, so the answer is started for the
   model: the prompt ends with the opening of the tool-call block (and of the named invoke), which the output
   parser reads as already generated.
@@ -47,7 +48,17 @@ def parameter_open(name: str, is_string: bool) -> str:
     return f'<{DSML}parameter name="{name}" string="{"true" if is_string else "false"}">'
 
 
-REASONING_EFFORTS = ("high", "max")
+# The levels clients send (OpenAI's and vLLM's) onto DeepSeek-V4's two: "none" turns thinking off; up to "high"
+# is the release's "high" (it renders nothing extra); "xhigh" and "max" are its "max" (the preamble below).
+REASONING_EFFORTS = {
+    "none": None,
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 REASONING_EFFORT_MAX_PREAMBLE = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
@@ -108,7 +119,7 @@ class ChatOptions:
     """How a request is rendered and its output parsed: thinking mode, reasoning effort, tools and tool_choice."""
 
     thinking: bool = False
-    reasoning_effort: str | None = None  # "high" | "max" | None
+    reasoning_effort: str | None = None  # DeepSeek-V4's level: "high" | "max" | None
     tools: tuple[dict, ...] = ()  # the tools' "function" objects, as the client sent them
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
     tool_name: str | None = None  # the function tool_choice names
@@ -134,12 +145,17 @@ def chat_options(
     thinking: bool = False, reasoning_effort: Any = None, tools: Any = None, tool_choice: Any = None
 ) -> ChatOptions:
     """Validated options from the request's raw `tools`, `tool_choice` and reasoning settings."""
-    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+    if reasoning_effort is not None and (
+        not isinstance(reasoning_effort, str) or reasoning_effort not in REASONING_EFFORTS
+    ):
         raise ChatTemplateError(
             "reasoning_effort",
             f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)} "
-            f"(DeepSeek-V4's levels), got {reasoning_effort!r}",
+            f"(none: no thinking; up to high: DeepSeek-V4's high; xhigh and max: its max), got {reasoning_effort!r}",
         )
+    if reasoning_effort is not None:
+        thinking = thinking and reasoning_effort != "none"
+        reasoning_effort = REASONING_EFFORTS[reasoning_effort]
     functions = _tools(tools)
     choice, name = _tool_choice(tool_choice, functions)
     if thinking and choice in ("required", "function") and functions:
@@ -288,9 +304,10 @@ def _turn(message: Any, k: int) -> _Turn:
             raise ChatTemplateError("messages", f"{where}.tool_call_id: must be a string")
         return _Turn("user", blocks=[("tool_result", _text(content, where, joiner="\n\n"), call_id)])
     if role == "assistant":
-        reasoning = message.get("reasoning_content")
+        name = "reasoning_content" if message.get("reasoning_content") is not None else "reasoning"  # vLLM's newer
+        reasoning = message.get(name)
         if reasoning is not None and not isinstance(reasoning, str):
-            raise ChatTemplateError("messages", f"{where}.reasoning_content: must be a string")
+            raise ChatTemplateError("messages", f"{where}.{name}: must be a string")
         return _Turn(
             role,
             _text(content, where),
