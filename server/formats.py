@@ -48,12 +48,14 @@ class _Format:
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
     ):
         """`prompts`: the token ids of each prompt (chat: one), each with `n` choices: choice `index` answers
         prompt `index // n`, as OpenAI numbers a batch's choices. `tokenizer` names the tokens in logprobs
-        (`tokens_as_ids`: by id instead); `logprobs`: whether the request asked for them."""
+        (`tokens_as_ids`: by id instead); `logprobs`: the alternatives per token the request asked for (None: no
+        logprobs); `prompt_logprobs`: vLLM's, likewise for each prompt position."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -62,8 +64,10 @@ class _Format:
         self.return_token_ids = return_token_ids
         self.tokenizer = tokenizer
         self.n = n
-        self.logprobs = logprobs
+        self.logprobs = logprobs is not None
+        self.top_k = logprobs or 0
         self.tokens_as_ids = tokens_as_ids
+        self.prompt_logprobs = prompt_logprobs
 
     def request_id(self, choice: int) -> str:
         """The engine request id of choice `choice`."""
@@ -109,6 +113,25 @@ class _Format:
         prompt = self.prompt_ids(chunk["choices"][0]["index"])
         return {**chunk, "usage": usage(len(prompt), completion_tokens)}
 
+    def _prompt_logprobs(self, logprobs) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+        for the token there and the k best (rank 1 is the best; null where the token is not among the
+        MAX_LOGPROBS the device computed)."""
+        if self.prompt_logprobs is None:
+            return None
+        result: list[dict | None] = [None]
+        for lp in logprobs or ():
+            ranked = {token_id: (rank, value) for rank, (token_id, value) in enumerate(lp.top, 1)}
+            entries = {lp.token_id: (ranked.get(lp.token_id, (None, lp.logprob))[0], lp.logprob)}
+            entries.update({t: ranked[t] for t, _ in lp.top[: self.prompt_logprobs]})
+            result.append(
+                {
+                    str(t): {"logprob": value, "rank": rank, "decoded_token": self.token_text(t)}
+                    for t, (rank, value) in entries.items()
+                }
+            )
+        return result
+
     def _prompt_tokens(self) -> int:
         """Every prompt counted once, however many choices it has."""
         return sum(len(p) for p in self.prompts)
@@ -133,12 +156,13 @@ class CompletionFormat(_Format):
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
         echoes: list[Echo] | None = None,
     ):
         """`echoes`: each prompt as `echo` returns it, when the request asked for it."""
-        super().__init__(model, prompts, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
+        super().__init__(model, prompts, return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
         self.echoes = echoes
         # text_offset indexes the text returned: each choice's output tokens are decoded again as the output text
         # was (complete characters, no special tokens), after the echo's length.
@@ -182,6 +206,8 @@ class CompletionFormat(_Format):
             )
             if self.return_token_ids:
                 choice["prompt_token_ids"] = self.prompt_ids(index)
+            if self.prompt_logprobs is not None:  # vLLM's, in the choice
+                choice["prompt_logprobs"] = self._prompt_logprobs(output.prompt_logprobs)
             choices.append(choice)
         return self._envelope(self.response_object, choices, usage=self._usage(outputs))
 
@@ -221,7 +247,7 @@ class CompletionFormat(_Format):
             result["token_logprobs"].append(logprob.logprob)
             top: dict[str, float] = {}
             # Best first: when two tokens have one name (the same text), the likelier one is kept.
-            for top_id, value in logprob.top + ((token_id, logprob.logprob),):
+            for top_id, value in logprob.top[: self.top_k] + ((token_id, logprob.logprob),):
                 top.setdefault(self.token_name(top_id), value)
             result["top_logprobs"].append(top)
 
@@ -237,13 +263,14 @@ class ChatFormat(_Format):
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
         options: ChatOptions = ChatOptions(),
         include_reasoning: bool = True,
     ):
         """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply."""
-        super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
+        super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
         self.options = options
         self.include_reasoning = include_reasoning
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
@@ -294,7 +321,10 @@ class ChatFormat(_Format):
                     self._logprobs(output.logprobs) if self.logprobs else None,
                 )
             )
-        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **self._prompt_ids())
+        extra = self._prompt_ids()
+        if self.prompt_logprobs is not None:  # vLLM's, at the top level of a chat completion
+            extra["prompt_logprobs"] = self._prompt_logprobs(outputs[0].prompt_logprobs)
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **extra)
 
     def _logprobs(self, logprobs) -> dict:
         def entry(token_id: int, value: float) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, overload
 
-from jaxserve.request import InvalidRequest, SamplingParams
+from jaxserve.request import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
 
@@ -63,6 +63,11 @@ class GenerationParams:
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and top k, in vLLM's shape
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as truncate_prompt_tokens leaves it (its last k tokens), or a 400 as vLLM words it."""
@@ -94,7 +99,9 @@ class GenerationParams:
                 logprobs=self.logprobs,
                 logit_bias=self.logit_bias,
                 min_tokens=self.min_tokens,
-                prompt_logprobs=self.logprobs if self.echo else None,
+                # Every prompt position's best MAX_LOGPROBS (what the device computes anyway): echo shows the
+                # request's k of them, prompt_logprobs its own k, and the ranks come from them.
+                prompt_logprobs=MAX_LOGPROBS if self.wants_prompt_logprobs else None,
             )
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
@@ -106,7 +113,6 @@ class GenerationParams:
             "prompt": prompt_field,
             "max_tokens": self.max_tokens_field,
             "logprobs": self.logprobs_field,
-            "prompt_logprobs": "logprobs",
         }
         name = None if error.param is None else names.get(error.param)
         if name is None or error.param is None or name == error.param:
@@ -239,7 +245,16 @@ def _generation_params(
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
         continuous_usage=include_usage and stream_fields.boolean("continuous_usage_stats", False),
         truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
+        prompt_logprobs=_prompt_logprobs(fields.integer("prompt_logprobs", None), stream),
     )
+
+
+def _prompt_logprobs(k: int | None, stream: bool) -> int | None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request("prompt_logprobs", f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {k}")
+    if k and stream:  # as vLLM: they would all have to come before the first token
+        raise bad_request("prompt_logprobs", "prompt_logprobs: not available when stream is true")
+    return k
 
 
 def _truncation(k: int | None) -> int | None:

@@ -81,8 +81,9 @@ async def completions(request: Request) -> Response:
         params.return_token_ids,
         state.tokenizer,
         params.n,
-        params.logprobs is not None,
+        params.logprobs,
         params.tokens_as_ids,
+        params.prompt_logprobs,
         echoes,
     )
     return await _generate(request, state, fmt, prompts, parsed.params, "prompt", arrival)
@@ -100,8 +101,9 @@ async def chat_completions(request: Request) -> Response:
         params.return_token_ids,
         state.tokenizer,
         params.n,
-        params.logprobs is not None,
+        params.logprobs,
         params.tokens_as_ids,
+        params.prompt_logprobs,
         parsed.options,
         parsed.include_reasoning,
     )

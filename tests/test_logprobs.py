@@ -211,6 +211,34 @@ def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, 
         assert all(abs(e["logprob"] - row[t]) <= TOL for e, t in zip(entry["top_logprobs"], best))
 
 
+def test_prompt_logprobs_are_the_reference_log_softmax_in_vllms_shape_in_both_apis(http, reference, loaded):  # noqa: F811
+    prompt = PROMPT[:12]
+    body = complete(http, prompt=prompt, prompt_logprobs=3, max_tokens=1, temperature=0, ignore_eos=True)
+    entries = body["choices"][0]["prompt_logprobs"]
+    expected = reference_logprobs(reference, prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, entry in enumerate(entries[1:], 1):
+        row = expected[p - 1]
+        best = [int(i) for i in np.argsort(-row)[:3]]
+        assert set(entry) == {str(t) for t in best} | {str(prompt[p])}, p
+        for key, value in entry.items():
+            token = int(key)
+            assert abs(value["logprob"] - row[token]) <= TOL, (p, token)
+            true_rank = 1 + int((row > row[token]).sum())  # null past the MAX_LOGPROBS the device ranks
+            assert value["rank"] == (true_rank if true_rank <= MAX_LOGPROBS else None), (p, token)
+            assert value["decoded_token"] == loaded.tokenizer.token_text(token)
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2, 3]
+    assert body["choices"][0]["logprobs"] is None  # not asked
+
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    entries = chat["prompt_logprobs"]  # vLLM's place for them in a chat completion
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:]), entries  # k = 0: the token's own
+    assert len(entries) == chat["usage"]["prompt_tokens"]
+
+
 # ---- n -------------------------------------------------------------------------------------------------------------
 
 
@@ -317,6 +345,10 @@ BAD = [
     ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary: more than 20
+    ("/v1/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": "2"}, "prompt_logprobs"),
 ]
 
 
