@@ -185,7 +185,16 @@ def _chat_options(fields: _Fields) -> ChatOptions:
     if effort is None:
         effort_field, effort = "reasoning_effort", fields.raw.get("reasoning_effort")
     try:
-        return chat_options(thinking, effort, fields.raw.get("tools"), fields.raw.get("tool_choice"))
+        continues = fields.boolean("continue_final_message", False)
+        return chat_options(
+            thinking,
+            effort,
+            fields.raw.get("tools"),
+            fields.raw.get("tool_choice"),
+            # vLLM's default is true, and refuses only both set true by the client.
+            fields.boolean("add_generation_prompt", not continues),
+            continues,
+        )
     except ChatTemplateError as error:
         field = effort_field if error.field == "reasoning_effort" else error.field
         message = str(error).replace("reasoning_effort:", f"{field}:", 1)

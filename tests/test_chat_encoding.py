@@ -234,6 +234,21 @@ def test_reasoning_effort_max_puts_the_release_preamble_after_bos():
     assert not off.thinking and render_prompt(messages, off) == plain.replace(THINK, END_THINK)
 
 
+def test_the_generation_prompt_can_be_left_out_and_the_last_assistant_message_continued():
+    question = [{"role": "user", "content": "q"}]
+    assert render_prompt(question, chat_options(add_generation_prompt=False)) == BOS + USER + "q"
+    started = question + [{"role": "assistant", "content": "Once", "reasoning_content": "r"}]
+    options = chat_options(add_generation_prompt=False, continue_final_message=True)
+    assert render_prompt(started, options) == BOS + USER + "q" + ASSISTANT + END_THINK + "Once"
+    options = chat_options(thinking=True, add_generation_prompt=False, continue_final_message=True)
+    assert render_prompt(started, options) == BOS + USER + "q" + ASSISTANT + THINK + "r" + END_THINK + "Once"
+    assert parse_output(" upon", options).content == " upon"  # its reasoning is closed: the model answers on
+    with pytest.raises(ChatTemplateError, match="must be the assistant's"):
+        render_prompt(question, options)
+    with pytest.raises(ChatTemplateError, match="Cannot set both"):
+        chat_options(continue_final_message=True)  # add_generation_prompt is true unless turned off
+
+
 def test_a_forced_tool_choice_starts_the_answer_with_the_call():
     messages = [{"role": "user", "content": "hi"}]
     base = BOS + "\n\n" + TOOLS_SECTION + USER + "hi" + ASSISTANT + END_THINK

@@ -174,6 +174,17 @@ def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
     assert "<think>2+2</think>It is 4." in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
 
 
+def test_continue_final_message_leaves_the_assistant_message_open_in_chat_and_tokenize(http, engine, tokenizer):
+    started = QUESTION + [{"role": "assistant", "content": "Once upon", "reasoning_content": "a story"}]
+    body = {"messages": started, "continue_final_message": True, "add_generation_prompt": False}
+    ids = http.post("/tokenize", json={**body, "chat_template_kwargs": {"thinking": True}}).json()["tokens"]
+    rendered = tokenizer.decode(ids, skip_special_tokens=False)
+    assert rendered.endswith("<｜Assistant｜><think>a story</think>Once upon"), rendered  # not closed by EOS
+    script(engine, tokenizer, " a time.")
+    reply = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"thinking": True}}).json()
+    assert engine.prompts[-1] == ids and reply["choices"][0]["message"]["content"] == " a time."  # no reasoning
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_include_reasoning_false_leaves_the_reasoning_out(http, engine, tokenizer, stream):
     script(engine, tokenizer, "Hidden thoughts</think>It is 4.")
@@ -322,7 +333,12 @@ def test_tokenize_detokenize_and_tokenizer_info(http, tokenizer, served):
         ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-        ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        (
+            "/tokenize",
+            {"messages": QUESTION, "add_generation_prompt": True, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        ("/tokenize", {"messages": QUESTION, "continue_final_message": True}, "messages"),  # the last is the user's
         ("/tokenize", {"messages": [{"role": "nobody"}]}, "messages"),
         ("/tokenize", {"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
         ("/detokenize", {"tokens": [1, 100000]}, "tokens"),

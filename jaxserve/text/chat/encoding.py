@@ -123,6 +123,8 @@ class ChatOptions:
     tools: tuple[dict, ...] = ()  # the tools' "function" objects, as the client sent them
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
     tool_name: str | None = None  # the function tool_choice names
+    add_generation_prompt: bool = True  # vLLM's: a last user turn is followed by the assistant's opening
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to go on
 
     @property
     def uses_tools(self) -> bool:
@@ -142,7 +144,12 @@ class ChatOptions:
 
 
 def chat_options(
-    thinking: bool = False, reasoning_effort: Any = None, tools: Any = None, tool_choice: Any = None
+    thinking: bool = False,
+    reasoning_effort: Any = None,
+    tools: Any = None,
+    tool_choice: Any = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> ChatOptions:
     """Validated options from the request's raw `tools`, `tool_choice` and reasoning settings."""
     if reasoning_effort is not None and (
@@ -165,7 +172,18 @@ def chat_options(
             "starting the answer with the tool call, which thinking mode must begin with its "
             "reasoning; use tool_choice 'auto' with thinking, or turn thinking off",
         )
-    return ChatOptions(bool(thinking), reasoning_effort, functions, choice, name)
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    if continue_final_message and choice in ("required", "function") and functions:
+        raise ChatTemplateError(
+            "continue_final_message",
+            "continue_final_message: a forced tool_choice starts a new answer, so it cannot continue the last one",
+        )
+    return ChatOptions(
+        bool(thinking), reasoning_effort, functions, choice, name, add_generation_prompt, continue_final_message
+    )
 
 
 def _tools(tools: Any) -> tuple[dict, ...]:
@@ -369,10 +387,15 @@ def _last_user(turns: list[_Turn]) -> int:
 
 
 def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
-    """The prompt text for `messages` (OpenAI chat messages) under `options`, ending with the generation prompt."""
+    """The prompt text for `messages` (OpenAI chat messages) under `options`, ending with the generation prompt
+    (or, with continue_final_message, the last assistant message left open: its reasoning closed, its text not)."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages", "messages: at least one message is needed")
     turns = [_turn(message, k) for k, message in enumerate(messages)]
+    if options.continue_final_message and turns[-1].role != "assistant":
+        raise ChatTemplateError(
+            "messages", "messages: continue_final_message continues the last message, which must be the assistant's"
+        )
     if options.uses_tools:  # request tools join the leading system/developer turn, or a new empty system turn
         if turns[0].role not in ("system", "developer"):
             turns.insert(0, _Turn("system"))
@@ -403,8 +426,10 @@ def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
                 if turn.tool_calls
                 else ""
             )
-            out.append(reasoning + turn.text + calls + EOS_TOKEN)
-        answered = k + 1 == len(turns) or turns[k + 1].role == "assistant"
+            left_open = options.continue_final_message and k + 1 == len(turns)  # the model goes on from its end
+            out.append(reasoning + turn.text + calls + ("" if left_open else EOS_TOKEN))
+        last = k + 1 == len(turns)
+        answered = options.add_generation_prompt if last else turns[k + 1].role == "assistant"
         if turn.role in ("user", "developer") and answered:
             opens_thinking = options.thinking and (keep_reasoning or k >= last_user)
             out.append(ASSISTANT_TOKEN + (THINK_START if opens_thinking else THINK_END))
