@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from jaxserve.request import TokenLogprob
 from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
+from jaxserve.text.chat.encoding import THINK_END
 from jaxserve.text.generation import Delta, Output
 from jaxserve.text.tokenizer import token_id_text
 
@@ -103,10 +104,16 @@ class _Format:
         return []
 
     def usage_chunk(self, completion_tokens: int) -> dict:
-        return self._envelope(self.chunk_object, [], usage=usage(self._prompt_tokens(), completion_tokens))
+        return self._envelope(
+            self.chunk_object, [], usage={**usage(self._prompt_tokens(), completion_tokens), **self._usage_details()}
+        )
 
     def _usage(self, outputs: list[Output]) -> dict:
-        return usage(self._prompt_tokens(), sum(len(o.token_ids) for o in outputs))
+        return {**usage(self._prompt_tokens(), sum(len(o.token_ids) for o in outputs)), **self._usage_details()}
+
+    def _usage_details(self) -> dict:
+        """What the usage adds to its token counts (chat: the reasoning tokens)."""
+        return {}
 
     def with_usage(self, chunk: dict, completion_tokens: int) -> dict:
         """`chunk` (of one choice) with that choice's usage so far."""
@@ -273,6 +280,10 @@ class ChatFormat(_Format):
         super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
         self.options = options
         self.include_reasoning = include_reasoning
+        # Reasoning tokens (OpenAI's usage.completion_tokens_details): each choice's tokens before its </think>.
+        self._think_end = tokenizer.token_to_id(THINK_END) if tokenizer.has_text else None
+        self._still_reasoning = [options.thinking and not options.continue_final_message] * n
+        self._reasoning_tokens = [0] * n
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
         self._num_calls = [0] * n
 
@@ -288,6 +299,7 @@ class ChatFormat(_Format):
         return [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
 
     def chunk(self, index: int, delta: Delta) -> dict:
+        self._count_reasoning(index, delta.token_ids)
         parser = self._parsers[index]
         parsed = parser.feed(delta.text)
         if delta.finish_reason is not None:
@@ -310,6 +322,7 @@ class ChatFormat(_Format):
     def response(self, outputs: list[Output]) -> dict:
         choices = []
         for index, output in enumerate(outputs):
+            self._count_reasoning(index, output.token_ids)
             parsed = parse_output(output.text, self.options)
             choices.append(
                 self._choice(
@@ -339,6 +352,18 @@ class ChatFormat(_Format):
                 for lp in logprobs or ()
             ]
         }
+
+    def _count_reasoning(self, index: int, token_ids) -> None:
+        for token in token_ids:
+            if not self._still_reasoning[index]:
+                return
+            if token == self._think_end:
+                self._still_reasoning[index] = False
+            else:
+                self._reasoning_tokens[index] += 1
+
+    def _usage_details(self) -> dict:
+        return {"completion_tokens_details": {"reasoning_tokens": sum(self._reasoning_tokens)}}
 
     @staticmethod
     def _reasoning(reasoning: str | None) -> dict:

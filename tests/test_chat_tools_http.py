@@ -144,14 +144,23 @@ def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
     kwargs = {"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max"}}
     text = "The user wants 2+2… 🤔</think>It is 4."
     script(engine, tokenizer, text)
-    message = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs).choices[0].message
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs)
+    message = response.choices[0].message
     assert (message.content, message.model_extra["reasoning_content"]) == ("It is 4.", "The user wants 2+2… 🤔")
+    reasoning_tokens = len(tokenizer.encode("The user wants 2+2… 🤔", add_special_tokens=False))
+    assert response.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]  # vLLM's current name
     prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
     assert prompt.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum") and prompt.endswith("<think>")
 
     script(engine, tokenizer, text)
-    out = streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    out = streamed(chunks)
     assert (out["reasoning_content"], out["content"], out["finish_reason"]) == (
         "The user wants 2+2… 🤔",
         "It is 4.",
