@@ -8,8 +8,11 @@ features jaxserve lacks are accepted only at their no-op value.
 
 Logprobs: completions take `logprobs: k` (and with `echo`, the prompt's logprobs too, which is what evaluators
 send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprobs: k`. Both map to the engine's
-SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field. `n` choices are `n` engine
-requests; choice i samples with seed `seed + i`.
+SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field; vLLM's `prompt_logprobs: k`
+works on both (not streaming). A completions `prompt` may be a batch; each prompt has `n` choices, each its own
+engine request, and choice j of every prompt samples with seed `seed + j`. vLLM's extras: include_stop_str_in_output,
+truncate_prompt_tokens, stream_options.continuous_usage_stats (with include_usage), and for chat
+add_generation_prompt, continue_final_message and include_reasoning.
 """
 
 from __future__ import annotations
