@@ -11,16 +11,19 @@ text_offset}`, where each `top_logprobs` entry maps token text to logprob for th
 text shared by several tokens keeps the best of theirs); with `echo` the prompt's tokens come first, the first of
 them with null logprobs. Chat: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 With vLLM's `return_tokens_as_token_ids`, logprobs name each token `token_id:<id>` rather than by its text (texts
-can repeat; ids cannot). `n` choices each carry their `index`; the usage counts the prompt once.
+can repeat; ids cannot). A batch of prompts (completions) has `n` choices per prompt, choice `i * n + j` being
+prompt i's choice j, each carrying its `index`; the usage counts each prompt once.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from jaxserve.request import TokenLogprob
 from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
+from jaxserve.text.chat.encoding import THINK_END
 from jaxserve.text.generation import Delta, Output
 from jaxserve.text.tokenizer import token_id_text
 
@@ -42,28 +45,38 @@ class _Format:
     def __init__(
         self,
         model: str,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
     ):
-        """`tokenizer` names the tokens in logprobs (`tokens_as_ids`: by id instead); `logprobs`: whether the
-        request asked for them."""
+        """`prompts`: the token ids of each prompt (chat: one), each with `n` choices: choice `index` answers
+        prompt `index // n`, as OpenAI numbers a batch's choices. `tokenizer` names the tokens in logprobs
+        (`tokens_as_ids`: by id instead); `logprobs`: the alternatives per token the request asked for (None: no
+        logprobs); `prompt_logprobs`: vLLM's, likewise for each prompt position."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.prompt_ids = prompt_ids
+        self.prompts = prompts
+        self.num_choices = len(prompts) * n
         self.return_token_ids = return_token_ids
         self.tokenizer = tokenizer
         self.n = n
-        self.logprobs = logprobs
+        self.logprobs = logprobs is not None
+        self.top_k = logprobs or 0
         self.tokens_as_ids = tokens_as_ids
+        self.prompt_logprobs = prompt_logprobs
 
     def request_id(self, choice: int) -> str:
         """The engine request id of choice `choice`."""
-        return self.id if self.n == 1 else f"{self.id}-{choice}"
+        return self.id if self.num_choices == 1 else f"{self.id}-{choice}"
+
+    def prompt_ids(self, choice: int) -> list[int]:
+        """The prompt choice `choice` answers."""
+        return self.prompts[choice // self.n]
 
     def token_text(self, token_id: int) -> str:
         """How logprobs name a token."""
@@ -91,10 +104,53 @@ class _Format:
         return []
 
     def usage_chunk(self, completion_tokens: int) -> dict:
-        return self._envelope(self.chunk_object, [], usage=usage(len(self.prompt_ids), completion_tokens))
+        return self._envelope(
+            self.chunk_object, [], usage={**usage(self._prompt_tokens(), completion_tokens), **self._usage_details()}
+        )
 
     def _usage(self, outputs: list[Output]) -> dict:
-        return usage(len(self.prompt_ids), sum(len(o.token_ids) for o in outputs))
+        return {**usage(self._prompt_tokens(), sum(len(o.token_ids) for o in outputs)), **self._usage_details()}
+
+    def _usage_details(self) -> dict:
+        """What the usage adds to its token counts (chat: the reasoning tokens)."""
+        return {}
+
+    def with_usage(self, chunk: dict, completion_tokens: int) -> dict:
+        """`chunk` (of one choice) with that choice's usage so far."""
+        prompt = self.prompt_ids(chunk["choices"][0]["index"])
+        return {**chunk, "usage": usage(len(prompt), completion_tokens)}
+
+    def _prompt_logprobs(self, logprobs) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+        for the token there and the k best (rank 1 is the best; null where the token is not among the
+        MAX_LOGPROBS the device computed)."""
+        if self.prompt_logprobs is None:
+            return None
+        result: list[dict | None] = [None]
+        for lp in logprobs or ():
+            ranked = {token_id: (rank, value) for rank, (token_id, value) in enumerate(lp.top, 1)}
+            entries = {lp.token_id: (ranked.get(lp.token_id, (None, lp.logprob))[0], lp.logprob)}
+            entries.update({t: ranked[t] for t, _ in lp.top[: self.prompt_logprobs]})
+            result.append(
+                {
+                    str(t): {"logprob": value, "rank": rank, "decoded_token": self.token_text(t)}
+                    for t, (rank, value) in entries.items()
+                }
+            )
+        return result
+
+    def _prompt_tokens(self) -> int:
+        """Every prompt counted once, however many choices it has."""
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as `echo` returns it: the text the client sent (special tokens written in it stay), or the decoded
+    ids of a token-id prompt (special tokens left out, as in any output text)."""
+
+    text: str
+    shows_special_tokens: bool
 
 
 class CompletionFormat(_Format):
@@ -103,19 +159,36 @@ class CompletionFormat(_Format):
     def __init__(
         self,
         model: str,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
-        echo_text: str | None = None,
+        prompt_logprobs: int | None = None,
+        echoes: list[Echo] | None = None,
     ):
-        """`echo_text`: the prompt as text, when the request asked for `echo`."""
-        super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
-        self.echo_text = echo_text
-        self._offsets = [0] * n  # text_offset of each choice's next token
+        """`echoes`: each prompt as `echo` returns it, when the request asked for it."""
+        super().__init__(model, prompts, return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
+        self.echoes = echoes
+        # text_offset indexes the text returned: each choice's output tokens are decoded again as the output text
+        # was (complete characters, no special tokens), after the echo's length.
+        self._texts = [tokenizer.detokenizer() for _ in range(self.num_choices)] if logprobs else []
+        self._text_start = [0] * self.num_choices
         self._started: set[int] = set()  # choices that have had a chunk
+
+    def token_name(self, token_id: int) -> str:
+        """How completions' logprobs name a token (in `tokens` and as a `top_logprobs` key): its text, or, for a
+        token that ends inside a UTF-8 character, OpenAI's `bytes:\\xNN...` (each such piece's text is U+FFFD, so
+        they would all share one key)."""
+        if self.tokens_as_ids:
+            return token_id_text(token_id)
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.tokenizer.token_text(token_id)
 
     def _first(self, index: int) -> bool:
         """Whether this is choice `index`'s first chunk (and mark it sent)."""
@@ -128,7 +201,7 @@ class CompletionFormat(_Format):
         text, logprobs = self._text_and_logprobs(index, delta.text, delta.logprobs, delta.prompt_logprobs, first)
         choice = self._choice(index, {"text": text}, delta.finish_reason, delta.stop_reason, delta.token_ids, logprobs)
         if self.return_token_ids and first:
-            choice["prompt_token_ids"] = self.prompt_ids
+            choice["prompt_token_ids"] = self.prompt_ids(index)
         return self._envelope(self.chunk_object, [choice])
 
     def response(self, outputs: list[Output]) -> dict:
@@ -139,39 +212,51 @@ class CompletionFormat(_Format):
                 index, {"text": text}, output.finish_reason, output.stop_reason, output.token_ids, logprobs
             )
             if self.return_token_ids:
-                choice["prompt_token_ids"] = self.prompt_ids
+                choice["prompt_token_ids"] = self.prompt_ids(index)
+            if self.prompt_logprobs is not None:  # vLLM's, in the choice
+                choice["prompt_logprobs"] = self._prompt_logprobs(output.prompt_logprobs)
             choices.append(choice)
         return self._envelope(self.response_object, choices, usage=self._usage(outputs))
 
     def _text_and_logprobs(self, index: int, text: str, logprobs, prompt_logprobs, first: bool):
-        echo = self.echo_text if first else None
+        echo = self.echoes[index // self.n] if first and self.echoes is not None else None
         if echo is not None:
-            text = echo + text
+            text = echo.text + text
         if not self.logprobs:
             return text, None
-        entries: list[tuple[int, TokenLogprob | None]] = []
-        if echo is not None:  # the first prompt token has no logprob: nothing comes before it
-            entries = [(self.prompt_ids[0], None)] + [(lp.token_id, lp) for lp in prompt_logprobs or ()]
-        entries += [(lp.token_id, lp) for lp in logprobs or ()]
-        return text, self._logprobs(index, entries)
-
-    def _logprobs(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
         result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if echo is not None:  # the first prompt token has no logprob: nothing comes before it
+            prompt_ids = self.prompt_ids(index)
+            entries: list[tuple[int, TokenLogprob | None]] = [(prompt_ids[0], None)]
+            entries += [(lp.token_id, lp) for lp in prompt_logprobs or ()]
+            echoed = self.tokenizer.detokenizer(skip_special_tokens=not echo.shows_special_tokens)
+            self._add(result, entries, echoed, 0)
+            self._text_start[index] = len(echo.text)
+        self._add(result, [(lp.token_id, lp) for lp in logprobs or ()], self._texts[index], self._text_start[index])
+        return text, result
+
+    def _add(self, result: dict[str, list], entries: list[tuple[int, TokenLogprob | None]], text, start: int) -> None:
+        """Append `entries` (token id, logprob or None) to `result`; `text` decodes them as the returned text
+        does, which starts at `start` there."""
         for token_id, logprob in entries:
-            token = self.token_text(token_id)
-            result["tokens"].append(token)
-            result["text_offset"].append(self._offsets[index])
-            self._offsets[index] += len(token)
+            result["tokens"].append(self.token_name(token_id))
+            before = len(text.text)
+            piece = text.step(token_id)
+            own = self.tokenizer.token_text(token_id)
+            # A token's text ends what it added (which may begin with the U+FFFD of a broken character before it);
+            # a piece of a character, or a special token the text leaves out, sits where the text then stood.
+            at = len(text.text) - len(own) if own and piece.endswith(own) else before
+            result["text_offset"].append(start + at)
             if logprob is None:
                 result["token_logprobs"].append(None)
                 result["top_logprobs"].append(None)
                 continue
             result["token_logprobs"].append(logprob.logprob)
             top: dict[str, float] = {}
-            for top_id, value in logprob.top + ((token_id, logprob.logprob),):  # best first: keep the first of a text
-                top.setdefault(self.token_text(top_id), value)
+            # Best first: when two tokens have one name (the same text), the likelier one is kept.
+            for top_id, value in logprob.top[: self.top_k] + ((token_id, logprob.logprob),):
+                top.setdefault(self.token_name(top_id), value)
             result["top_logprobs"].append(top)
-        return result
 
 
 class ChatFormat(_Format):
@@ -185,17 +270,25 @@ class ChatFormat(_Format):
         return_token_ids: bool,
         tokenizer,
         n: int = 1,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
         options: ChatOptions = ChatOptions(),
+        include_reasoning: bool = True,
     ):
-        super().__init__(model, prompt_ids, return_token_ids, tokenizer, n, logprobs, tokens_as_ids)
+        """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply."""
+        super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
         self.options = options
+        self.include_reasoning = include_reasoning
+        # Reasoning tokens (OpenAI's usage.completion_tokens_details): each choice's tokens before its </think>.
+        self._think_end = tokenizer.token_to_id(THINK_END) if tokenizer.has_text else None
+        self._still_reasoning = [options.thinking and not options.continue_final_message] * n
+        self._reasoning_tokens = [0] * n
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
         self._num_calls = [0] * n
 
     def _prompt_ids(self) -> dict:
-        return {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
+        return {"prompt_token_ids": self.prompts[0]} if self.return_token_ids else {}
 
     def opening_chunks(self) -> list[dict]:
         # As OpenAI and vLLM do: the role first, with no content yet.
@@ -206,13 +299,14 @@ class ChatFormat(_Format):
         return [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
 
     def chunk(self, index: int, delta: Delta) -> dict:
+        self._count_reasoning(index, delta.token_ids)
         parser = self._parsers[index]
         parsed = parser.feed(delta.text)
         if delta.finish_reason is not None:
             parsed.extend(parser.finish())
         body: dict = {"content": parsed.content}  # always a string, as before: clients concatenate it
-        if parsed.reasoning:
-            body["reasoning_content"] = parsed.reasoning
+        if parsed.reasoning and self.include_reasoning:
+            body.update(self._reasoning(parsed.reasoning))
         if parsed.tool_calls:
             body["tool_calls"] = [
                 {"index": self._num_calls[index] + k, **call.to_openai()} for k, call in enumerate(parsed.tool_calls)
@@ -228,23 +322,29 @@ class ChatFormat(_Format):
     def response(self, outputs: list[Output]) -> dict:
         choices = []
         for index, output in enumerate(outputs):
+            self._count_reasoning(index, output.token_ids)
             parsed = parse_output(output.text, self.options)
             choices.append(
                 self._choice(
                     index,
-                    {"message": self._message(parsed)},
+                    {"message": self._message(parsed, self.include_reasoning)},
                     self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
                     output.stop_reason,
                     output.token_ids,
                     self._logprobs(output.logprobs) if self.logprobs else None,
                 )
             )
-        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **self._prompt_ids())
+        extra = self._prompt_ids()
+        if self.prompt_logprobs is not None:  # vLLM's, at the top level of a chat completion
+            extra["prompt_logprobs"] = self._prompt_logprobs(outputs[0].prompt_logprobs)
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **extra)
 
     def _logprobs(self, logprobs) -> dict:
         def entry(token_id: int, value: float) -> dict:
             token = self.token_text(token_id)
-            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
+            # A token's own bytes (one that ends inside a character is not U+FFFD's); by id, the name's, as vLLM.
+            raw = token.encode("utf-8") if self.tokens_as_ids else self.tokenizer.token_bytes(token_id)
+            return {"token": token, "logprob": value, "bytes": list(raw)}
 
         return {
             "content": [
@@ -253,12 +353,29 @@ class ChatFormat(_Format):
             ]
         }
 
+    def _count_reasoning(self, index: int, token_ids) -> None:
+        for token in token_ids:
+            if not self._still_reasoning[index]:
+                return
+            if token == self._think_end:
+                self._still_reasoning[index] = False
+            else:
+                self._reasoning_tokens[index] += 1
+
+    def _usage_details(self) -> dict:
+        return {"completion_tokens_details": {"reasoning_tokens": sum(self._reasoning_tokens)}}
+
     @staticmethod
-    def _message(parsed: ParsedDelta) -> dict:
+    def _reasoning(reasoning: str | None) -> dict:
+        # Current vLLM clients read `reasoning`; older ones (and DeepSeek's API) `reasoning_content`.
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    @classmethod
+    def _message(cls, parsed: ParsedDelta, include_reasoning: bool) -> dict:
         message: dict = {
             "role": "assistant",
             "content": parsed.content if parsed.content or not parsed.tool_calls else None,
-            "reasoning_content": parsed.reasoning or None,
+            **(cls._reasoning(parsed.reasoning or None) if include_reasoning else {}),
         }
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]

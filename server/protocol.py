@@ -8,8 +8,11 @@ features jaxserve lacks are accepted only at their no-op value.
 
 Logprobs: completions take `logprobs: k` (and with `echo`, the prompt's logprobs too, which is what evaluators
 send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprobs: k`. Both map to the engine's
-SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field. `n` choices are `n` engine
-requests; choice i samples with seed `seed + i`.
+SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field; vLLM's `prompt_logprobs: k`
+works on both (not streaming). A completions `prompt` may be a batch; each prompt has `n` choices, each its own
+engine request, and choice j of every prompt samples with seed `seed + j`. vLLM's extras: include_stop_str_in_output,
+truncate_prompt_tokens, stream_options.continuous_usage_stats (with include_usage), and for chat
+add_generation_prompt, continue_final_message and include_reasoning.
 
 Structured outputs: OpenAI's `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
@@ -24,7 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, overload
 
-from jaxserve.request import InvalidRequest, SamplingParams
+from jaxserve.request import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from jaxserve.request.grammar import Constraint, ConstraintKind
 from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
@@ -70,6 +73,28 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
     min_tokens: int = 0  # vLLM's
     constraint: Constraint | None = None  # structured outputs
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and top k, in vLLM's shape
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it (its last k tokens), or a 400 as vLLM words it."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        k = max_model_len if k == -1 else k
+        if k > max_model_len:
+            raise bad_request(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                "Please, select a smaller truncation size.",
+            )
+        return prompt_ids[-k:]
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
@@ -88,7 +113,9 @@ class GenerationParams:
                 logit_bias=self.logit_bias,
                 min_tokens=self.min_tokens,
                 constraint=self.constraint,
-                prompt_logprobs=self.logprobs if self.echo else None,
+                # Every prompt position's best MAX_LOGPROBS (what the device computes anyway): echo shows the
+                # request's k of them, prompt_logprobs its own k, and the ranks come from them.
+                prompt_logprobs=MAX_LOGPROBS if self.wants_prompt_logprobs else None,
             )
         except InvalidRequest as error:
             raise self.renamed(error, "prompt") from None
@@ -100,7 +127,6 @@ class GenerationParams:
             "prompt": prompt_field,
             "max_tokens": self.max_tokens_field,
             "logprobs": self.logprobs_field,
-            "prompt_logprobs": "logprobs",
         }
         name = None if error.param is None else names.get(error.param)
         if name is None or error.param is None or name == error.param:
@@ -113,7 +139,7 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str | list[int]
+    prompts: tuple[str | list[int], ...]  # one or more, each a text or token ids; each gets its own `n` choices
     params: GenerationParams
 
 
@@ -122,6 +148,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     options: ChatOptions  # thinking, reasoning effort, tools and tool_choice
     params: GenerationParams
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -136,7 +163,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if max_tokens == 0 and not echo:
         raise bad_request("max_tokens", "max_tokens: 0 asks for the prompt alone, which only `echo: true` returns")
     params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs", echo)
-    return CompletionRequest(_prompt(body.get("prompt")), params)
+    return CompletionRequest(_prompts(body.get("prompt")), params)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -167,7 +194,7 @@ def parse_chat(body: Any) -> ChatRequest:
                 "tool call; a request takes one structured output constraint",
             )
         params = dataclasses.replace(params, constraint=Constraint(ConstraintKind.GRAMMAR, tool_call, "tool_choice"))
-    return ChatRequest(messages, options, params)
+    return ChatRequest(messages, options, params, fields.boolean("include_reasoning", True))
 
 
 def _chat_options(fields: _Fields) -> ChatOptions:
@@ -182,7 +209,16 @@ def _chat_options(fields: _Fields) -> ChatOptions:
     if effort is None:
         effort_field, effort = "reasoning_effort", fields.raw.get("reasoning_effort")
     try:
-        return chat_options(thinking, effort, fields.raw.get("tools"), fields.raw.get("tool_choice"))
+        continues = fields.boolean("continue_final_message", False)
+        return chat_options(
+            thinking,
+            effort,
+            fields.raw.get("tools"),
+            fields.raw.get("tool_choice"),
+            # vLLM's default is true, and refuses only both set true by the client.
+            fields.boolean("add_generation_prompt", not continues),
+            continues,
+        )
     except ChatTemplateError as error:
         field = effort_field if error.field == "reasoning_effort" else error.field
         message = str(error).replace("reasoning_effort:", f"{field}:", 1)
@@ -206,6 +242,8 @@ def _generation_params(
     options = fields.object("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options", "stream_options: only allowed when stream is true")
+    stream_fields = _Fields(options, prefix="stream_options.")
+    include_usage = stream_fields.boolean("include_usage", False)
     seed = fields.integer("seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
@@ -227,7 +265,7 @@ def _generation_params(
         ),
         ignore_eos=fields.boolean("ignore_eos", False),
         stream=stream,
-        include_usage=_Fields(options, prefix="stream_options.").boolean("include_usage", False),
+        include_usage=include_usage,
         return_token_ids=fields.boolean("return_token_ids", False),
         n=n,
         logprobs=logprobs,
@@ -237,6 +275,10 @@ def _generation_params(
         priority=fields.integer("priority", 0),
         logit_bias=_logit_bias(fields.object("logit_bias")),
         min_tokens=fields.integer("min_tokens", 0),
+        include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
+        continuous_usage=include_usage and stream_fields.boolean("continuous_usage_stats", False),
+        truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
+        prompt_logprobs=_prompt_logprobs(fields.integer("prompt_logprobs", None), stream),
         constraint=_constraint(fields),
     )
 
@@ -338,27 +380,52 @@ def _constraint_of(kind: ConstraintKind, value: Any, field: str, closed_objects:
     return Constraint(kind, value, field)
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt is that prompt
+def _prompt_logprobs(k: int | None, stream: bool) -> int | None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request("prompt_logprobs", f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {k}")
+    if k and stream:  # as vLLM: they would all have to come before the first token
+        raise bad_request("prompt_logprobs", "prompt_logprobs: not available when stream is true")
+    return k
+
+
+def _truncation(k: int | None) -> int | None:
+    if k is not None and k != -1 and k < 1:
+        raise bad_request(
+            "truncate_prompt_tokens", f"truncate_prompt_tokens: must be -1 (the context's length) or >= 1, got {k}"
+        )
+    return k
+
+
+def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a batch: a list of strings or of token-id lists
+    (not mixed). Every prompt is checked here, so a bad one refuses the whole call before anything runs."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        kinds = {type(p) for p in prompt}
+        if len(kinds) > 1:
+            raise bad_request("prompt", "prompt: a batch is a list of strings or a list of token-id lists, not both")
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return (_prompt(prompt, "prompt"),)
+
+
+def _prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("prompt", "prompt: must not be empty")
+            raise bad_request("prompt", f"{where}: must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("prompt", "prompt: batches of several prompts are not supported; send one per request")
     if isinstance(prompt, list):
-        return _token_ids("prompt", prompt)
-    raise bad_request("prompt", f"prompt: must be a string or a list of token ids, got {_show(prompt)}")
+        return _token_ids(where, prompt, param="prompt")
+    raise bad_request("prompt", f"{where}: must be a string or a list of token ids, got {_show(prompt)}")
 
 
-def _token_ids(name: str, ids: Any, allow_empty: bool = False) -> list[int]:
+def _token_ids(name: str, ids: Any, allow_empty: bool = False, param: str | None = None) -> list[int]:
+    """`param`: the field the 400 names when `name` is a place inside it (prompt[2] is in prompt)."""
+    param = param or name
     if not isinstance(ids, list) or (not ids and not allow_empty):
         kind = "a list" if allow_empty else "a non-empty list"
-        raise bad_request(name, f"{name}: must be {kind} of token ids, got {_show(ids)}")
+        raise bad_request(param, f"{name}: must be {kind} of token ids, got {_show(ids)}")
     for i, token in enumerate(ids):
         if not _is_int(token):
-            raise bad_request(name, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
+            raise bad_request(param, f"{name}[{i}]: must be an integer token id, got {_show(token)}")
     return ids
 
 

@@ -25,7 +25,7 @@ from jaxserve.request import InvalidRequest
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.formats import ChatFormat, CompletionFormat
+from jaxserve.server.formats import ChatFormat, CompletionFormat, Echo
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
 from jaxserve.server.sse import sse_response
 from jaxserve.server.state import ServerState
@@ -81,40 +81,52 @@ async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_completion)
     params = parsed.params
-    prompt_ids = await _encode_prompt(state, parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-    echo_text = None
-    if params.echo:
-        echo_text = parsed.prompt if isinstance(parsed.prompt, str) else state.tokenizer.decode(prompt_ids)
+    whole = [
+        await _encode_prompt(state, p, params.truncate_prompt_tokens is None) if isinstance(p, str) else p
+        for p in parsed.prompts
+    ]
+    prompts = [params.truncated(ids, state.context_limit) for ids in whole]
+    echoes = None
+    if params.echo:  # a prompt comes back as sent, unless truncation cut it: then what is left of it
+        echoes = [
+            Echo(sent, True)
+            if isinstance(sent, str) and len(ids) == len(all_ids)
+            else Echo(state.tokenizer.decode(ids), False)
+            for sent, ids, all_ids in zip(parsed.prompts, prompts, whole)
+        ]
     fmt = CompletionFormat(
         state.served_model_name,
-        prompt_ids,
+        prompts,
         params.return_token_ids,
         state.tokenizer,
         params.n,
-        params.logprobs is not None,
+        params.logprobs,
         params.tokens_as_ids,
-        echo_text,
+        params.prompt_logprobs,
+        echoes,
     )
-    return await _generate(request, state, fmt, prompt_ids, parsed.params, "prompt", arrival)
+    return await _generate(request, state, fmt, prompts, parsed.params, "prompt", arrival)
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, parsed = await _parse(request, parse_chat)
-    prompt_ids = await run_in_threadpool(chat_prompt_ids, state, parsed)
     params = parsed.params
+    prompt_ids = params.truncated(await run_in_threadpool(chat_prompt_ids, state, parsed), state.context_limit)
     fmt = ChatFormat(
         state.served_model_name,
         prompt_ids,
         params.return_token_ids,
         state.tokenizer,
         params.n,
-        params.logprobs is not None,
+        params.logprobs,
         params.tokens_as_ids,
+        params.prompt_logprobs,
         parsed.options,
+        parsed.include_reasoning,
     )
-    return await _generate(request, state, fmt, prompt_ids, parsed.params, "messages", arrival)
+    return await _generate(request, state, fmt, [prompt_ids], parsed.params, "messages", arrival)
 
 
 def chat_prompt_ids(state: ServerState, parsed: ChatRequest) -> list[int]:
@@ -183,13 +195,14 @@ async def _parse(request: Request, parse: Callable[[Any], RequestT]) -> tuple[Se
     return state, parsed
 
 
-async def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
+async def _encode_prompt(state: ServerState, prompt: str, judge_head: bool = True) -> list[int]:
+    """`judge_head`: a prompt too long by its head alone is refused untokenized (not when it will be truncated)."""
     tokenizer = state.tokenizer
     if not tokenizer.has_text:
         raise bad_request("prompt", "prompt: this server has no tokenizer; send the prompt as a list of token ids")
     limit = state.context_limit
     head = prompt[: limit * HEAD_CHARS_PER_TOKEN]
-    if len(head) < len(prompt):
+    if judge_head and len(head) < len(prompt):
         # A prompt whose head alone is longer than the context is refused without tokenizing the rest (up to
         # --max-request-bytes of it). Only the last word of the head can tokenize differently in the whole prompt,
         # hence the margin.
@@ -211,16 +224,15 @@ async def _generate(
     request: Request,
     state: ServerState,
     fmt,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: GenerationParams,
     prompt_field: str,
     arrival: float,
 ) -> Response:
-    max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
-    generations = _submit(state, fmt, prompt_ids, params, max_tokens, prompt_field, arrival)
+    generations = _submit(state, fmt, prompts, params, prompt_field, arrival)
     request.state.generations = generations  # for the access log's token counts
     if params.stream:
-        return sse_response(_chunks(generations, fmt, params.include_usage))
+        return sse_response(_chunks(generations, fmt, params.include_usage, params.continuous_usage))
     try:
         outputs = await cancel_on_disconnect(request, _outputs(generations))
     except ClientDisconnected:
@@ -234,28 +246,31 @@ async def _generate(
 def _submit(
     state: ServerState,
     fmt,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: GenerationParams,
-    max_tokens: int,
     prompt_field: str,
     arrival: float,
 ) -> list[Generation]:
-    """One engine request per choice; if any is refused, those already submitted are aborted and the refusal
-    answered (429, 503 or 400 naming the client's field)."""
+    """One engine request per choice, `n` per prompt in the choices' order (choice j of every prompt samples with
+    seed + j, so a batch answers what its prompts sent one by one would); if any is refused, those already
+    submitted are aborted and the refusal answered (429, 503 or 400 naming the client's field)."""
     generations: list[Generation] = []
     try:
-        for choice in range(params.n):
+        for index in range(len(prompts) * params.n):
+            prompt_ids = prompts[index // params.n]
+            max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
             generations.append(
                 Generation(
                     state.engine,
                     state.tokenizer,
                     prompt_ids,
-                    params.sampling(max_tokens, choice),
+                    params.sampling(max_tokens, index % params.n),
                     params.stop,
-                    fmt.request_id(choice),
+                    fmt.request_id(index),
                     state.metrics.timer(arrival),
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,
+                    include_stop=params.include_stop_str_in_output,
                 )
             )
     except (QueueFull, EngineDraining, InvalidRequest) as error:
@@ -310,13 +325,16 @@ async def _outputs(generations: list[Generation]) -> list[Output]:
     return outputs
 
 
-async def _chunks(generations: list[Generation], fmt, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(generations: list[Generation], fmt, include_usage: bool, continuous: bool) -> AsyncIterator[dict]:
+    """The stream; `continuous` (vLLM's continuous_usage_stats): every chunk also carries its choice's usage so
+    far (its prompt, its tokens), as vLLM's do."""
     for chunk in fmt.opening_chunks():
-        yield chunk
+        yield fmt.with_usage(chunk, 0) if continuous else chunk
     async with aclosing(_interleaved(generations)) as deltas:
         async for index, delta in deltas:
             if delta.finish_reason == "error":
                 raise APIError(500, f"generation failed: {delta.error}")
-            yield fmt.chunk(index, delta)
+            chunk = fmt.chunk(index, delta)
+            yield fmt.with_usage(chunk, generations[index].num_generated) if continuous else chunk
     if include_usage:
         yield fmt.usage_chunk(sum(g.num_generated for g in generations))

@@ -91,10 +91,6 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any], add_special: bool) -> list[int]:
-    # The generation prompt is always there: DeepSeek-V4's encoding has no form without it after a user turn.
-    for name, supported in (("add_generation_prompt", True), ("continue_final_message", False)):
-        if body.get(name) not in (None, supported):
-            raise bad_request(name, f"{name}: only {str(supported).lower()} is supported by DeepSeek-V4's encoding")
     ids = chat_prompt_ids(state, parse_chat(body))
     if add_special and tokenizer.add_bos:
         assert tokenizer.bos_id is not None  # add_bos is only ever set with a BOS id

@@ -226,6 +226,27 @@ def test_reasoning_effort_max_puts_the_release_preamble_after_bos():
     assert render_prompt(messages, chat_options(thinking=False, reasoning_effort="max")) == plain.replace(
         THINK, END_THINK
     )
+    # The levels OpenAI and vLLM clients send, on DeepSeek-V4's two; "none" turns thinking off.
+    for effort, rendered in [("minimal", plain), ("low", plain), ("medium", plain), ("xhigh", None)]:
+        expected = rendered or BOS + preamble + USER + "q" + ASSISTANT + THINK
+        assert render_prompt(messages, chat_options(thinking=True, reasoning_effort=effort)) == expected, effort
+    off = chat_options(thinking=True, reasoning_effort="none")
+    assert not off.thinking and render_prompt(messages, off) == plain.replace(THINK, END_THINK)
+
+
+def test_the_generation_prompt_can_be_left_out_and_the_last_assistant_message_continued():
+    question = [{"role": "user", "content": "q"}]
+    assert render_prompt(question, chat_options(add_generation_prompt=False)) == BOS + USER + "q"
+    started = question + [{"role": "assistant", "content": "Once", "reasoning_content": "r"}]
+    options = chat_options(add_generation_prompt=False, continue_final_message=True)
+    assert render_prompt(started, options) == BOS + USER + "q" + ASSISTANT + END_THINK + "Once"
+    options = chat_options(thinking=True, add_generation_prompt=False, continue_final_message=True)
+    assert render_prompt(started, options) == BOS + USER + "q" + ASSISTANT + THINK + "r" + END_THINK + "Once"
+    assert parse_output(" upon", options).content == " upon"  # its reasoning is closed: the model answers on
+    with pytest.raises(ChatTemplateError, match="must be the assistant's"):
+        render_prompt(question, options)
+    with pytest.raises(ChatTemplateError, match="Cannot set both"):
+        chat_options(continue_final_message=True)  # add_generation_prompt is true unless turned off
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call():
@@ -241,7 +262,8 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call():
 @pytest.mark.parametrize(
     "kwargs, field, text",
     [
-        ({"reasoning_effort": "low"}, "reasoning_effort", "high, max"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort", "none, minimal, low, medium, high, xhigh, max"),
+        ({"reasoning_effort": ["high"]}, "reasoning_effort", "must be one of"),
         ({"tools": {"name": "x"}}, "tools", "must be a list"),
         ({"tools": [{"type": "function"}]}, "tools", "tools[0].function"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tools[0].function.name"),

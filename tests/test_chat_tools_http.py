@@ -144,19 +144,30 @@ def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
     kwargs = {"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max"}}
     text = "The user wants 2+2… 🤔</think>It is 4."
     script(engine, tokenizer, text)
-    message = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs).choices[0].message
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs)
+    message = response.choices[0].message
     assert (message.content, message.model_extra["reasoning_content"]) == ("It is 4.", "The user wants 2+2… 🤔")
+    reasoning_tokens = len(tokenizer.encode("The user wants 2+2… 🤔", add_special_tokens=False))
+    assert response.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]  # vLLM's current name
     prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
     assert prompt.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum") and prompt.endswith("<think>")
 
     script(engine, tokenizer, text)
-    out = streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, extra_body=kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    out = streamed(chunks)
     assert (out["reasoning_content"], out["content"], out["finish_reason"]) == (
         "The user wants 2+2… 🤔",
         "It is 4.",
         "stop",
     )
     assert not any("think>" in d.get("content", "") + d.get("reasoning_content", "") for d in out["deltas"])
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in out["deltas"])
 
     # The client passes its reasoning back: after the last user turn it is rendered, before it dropped.
     history = QUESTION + [{"role": "assistant", "content": "It is 4.", "reasoning_content": "2+2"}]
@@ -170,6 +181,40 @@ def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
         model=MODEL, messages=history + [{"role": "user", "content": "Sure?"}], tools=TOOLS, extra_body=kwargs
     )  # with tools, every turn keeps its reasoning
     assert "<think>2+2</think>It is 4." in tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+
+
+def test_continue_final_message_leaves_the_assistant_message_open_in_chat_and_tokenize(http, engine, tokenizer):
+    started = QUESTION + [{"role": "assistant", "content": "Once upon", "reasoning_content": "a story"}]
+    body = {"messages": started, "continue_final_message": True, "add_generation_prompt": False}
+    ids = http.post("/tokenize", json={**body, "chat_template_kwargs": {"thinking": True}}).json()["tokens"]
+    rendered = tokenizer.decode(ids, skip_special_tokens=False)
+    assert rendered.endswith("<｜Assistant｜><think>a story</think>Once upon"), rendered  # not closed by EOS
+    script(engine, tokenizer, " a time.")
+    reply = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"thinking": True}}).json()
+    assert engine.prompts[-1] == ids and reply["choices"][0]["message"]["content"] == " a time."  # no reasoning
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_leaves_the_reasoning_out(http, engine, tokenizer, stream):
+    script(engine, tokenizer, "Hidden thoughts</think>It is 4.")
+    body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "chat_template_kwargs": {"thinking": True},
+        "include_reasoning": False,
+        "stream": stream,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in response.text.split("\n\n")[1:-2]]
+        content = "".join(d.get("content", "") for d in deltas)
+        assert not any("reasoning" in d or "reasoning_content" in d for d in deltas), deltas
+    else:
+        message = response.json()["choices"][0]["message"]
+        content = message["content"]
+        assert "reasoning" not in message and "reasoning_content" not in message, message
+    assert content == "It is 4." and "Hidden" not in response.text
 
 
 def test_a_named_tool_choice_is_forced_and_parsed(client, engine, tokenizer):
@@ -231,7 +276,7 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": {"thinking": True}}, "tool_choice"),
     ({"chat_template_kwargs": {"reasoning_effort": "extreme"}}, "chat_template_kwargs.reasoning_effort"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"reasoning_effort": "ultra"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"enable_thinking": "on"}}, "chat_template_kwargs.enable_thinking"),
     ({"messages": [{"role": "tool", "content": "r"}]}, "messages"),
     (
@@ -297,7 +342,12 @@ def test_tokenize_detokenize_and_tokenizer_info(http, tokenizer, served):
         ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-        ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        (
+            "/tokenize",
+            {"messages": QUESTION, "add_generation_prompt": True, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        ("/tokenize", {"messages": QUESTION, "continue_final_message": True}, "messages"),  # the last is the user's
         ("/tokenize", {"messages": [{"role": "nobody"}]}, "messages"),
         ("/tokenize", {"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
         ("/detokenize", {"tokens": [1, 100000]}, "tokens"),

@@ -127,6 +127,38 @@ def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, refere
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
 
 
+BOS_TEXT = "<｜begin▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[0, 46, 79, 0, 57, 134, 103], BOS_TEXT + "São Paulo" + BOS_TEXT + " – ünï"],
+    ids=["ids-with-bos", "text-with-bos"],
+)
+def test_echo_offsets_index_the_text_returned_and_pieces_of_characters_keep_their_bytes(http, loaded, prompt):  # noqa: F811
+    tokenizer = loaded.tokenizer
+    body = complete(http, prompt=prompt, echo=True, logprobs=5, max_tokens=12, temperature=0, ignore_eos=True)
+    choice = body["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # an id prompt's BOS is not text
+    assert text.startswith(echo) and len(logprobs["tokens"]) == len(ids) + 12
+    pieces = 0
+    offsets = logprobs["text_offset"]
+    for k, token in enumerate(logprobs["tokens"]):
+        if token.startswith("bytes:"):  # a piece of a character: its bytes, in OpenAI's notation
+            pieces += 1
+        elif k < len(ids) and token == BOS_TEXT and not isinstance(prompt, str):  # not in the text: takes no room
+            assert offsets[k] == offsets[k + 1], k
+        else:
+            assert text[offsets[k] : offsets[k] + len(token)] == token, (k, token, offsets[k])
+    assert pieces >= 2  # São and ünï are split inside their characters
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    # Pieces of characters no longer share the U+FFFD key: every position lists its 5 best, distinctly named.
+    assert all(len(top) >= 5 for top in logprobs["top_logprobs"][1:]), logprobs["top_logprobs"]
+    assert all(t in top for t, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]))
+
+
 def test_greedy_tokens_and_their_logprobs_match_the_reference_streaming_and_not(http, reference):
     prompt = PROMPT[:20]
     tokens, rows = reference_greedy(reference, prompt, 8)
@@ -170,11 +202,41 @@ def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, 
     assert len(content) == 6
     for entry, token, row in zip(content, tokens, rows):
         assert entry["token"] == loaded.tokenizer.token_text(token)
-        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        # A token's own bytes: a piece of a character is not U+FFFD's (the greedy run has such pieces).
+        assert entry["bytes"] == list(loaded.tokenizer.token_bytes(token))
+        assert bytes(entry["bytes"]).decode("utf-8", errors="replace") == entry["token"]
         assert abs(entry["logprob"] - row[token]) <= TOL
         best = np.argsort(-row)[:2]
         assert [e["token"] for e in entry["top_logprobs"]] == [loaded.tokenizer.token_text(int(t)) for t in best]
         assert all(abs(e["logprob"] - row[t]) <= TOL for e, t in zip(entry["top_logprobs"], best))
+
+
+def test_prompt_logprobs_are_the_reference_log_softmax_in_vllms_shape_in_both_apis(http, reference, loaded):  # noqa: F811
+    prompt = PROMPT[:12]
+    body = complete(http, prompt=prompt, prompt_logprobs=3, max_tokens=1, temperature=0, ignore_eos=True)
+    entries = body["choices"][0]["prompt_logprobs"]
+    expected = reference_logprobs(reference, prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, entry in enumerate(entries[1:], 1):
+        row = expected[p - 1]
+        best = [int(i) for i in np.argsort(-row)[:3]]
+        assert set(entry) == {str(t) for t in best} | {str(prompt[p])}, p
+        for key, value in entry.items():
+            token = int(key)
+            assert abs(value["logprob"] - row[token]) <= TOL, (p, token)
+            true_rank = 1 + int((row > row[token]).sum())  # null past the MAX_LOGPROBS the device ranks
+            assert value["rank"] == (true_rank if true_rank <= MAX_LOGPROBS else None), (p, token)
+            assert value["decoded_token"] == loaded.tokenizer.token_text(token)
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2, 3]
+    assert body["choices"][0]["logprobs"] is None  # not asked
+
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    entries = chat["prompt_logprobs"]  # vLLM's place for them in a chat completion
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:]), entries  # k = 0: the token's own
+    assert len(entries) == chat["usage"]["prompt_tokens"]
 
 
 # ---- n -------------------------------------------------------------------------------------------------------------
@@ -213,6 +275,52 @@ def test_n_choices_are_seeded_reproducible_and_count_the_prompt_once(http, serve
     wait_for(lambda: settled(server.engine), 5, "every page back")
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 99}], ids=["greedy", "seeded"])
+def test_a_batch_of_prompts_gives_the_choices_of_the_single_calls_in_openai_order(http, server, sampling):
+    prompts = [PROMPT[:5], PROMPT[10:13], PROMPT[20:28], PROMPT[40:44]]
+    args = dict(max_tokens=4, ignore_eos=True, return_token_ids=True, **sampling)
+    singles = [
+        complete(http, prompt=p, **({**args, "seed": sampling["seed"] + j} if "seed" in sampling else args))
+        for p in prompts
+        for j in range(2)
+    ]
+    expected = [s["choices"][0]["token_ids"] for s in singles]
+    if "seed" in sampling:  # the seeds differ, so the two choices of a prompt do too
+        assert all(expected[2 * i] != expected[2 * i + 1] for i in range(4)), expected
+
+    body = complete(http, prompt=prompts, n=2, **args)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(8))
+    assert [c["token_ids"] for c in choices] == expected  # index = prompt * n + choice
+    assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
+    assert [c["text"] for c in choices] == [s["choices"][0]["text"] for s in singles]
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 32,
+        "total_tokens": prompt_tokens + 32,
+    }
+
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompts,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **args,
+        },
+    ) as response:
+        chunks = [p for p in sse_payloads(response.iter_lines()) if p != "[DONE]"]
+    streamed = [
+        [t for c in chunks for ch in c["choices"] if ch["index"] == i for t in ch["token_ids"]] for i in range(8)
+    ]
+    assert streamed == expected and chunks[-1]["usage"] == body["usage"]
+    wait_for(lambda: settled(server.engine), 5, "every page back")
+
+
 # ---- validation ----------------------------------------------------------------------------------------------------
 
 BAD = [
@@ -237,6 +345,10 @@ BAD = [
     ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary: more than 20
+    ("/v1/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": "2"}, "prompt_logprobs"),
 ]
 
 

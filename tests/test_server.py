@@ -294,11 +294,13 @@ def greedy_text(http, max_tokens: int = 24) -> tuple[str, list[int]]:
     return choice["text"], choice["token_ids"]
 
 
-def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str_in_output"])
+def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http, include):
     text, _ = greedy_text(http)
     stop = text[6:8]
-    expected = text[: text.find(stop)]
+    expected = text[: text.find(stop) + (len(stop) if include else 0)]  # vLLM's include_stop_str_in_output
     request = {"prompt": [7, 8, 9], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": ["zzzz", stop]}
+    request["include_stop_str_in_output"] = include
     choice = http.post("/v1/completions", json=request).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
 
@@ -306,6 +308,55 @@ def test_stop_strings_cut_the_text_and_never_leak_into_the_stream(http):
         chunks = sse_payloads(response.iter_lines())[:-1]
     streamed = [c["choices"][0]["text"] for c in chunks]
     assert "".join(streamed) == expected and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_in_both_apis(http):
+    long = list(range(2, 302))  # longer than the context on its own
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    cut = http.post("/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 10}).json()
+    alone = http.post("/v1/completions", json={**body, "prompt": long[-10:]}).json()
+    assert cut["choices"][0]["prompt_token_ids"] == long[-10:] and cut["usage"]["prompt_tokens"] == 10
+    assert cut["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    whole = http.post("/v1/completions", json={**body, "prompt": long[:100], "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 100  # -1: up to the context, which it fits
+    chat = http.post(
+        "/v1/chat/completions",
+        json={
+            **body,
+            "messages": [{"role": "user", "content": "Hello there, how are you"}],
+            "truncate_prompt_tokens": 3,
+        },
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == 3 and len(chat["prompt_token_ids"]) == 3
+
+
+@pytest.mark.parametrize("value", [0, -2, 257, "5"])
+def test_a_bad_truncate_prompt_tokens_is_a_400_naming_it(http, value):
+    response = http.post("/v1/completions", json={"prompt": "Hi", "truncate_prompt_tokens": value})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "truncate_prompt_tokens", response.text
+    if value == 257:
+        assert error["message"].startswith("truncate_prompt_tokens value (257) is greater than max_model_len (256)")
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (
+        ("/v1/completions", {"prompt": [5, 6, 7], "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        request = {**body, "max_tokens": 3, "ignore_eos": True, "stream": True, "stream_options": options}
+        with http.stream("POST", path, json=request) as response:
+            chunks = sse_payloads(response.iter_lines())[:-1]
+        final = chunks[-1]["usage"]
+        counts: dict[int, list[int]] = {}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk["choices"]
+            counts.setdefault(choice["index"], []).append(chunk["usage"]["completion_tokens"])
+            assert chunk["usage"]["prompt_tokens"] == final["prompt_tokens"]  # one prompt, counted once
+        opening = [0] if path.endswith("chat/completions") else []
+        assert all(c == opening + [1, 2, 3] for c in counts.values()), counts
+        assert final["completion_tokens"] == 3 * len(counts)
 
 
 def test_every_eos_id_of_the_generation_config_ends_generation_in_the_engine_and_over_http(
@@ -582,7 +633,11 @@ COMPLETION_BAD = [
     ({"prompt": [1, 512]}, "prompt"),  # the vocabulary is [0, 512)
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1, 2]]}, "prompt"),  # a batch is of one kind
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [[1, 2], [3, "x"]]}, "prompt"),
+    ({"prompt": ["Hi", ""]}, "prompt"),
+    ({"prompt": [[1, 2], [1, 512]]}, "prompt"),  # a refused prompt refuses the whole batch
     ({"prompt": list(range(2, 302))}, "prompt"),  # longer than the context on its own
     ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),  # without echo

@@ -72,15 +72,16 @@ class Generation:
         observer: Observer | None = None,
         keep_markup: bool = False,
         priority: int = 0,
+        include_stop: bool = False,
     ):
         """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser);
-        `priority`: see Engine.submit."""
+        `priority`: see Engine.submit; `include_stop`: a matched stop string stays at the end of the text."""
         self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority)
         self._sampling = sampling
         self.num_generated = 0
         self._engine = engine
         self._detokenizer = tokenizer.detokenizer(keep_markup=keep_markup)
-        self._stops = StopStrings(stop)
+        self._stops = StopStrings(stop, include_stop)
         self._observer = observer
         self._finish_reason: str | None = None
         self._stop_string: str | None = None

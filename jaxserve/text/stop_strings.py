@@ -7,8 +7,10 @@ from __future__ import annotations
 
 
 class StopStrings:
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
+        """`include_stop` (vLLM's include_stop_str_in_output): the output ends after the stop string, not before."""
         self.stops = stops
+        self.include_stop = include_stop
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str | None]:
@@ -20,7 +22,7 @@ class StopStrings:
         if found:
             cut, stop = min(found)
             self._held = ""
-            return buffer[:cut], stop
+            return buffer[: cut + len(stop) if self.include_stop else cut], stop
         keep = self._longest_stop_prefix_at_end(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], None

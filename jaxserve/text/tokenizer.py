@@ -138,6 +138,19 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{int(token_id)}"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character each byte is written as in the vocabulary,
+    mapped back to the byte. Printable Latin-1 bytes stand for themselves; the other 68 are shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = (b for b in range(256) if b not in printable)
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + k): b for k, b in enumerate(shifted)})
+    return alphabet
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
 # ---- the two tokenizer kinds ---------------------------------------------------------------------------------------
 
 
@@ -156,6 +169,8 @@ class Tokenizer:
         self.bos_id, self.eos_ids = _special_ids(self.folder, self._tok.token_to_id)
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._added_text = {i: token.content for i, token in added.items()}
+        self._byte_level = isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
         # Reasoning and tool-call markup the chat output parser reads, whether or not the tokenizer calls it special.
         self._markup_ids = frozenset(
             i for i, token in added.items() if token.content in (THINK_START, THINK_END) or DSML in token.content
@@ -214,6 +229,19 @@ class Tokenizer:
         """One token as logprobs name it: its text, special tokens included (a piece of a character is U+FFFD)."""
         return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: for a token that ends inside a UTF-8 character, that character's bytes it holds
+        (its text is U+FFFD, whose bytes these are not)."""
+        token_id = int(token_id)
+        if token_id in self._added_text:
+            return self._added_text[token_id].encode("utf-8")
+        piece = self._tok.id_to_token(token_id)
+        if self._byte_level and piece is not None and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # a byte-fallback token (SentencePiece's)
+        return self.token_text(token_id).encode("utf-8")
+
     def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> IncrementalDetokenizer:
         """`keep_markup`: special tokens are skipped except `<think>`, `</think>` and DSML ones (chat output)."""
         silent = self._special_ids - self._markup_ids if keep_markup else self._special_ids
@@ -265,6 +293,9 @@ class TokenIdOnly:
 
     def token_text(self, token_id: int) -> str:
         return token_id_text(token_id)  # no vocabulary to name it by
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True, keep_markup: bool = False) -> _NoTextDetokenizer:
         return _NoTextDetokenizer()

@@ -9,7 +9,8 @@
 - Thinking mode drops the reasoning of turns before the last user turn, and developer turns before it, unless
   the request has tools: then every turn keeps its reasoning.
 - `reasoning_effort="max"` (thinking mode only) puts the release's "Reasoning Effort" preamble right after BOS;
-  "high" renders nothing extra.
+  "high" renders nothing extra. Clients' other levels map onto these (REASONING_EFFORTS): "none" turns thinking
+  off, "minimal" to "medium" are "high", "xhigh" is "max".
 - `tool_choice` "required" or a named function cannot be enforced by sampling, so the answer is started for the
   model: the prompt ends with the opening of the tool-call block (and of the named invoke), which the output
   parser reads as already generated.
@@ -47,7 +48,17 @@ def parameter_open(name: str, is_string: bool) -> str:
     return f'<{DSML}parameter name="{name}" string="{"true" if is_string else "false"}">'
 
 
-REASONING_EFFORTS = ("high", "max")
+# The levels clients send (OpenAI's and vLLM's) onto DeepSeek-V4's two: "none" turns thinking off; up to "high"
+# is the release's "high" (it renders nothing extra); "xhigh" and "max" are its "max" (the preamble below).
+REASONING_EFFORTS = {
+    "none": None,
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 REASONING_EFFORT_MAX_PREAMBLE = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
@@ -108,10 +119,12 @@ class ChatOptions:
     """How a request is rendered and its output parsed: thinking mode, reasoning effort, tools and tool_choice."""
 
     thinking: bool = False
-    reasoning_effort: str | None = None  # "high" | "max" | None
+    reasoning_effort: str | None = None  # DeepSeek-V4's level: "high" | "max" | None
     tools: tuple[dict, ...] = ()  # the tools' "function" objects, as the client sent them
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
     tool_name: str | None = None  # the function tool_choice names
+    add_generation_prompt: bool = True  # vLLM's: a last user turn is followed by the assistant's opening
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to go on
 
     @property
     def uses_tools(self) -> bool:
@@ -131,15 +144,25 @@ class ChatOptions:
 
 
 def chat_options(
-    thinking: bool = False, reasoning_effort: Any = None, tools: Any = None, tool_choice: Any = None
+    thinking: bool = False,
+    reasoning_effort: Any = None,
+    tools: Any = None,
+    tool_choice: Any = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> ChatOptions:
     """Validated options from the request's raw `tools`, `tool_choice` and reasoning settings."""
-    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+    if reasoning_effort is not None and (
+        not isinstance(reasoning_effort, str) or reasoning_effort not in REASONING_EFFORTS
+    ):
         raise ChatTemplateError(
             "reasoning_effort",
             f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)} "
-            f"(DeepSeek-V4's levels), got {reasoning_effort!r}",
+            f"(none: no thinking; up to high: DeepSeek-V4's high; xhigh and max: its max), got {reasoning_effort!r}",
         )
+    if reasoning_effort is not None:
+        thinking = thinking and reasoning_effort != "none"
+        reasoning_effort = REASONING_EFFORTS[reasoning_effort]
     functions = _tools(tools)
     if tools is None and tool_choice not in (None, "none"):  # vLLM's check_tool_usage, the same message
         raise ChatTemplateError("tool_choice", "tool_choice: When using `tool_choice`, `tools` must be set.")
@@ -151,7 +174,18 @@ def chat_options(
             "starting the answer with the tool call, which thinking mode must begin with its "
             "reasoning; use tool_choice 'auto' with thinking, or turn thinking off",
         )
-    return ChatOptions(bool(thinking), reasoning_effort, functions, choice, name)
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    if continue_final_message and choice in ("required", "function") and functions:
+        raise ChatTemplateError(
+            "continue_final_message",
+            "continue_final_message: a forced tool_choice starts a new answer, so it cannot continue the last one",
+        )
+    return ChatOptions(
+        bool(thinking), reasoning_effort, functions, choice, name, add_generation_prompt, continue_final_message
+    )
 
 
 def _tools(tools: Any) -> tuple[dict, ...]:
@@ -292,9 +326,10 @@ def _turn(message: Any, k: int) -> _Turn:
             raise ChatTemplateError("messages", f"{where}.tool_call_id: must be a string")
         return _Turn("user", blocks=[("tool_result", _text(content, where, joiner="\n\n"), call_id)])
     if role == "assistant":
-        reasoning = message.get("reasoning_content")
+        name = "reasoning_content" if message.get("reasoning_content") is not None else "reasoning"  # vLLM's newer
+        reasoning = message.get(name)
         if reasoning is not None and not isinstance(reasoning, str):
-            raise ChatTemplateError("messages", f"{where}.reasoning_content: must be a string")
+            raise ChatTemplateError("messages", f"{where}.{name}: must be a string")
         return _Turn(
             role,
             _text(content, where),
@@ -356,10 +391,15 @@ def _last_user(turns: list[_Turn]) -> int:
 
 
 def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
-    """The prompt text for `messages` (OpenAI chat messages) under `options`, ending with the generation prompt."""
+    """The prompt text for `messages` (OpenAI chat messages) under `options`, ending with the generation prompt
+    (or, with continue_final_message, the last assistant message left open: its reasoning closed, its text not)."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages", "messages: at least one message is needed")
     turns = [_turn(message, k) for k, message in enumerate(messages)]
+    if options.continue_final_message and turns[-1].role != "assistant":
+        raise ChatTemplateError(
+            "messages", "messages: continue_final_message continues the last message, which must be the assistant's"
+        )
     if options.uses_tools:  # request tools join the leading system/developer turn, or a new empty system turn
         if turns[0].role not in ("system", "developer"):
             turns.insert(0, _Turn("system"))
@@ -390,8 +430,10 @@ def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
                 if turn.tool_calls
                 else ""
             )
-            out.append(reasoning + turn.text + calls + EOS_TOKEN)
-        answered = k + 1 == len(turns) or turns[k + 1].role == "assistant"
+            left_open = options.continue_final_message and k + 1 == len(turns)  # the model goes on from its end
+            out.append(reasoning + turn.text + calls + ("" if left_open else EOS_TOKEN))
+        last = k + 1 == len(turns)
+        answered = options.add_generation_prompt if last else turns[k + 1].role == "assistant"
         if turn.role in ("user", "developer") and answered:
             opens_thinking = options.thinking and (keep_reasoning or k >= last_user)
             out.append(ASSISTANT_TOKEN + (THINK_START if opens_thinking else THINK_END))

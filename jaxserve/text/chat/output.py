@@ -120,7 +120,8 @@ class ChatOutputParser:
 
     def __init__(self, options: ChatOptions):
         self._tools = options.uses_tools
-        self._state = _REASONING if options.thinking else _CONTENT
+        # A continued assistant message has its reasoning closed already: the model goes on with the answer.
+        self._state = _REASONING if options.thinking and not options.continue_final_message else _CONTENT
         self._buffer = ""
         self._at_start = True  # a leading <think> in thinking mode is the model repeating the prompt's
         self._block_lead = ""  # the separator read before the open block, given back if the block is text
