@@ -26,7 +26,8 @@ from common import configure_jax, machine_info, markdown_table, write_results
 
 BATCH = 8
 GOAL_RATIO = 0.85  # half constrained / unconstrained decode tok/s
-REGEX = "[a-z ,.]{400}"  # longer than any run: never complete, so EOS is never allowed and every step masks
+# Longer than any run (8 characters a token at most): never complete, so EOS is never allowed and every step masks.
+REGEX = "[a-z ,.]{1600}"
 
 
 def run_once(runner, model_cfg, tokenizer, cfg, constrained: int, tokens: int, mask_seconds: list[float]) -> dict:
@@ -48,7 +49,8 @@ def run_once(runner, model_cfg, tokenizer, cfg, constrained: int, tokens: int, m
     engine.start()
     try:
         for handle in handles:
-            assert handle.wait(timeout=600)[1] == "length"
+            _, reason, error = handle.wait(timeout=600)
+            assert reason == "length", (reason, error)
     finally:
         engine.shutdown()
     period, tok_s, steps = decode_profile(engine)
