@@ -424,9 +424,10 @@ def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
 
 
 def compiled_text(runner: ModelRunner, shape) -> str:
-    """The optimized HLO of one compiled step shape (it names the trace's ops). jaxserve has no public accessor for
-    its executables, so this reads ModelRunner._compiled."""
-    return runner._compiled[shape].as_text()
+    """The optimized HLO of one compiled step shape, its forward's and then its sampler's (it names the trace's ops).
+    jaxserve has no public accessor for its executables, so this reads ModelRunner._compiled."""
+    executables = runner._compiled[shape]
+    return executables.forward.as_text() + "\n" + executables.sampler.as_text()
 
 
 # ---- profiles -----------------------------------------------------------------------------------------------------

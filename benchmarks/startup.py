@@ -47,6 +47,7 @@ def compile_decode_step(layers: int) -> float:
     from jaxserve.model.sharding import make_mesh, shape_dtype_structs
     from jaxserve.model.weights import abstract_weights
     from jaxserve.presets import preset
+    from jaxserve.request.step import GroupShape, StepShape
     from jaxserve.runner import Buckets, ModelRunner
 
     cfg = preset("flash", dtype="bfloat16", num_hidden_layers=layers)
@@ -56,12 +57,11 @@ def compile_decode_step(layers: int) -> float:
     runner = ModelRunner(
         cfg, weights, geo, mesh, Buckets(prefill_rows=(1,), prefill_chunks=(16,), decode_rows=(DECODE_ROWS,))
     )
-    shape = ((DECODE_ROWS, 1),)
+    shape = StepShape(decode=GroupShape(DECODE_ROWS, 1))
     jax.clear_caches()
 
     def compile_once():
-        with jax.set_mesh(mesh):
-            runner._step.lower(*runner._abstract_args(shape)).compile()
+        runner._compile(shape)  # the step's forward and its sampler
 
     return timed(compile_once)
 
