@@ -108,8 +108,11 @@ class _Format:
             self.chunk_object, [], usage={**usage(self._prompt_tokens(), completion_tokens), **self._usage_details()}
         )
 
-    def _usage(self, outputs: list[Output]) -> dict:
-        return {**usage(self._prompt_tokens(), sum(len(o.token_ids) for o in outputs)), **self._usage_details()}
+    def _usage(self, outputs: list[Output], completion_tokens: int | None) -> dict:
+        """`completion_tokens`: what was generated, when more than `outputs` hold (best_of)."""
+        if completion_tokens is None:
+            completion_tokens = sum(len(o.token_ids) for o in outputs)
+        return {**usage(self._prompt_tokens(), completion_tokens), **self._usage_details()}
 
     def _usage_details(self) -> dict:
         """What the usage adds to its token counts (chat: the reasoning tokens)."""
@@ -173,7 +176,7 @@ class CompletionFormat(_Format):
         self.echoes = echoes
         # text_offset indexes the text returned: each choice's output tokens are decoded again as the output text
         # was (complete characters, no special tokens), after the echo's length.
-        self._texts = [tokenizer.detokenizer() for _ in range(self.num_choices)] if logprobs else []
+        self._texts = [tokenizer.detokenizer() for _ in range(self.num_choices)] if self.logprobs else []
         self._text_start = [0] * self.num_choices
         self._started: set[int] = set()  # choices that have had a chunk
 
@@ -204,7 +207,7 @@ class CompletionFormat(_Format):
             choice["prompt_token_ids"] = self.prompt_ids(index)
         return self._envelope(self.chunk_object, [choice])
 
-    def response(self, outputs: list[Output]) -> dict:
+    def response(self, outputs: list[Output], completion_tokens: int | None = None) -> dict:
         choices = []
         for index, output in enumerate(outputs):
             text, logprobs = self._text_and_logprobs(index, output.text, output.logprobs, output.prompt_logprobs, True)
@@ -216,7 +219,7 @@ class CompletionFormat(_Format):
             if self.prompt_logprobs is not None:  # vLLM's, in the choice
                 choice["prompt_logprobs"] = self._prompt_logprobs(output.prompt_logprobs)
             choices.append(choice)
-        return self._envelope(self.response_object, choices, usage=self._usage(outputs))
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs, completion_tokens))
 
     def _text_and_logprobs(self, index: int, text: str, logprobs, prompt_logprobs, first: bool):
         echo = self.echoes[index // self.n] if first and self.echoes is not None else None
@@ -275,11 +278,14 @@ class ChatFormat(_Format):
         prompt_logprobs: int | None = None,
         options: ChatOptions = ChatOptions(),
         include_reasoning: bool = True,
+        echo: str = "",
     ):
-        """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply."""
+        """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply; `echo` (vLLM's chat echo): the
+        text each reply's content starts with."""
         super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
         self.options = options
         self.include_reasoning = include_reasoning
+        self.echo = echo
         # Reasoning tokens (OpenAI's usage.completion_tokens_details): each choice's tokens before its </think>.
         self._think_end = tokenizer.token_to_id(THINK_END) if tokenizer.has_text else None
         self._still_reasoning = [options.thinking and not options.continue_final_message] * n
@@ -296,7 +302,16 @@ class ChatFormat(_Format):
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(self.n)
         ]
-        return [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
+        chunks = [self._envelope(self.chunk_object, [choice], **self._prompt_ids()) for choice in choices]
+        if self.echo:  # then the echoed text, as vLLM sends it
+            chunks += [
+                self._envelope(
+                    self.chunk_object,
+                    [{"index": i, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}],
+                )
+                for i in range(self.n)
+            ]
+        return chunks
 
     def chunk(self, index: int, delta: Delta) -> dict:
         self._count_reasoning(index, delta.token_ids)
@@ -319,15 +334,18 @@ class ChatFormat(_Format):
             [self._choice(index, {"delta": body}, finish, delta.stop_reason, delta.token_ids, logprobs)],
         )
 
-    def response(self, outputs: list[Output]) -> dict:
+    def response(self, outputs: list[Output], completion_tokens: int | None = None) -> dict:
         choices = []
         for index, output in enumerate(outputs):
             self._count_reasoning(index, output.token_ids)
             parsed = parse_output(output.text, self.options)
+            message = self._message(parsed, self.include_reasoning)
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
             choices.append(
                 self._choice(
                     index,
-                    {"message": self._message(parsed, self.include_reasoning)},
+                    {"message": message},
                     self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
                     output.stop_reason,
                     output.token_ids,
@@ -337,7 +355,7 @@ class ChatFormat(_Format):
         extra = self._prompt_ids()
         if self.prompt_logprobs is not None:  # vLLM's, at the top level of a chat completion
             extra["prompt_logprobs"] = self._prompt_logprobs(outputs[0].prompt_logprobs)
-        return self._envelope(self.response_object, choices, usage=self._usage(outputs), **extra)
+        return self._envelope(self.response_object, choices, usage=self._usage(outputs, completion_tokens), **extra)
 
     def _logprobs(self, logprobs) -> dict:
         def entry(token_id: int, value: float) -> dict:

@@ -3,8 +3,10 @@
 Types are checked here, by hand, so every mistake is a 400 whose message starts with the field's name (FastAPI's
 pydantic models would answer 422). Ranges and what fits the model (sampling ranges, the vocabulary, the context)
 are the engine's rules: SamplingParams and Engine.check_admission raise InvalidRequest naming the field, and
-the routes answer 400 with it. Unknown fields are ignored, as vLLM does: benchmark tools send extras. Fields for
-features jaxserve lacks are accepted only at their no-op value.
+the routes answer 400 with it. Fields of OpenAI's and vLLM's APIs that jaxserve does not implement are accepted only
+at the value that asks for nothing (NO_OP_VALUES; else a 400 naming them), fields that only label a request
+(LABEL_FIELDS) are accepted and not used, and any other field is ignored with a warning in the log, as vLLM does
+(benchmark tools send extras).
 
 Logprobs: completions take `logprobs: k` (and with `echo`, the prompt's logprobs too, which is what evaluators
 send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprobs: k`. Both map to the engine's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -33,18 +36,41 @@ from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
 from jaxserve.text.chat.tool_grammar import forced_tool_call_grammar
 
+log = logging.getLogger(__name__)
+
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
 MAX_CHOICES = 128  # the most `n` OpenAI's API takes
 SEED_RANGE = (-(2**63), 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
 
-# Accepted only at the value that asks for nothing (None always is): the benchmark tools send e.g. best_of=1.
+# OpenAI's and vLLM's fields for what jaxserve does not do, accepted only at the value that asks for nothing (None
+# always is; an empty tuple: None only).
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "suffix": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "prompt_embeds": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "mm_processor_kwargs": (),
+    "chat_template": (),
+    "documents": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "functions": (),
+    "function_call": (),
+    "parallel_tool_calls": (True,),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
 }
+# Fields that only label a request for the client's own records (or, cache_salt, isolate a prefix cache jaxserve
+# does not have yet): accepted with any value and not used.
+LABEL_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "cache_salt")
 
 
 @dataclass(frozen=True)
@@ -65,6 +91,7 @@ class GenerationParams:
     include_usage: bool
     return_token_ids: bool
     n: int = 1  # choices, each its own engine request
+    best_of: int = 1  # candidates per prompt (>= n), each its own engine request; the n best come back
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     logprobs_field: str = "logprobs"  # the name the client used for it (chat: top_logprobs)
     echo: bool = False  # completions: the prompt comes back in front of the text (with its logprobs if asked)
@@ -77,6 +104,11 @@ class GenerationParams:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and top k, in vLLM's shape
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -97,9 +129,11 @@ class GenerationParams:
         return prompt_ids[-k:]
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
-        """The engine's SamplingParams for choice `choice` (its own seed); a value out of range is an
-        InvalidRequest naming the client's field."""
+        """The engine's SamplingParams for choice (or best_of candidate) `choice`, with its own seed; a value out of
+        range is an InvalidRequest naming the client's field. Candidates beyond n bring their tokens' logprobs (the
+        ranking reads them) whether or not the client asked to see them."""
         seed = None if self.seed is None else (self.seed + choice) % 2**32
+        logprobs = self.logprobs if self.best_of == self.n or self.logprobs is not None else 0
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -109,10 +143,15 @@ class GenerationParams:
                 seed=seed,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
-                logprobs=self.logprobs,
+                logprobs=logprobs,
                 logit_bias=self.logit_bias,
                 min_tokens=self.min_tokens,
                 constraint=self.constraint,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p,
+                allowed_token_ids=self.allowed_token_ids,
                 # Every prompt position's best MAX_LOGPROBS (what the device computes anyway): echo shows the
                 # request's k of them, prompt_logprobs its own k, and the ranks come from them.
                 prompt_logprobs=MAX_LOGPROBS if self.wants_prompt_logprobs else None,
@@ -149,6 +188,7 @@ class ChatRequest:
     options: ChatOptions  # thinking, reasoning effort, tools and tool_choice
     params: GenerationParams
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    echo: str = ""  # vLLM's chat echo: the final assistant message's text, put before the reply's
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -163,7 +203,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     if max_tokens == 0 and not echo:
         raise bad_request("max_tokens", "max_tokens: 0 asks for the prompt alone, which only `echo: true` returns")
     params = _generation_params(fields, max_tokens, "max_tokens", fields.integer("logprobs", None), "logprobs", echo)
-    return CompletionRequest(_prompts(body.get("prompt")), params)
+    prompts = _prompts(fields.raw.get("prompt"))
+    fields.warn_unread("/v1/completions")
+    return CompletionRequest(prompts, params)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -173,15 +215,14 @@ def parse_chat(body: Any) -> ChatRequest:
     max_tokens = fields.integer(name, None)
     if max_tokens == 0:
         raise bad_request(name, f"{name}: must be >= 1 (a chat completion has no echo of the prompt)")
-    if fields.raw.get("echo") not in (None, False):
-        raise bad_request("echo", "echo: only /v1/completions echoes the prompt")
+    echo = fields.boolean("echo", False)
     wants_logprobs = fields.boolean("logprobs", False)
     top_logprobs = fields.integer("top_logprobs", None)
     if top_logprobs is not None and not wants_logprobs:
         raise bad_request("top_logprobs", "top_logprobs: only allowed when logprobs is true")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    params = _generation_params(fields, max_tokens, name, logprobs, "top_logprobs", echo=False)
-    messages = body.get("messages")
+    params = _generation_params(fields, max_tokens, name, logprobs, "top_logprobs", echo)
+    messages = fields.raw.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
     options = _chat_options(fields)
@@ -194,7 +235,21 @@ def parse_chat(body: Any) -> ChatRequest:
                 "tool call; a request takes one structured output constraint",
             )
         params = dataclasses.replace(params, constraint=Constraint(ConstraintKind.GRAMMAR, tool_call, "tool_choice"))
-    return ChatRequest(messages, options, params, fields.boolean("include_reasoning", True))
+    include_reasoning = fields.boolean("include_reasoning", True)
+    fields.warn_unread("/v1/chat/completions")
+    return ChatRequest(messages, options, params, include_reasoning, _echoed(messages) if echo else "")
+
+
+def _echoed(messages: list) -> str:
+    """What vLLM's chat `echo` puts before the reply: the last message's text when it is the assistant's (the
+    reply's role), else nothing."""
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):  # text parts, joined as vLLM joins them
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def _chat_options(fields: _Fields) -> ChatOptions:
@@ -251,6 +306,14 @@ def _generation_params(
     n = fields.integer("n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request("n", f"n: must be in [1, {MAX_CHOICES}], got {n}")
+    best_of = fields.integer("best_of", n)
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request("best_of", f"best_of: must be in [n, {MAX_CHOICES}] (n={n}), got {best_of}")
+    if best_of > n and stream:  # the best are known only once all are done
+        raise bad_request("best_of", f"best_of: {best_of} > n ({n}) is not available when stream is true")
+    for name in LABEL_FIELDS:
+        fields.raw.get(name)
+    allowed = fields.raw.get("allowed_token_ids")
     return GenerationParams(
         model=fields.string("model"),
         max_tokens=max_tokens,
@@ -268,6 +331,7 @@ def _generation_params(
         include_usage=include_usage,
         return_token_ids=fields.boolean("return_token_ids", False),
         n=n,
+        best_of=best_of,
         logprobs=logprobs,
         logprobs_field=logprobs_field,
         echo=echo,
@@ -280,6 +344,11 @@ def _generation_params(
         truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
         prompt_logprobs=_prompt_logprobs(fields.integer("prompt_logprobs", None), stream),
         constraint=_constraint(fields),
+        presence_penalty=fields.number("presence_penalty", 0.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0),
+        min_p=fields.number("min_p", 0.0),
+        allowed_token_ids=None if allowed is None else tuple(_token_ids("allowed_token_ids", allowed)),
     )
 
 
@@ -457,8 +526,14 @@ class _Fields:
         if not isinstance(raw, dict):
             name = prefix.rstrip(".") or "body"
             raise bad_request(prefix.rstrip(".") or None, f"{name}: must be a JSON object, got {_show(raw)}")
-        self.raw = raw
+        self.raw = _ReadTracking(raw)
         self.prefix = prefix
+
+    def warn_unread(self, endpoint: str) -> None:
+        """Log the fields nothing read: not part of the API, so ignored (as vLLM does), but never silently."""
+        unread = sorted(set(self.raw) - self.raw.read)
+        if unread:
+            log.warning("%s: the request's fields %s are not part of the API and were ignored", endpoint, unread)
 
     def _fail(self, name: str, rule: str, value: Any):
         return bad_request(self.prefix + name, f"{self.prefix}{name}: must be {rule}, got {_show(value)}")
@@ -506,6 +581,18 @@ class _Fields:
         if value is not None and not isinstance(value, dict):
             raise self._fail(name, "a JSON object", value)
         return value
+
+
+class _ReadTracking(dict):
+    """A JSON object that remembers which of its keys were asked for."""
+
+    def __init__(self, raw: dict):
+        super().__init__(raw)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
 
 
 def _or_empty(value: Any) -> Any:

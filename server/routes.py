@@ -125,6 +125,7 @@ async def chat_completions(request: Request) -> Response:
         params.prompt_logprobs,
         parsed.options,
         parsed.include_reasoning,
+        parsed.echo,
     )
     return await _generate(request, state, fmt, [prompt_ids], parsed.params, "messages", arrival)
 
@@ -240,7 +241,25 @@ async def _generate(
     for output in outputs:
         if output.finish_reason == "error":
             raise APIError(500, f"generation failed: {output.error}")
-    return JSONResponse(fmt.response(outputs))
+    if params.best_of == params.n:
+        return JSONResponse(fmt.response(outputs))
+    # Every candidate's tokens were generated, so the usage counts them all (as OpenAI bills best_of).
+    generated = sum(len(o.token_ids) for o in outputs)
+    return JSONResponse(fmt.response(_best(outputs, params.best_of, params.n), completion_tokens=generated))
+
+
+def _best(outputs: list[Output], best_of: int, n: int) -> list[Output]:
+    """Each prompt's n candidates (of best_of) with the highest log probability per token, best first (OpenAI's
+    best_of)."""
+
+    def score(output: Output) -> float:
+        return sum(lp.logprob for lp in output.logprobs) / max(1, len(output.logprobs))
+
+    chosen = []
+    for start in range(0, len(outputs), best_of):
+        candidates = outputs[start : start + best_of]
+        chosen += sorted(candidates, key=score, reverse=True)[:n]  # sorted is stable: ties keep candidate order
+    return chosen
 
 
 def _submit(
@@ -252,21 +271,23 @@ def _submit(
     arrival: float,
 ) -> list[Generation]:
     """One engine request per choice, `n` per prompt in the choices' order (choice j of every prompt samples with
-    seed + j, so a batch answers what its prompts sent one by one would); if any is refused, those already
-    submitted are aborted and the refusal answered (429, 503 or 400 naming the client's field)."""
+    seed + j, so a batch answers what its prompts sent one by one would), or with best_of > n one per candidate;
+    if any is refused, those already submitted are aborted and the refusal answered (429, 503 or 400 naming the
+    client's field)."""
     generations: list[Generation] = []
+    per_prompt = params.best_of
     try:
-        for index in range(len(prompts) * params.n):
-            prompt_ids = prompts[index // params.n]
+        for index in range(len(prompts) * per_prompt):
+            prompt_ids = prompts[index // per_prompt]
             max_tokens = state.default_max_tokens(len(prompt_ids)) if params.max_tokens is None else params.max_tokens
             generations.append(
                 Generation(
                     state.engine,
                     state.tokenizer,
                     prompt_ids,
-                    params.sampling(max_tokens, index % params.n),
+                    params.sampling(max_tokens, index % per_prompt),
                     params.stop,
-                    fmt.request_id(index),
+                    fmt.request_id(index) if per_prompt == params.n else f"{fmt.id}-candidate-{index}",
                     state.metrics.timer(arrival),
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,

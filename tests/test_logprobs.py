@@ -341,7 +341,7 @@ BAD = [
     ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"echo": "yes"}, "echo"),
     ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"n": 0}, "n"),

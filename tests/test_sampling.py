@@ -1,7 +1,10 @@
-"""On-device sampling: logit biases, greedy, temperature, top-k, top-p, per-request seeds independent of the
-batch."""
+"""On-device sampling: penalties, logit biases, allowed tokens, greedy, temperature, min-p, top-k, top-p,
+per-request seeds independent of the batch."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections import Counter
 
 import jax
 import numpy as np
@@ -9,7 +12,7 @@ import numpy as np
 from jaxserve.request import Request, SamplingParams
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepRow
-from jaxserve.runner.sampling import SamplingArrays, sample
+from jaxserve.runner.sampling import NO_TOKEN, PenaltyArrays, SamplingArrays, apply_penalties, sample
 
 sample_jit = jax.jit(sample)
 MAX_VOCAB = 1024
@@ -114,3 +117,71 @@ def test_a_bias_entry_outside_the_vocabulary_is_dropped():
     params = _params(1, temperature=0.0)
     params.bias_ids[0, 0], params.bias[0, 0] = 10_000, 100.0
     assert int(sample_jit(logits, params)[0]) == int(logits.argmax(-1)[0])
+
+
+def test_penalties_follow_vllms_formulas():
+    # Row 0: tokens 0 (out twice) and 1 (prompt only) seen; repetition 2 halves a positive logit and doubles a
+    # negative one, then frequency 0.5 per time out and presence 1 once for a token out.
+    logits = np.array([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]], np.float32)
+    penalties = PenaltyArrays(
+        token_ids=np.array([[0, 1, NO_TOKEN], [NO_TOKEN] * 3], np.int32),
+        output_counts=np.array([[2, 0, 0], [0, 0, 0]], np.float32),
+        repetition=np.array([2.0, 1.0], np.float32),
+        frequency=np.array([0.5, 0.0], np.float32),
+        presence=np.array([1.0, 0.0], np.float32),
+    )
+    out = np.asarray(jax.jit(apply_penalties)(logits, penalties))
+    np.testing.assert_allclose(out[0], [2 / 2 - 0.5 * 2 - 1, -1 * 2, 0.5, 3.0])
+    np.testing.assert_array_equal(out[1], logits[1])  # a neutral row is untouched
+
+
+def test_penalty_arrays_count_the_output_and_see_the_prompt_only_with_repetition():
+    def row(sampling):
+        request = Request("r", [4, 4, 9], sampling)
+        request.output_ids = [7, 4, 7]
+        return StepRow(request, 5, 1, decode=True)
+
+    frequency = PenaltyArrays.for_rows([row(SamplingParams(frequency_penalty=1.0))], 2)
+    assert frequency is not None and frequency.token_ids.shape == (2, 64)
+    seen = dict(zip(frequency.token_ids[0].tolist(), frequency.output_counts[0].tolist()))
+    assert {t: c for t, c in seen.items() if t != NO_TOKEN} == {7: 2.0, 4: 1.0}
+    repetition = PenaltyArrays.for_rows([row(SamplingParams(repetition_penalty=1.3))], 1)
+    assert repetition is not None
+    seen = dict(zip(repetition.token_ids[0].tolist(), repetition.output_counts[0].tolist()))
+    assert {t: c for t, c in seen.items() if t != NO_TOKEN} == {4: 1.0, 9: 0.0, 7: 2.0}
+    assert PenaltyArrays.for_rows([row(SamplingParams())], 1) is None  # no penalty: the logits go untouched
+
+
+def test_token_occurrences_grow_with_the_output_and_their_bucket_doubles():
+    request = Request("r", [1], SamplingParams(presence_penalty=0.5))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        request.output_ids += rng.integers(0, 500, 40).tolist()
+        ids, counts = request.penalty_entries()
+        expected = Counter(request.output_ids)
+        assert dict(zip(ids.tolist(), counts.tolist())) == expected
+    arrays = PenaltyArrays.for_rows([StepRow(request, len(request.output_ids), 1, decode=True)], 1)
+    assert arrays is not None and arrays.token_ids.shape[1] == 1 << (len(expected) - 1).bit_length()
+
+
+def test_min_p_drops_the_unlikely_tokens():
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    logits = np.tile(row, (256, 1))
+    params = dataclasses.replace(_params(256, position=list(range(1, 257))), min_p=np.full(256, 0.35, np.float32))
+    assert set(sample_jit(logits, params).tolist()) == {0, 1}  # 0.15 < 0.35 * 0.5
+    everything = dataclasses.replace(params, min_p=np.zeros(256, np.float32))
+    assert set(sample_jit(logits, everything).tolist()) == {0, 1, 2, 3}
+
+
+def test_allowed_token_ids_are_all_a_row_samples():
+    logits = _logits(rows=64, vocab=100, seed=3)
+    allowed = [3, 40, 41, 97]
+    rows = [
+        StepRow(Request(f"r{i}", [1], SamplingParams(seed=i, allowed_token_ids=allowed)), 0, 1, decode=True)
+        for i in range(64)
+    ]
+    params = SamplingArrays.for_rows(rows, 64, np.full((64, mask_words(100)), -1, np.int32))
+    assert set(sample_jit(logits, params).tolist()) <= set(allowed)
+    greedy = dataclasses.replace(params, temperature=np.zeros(64, np.float32))
+    best = [allowed[int(np.argmax(logits[i, allowed]))] for i in range(64)]
+    assert sample_jit(logits, greedy).tolist() == best

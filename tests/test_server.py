@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from contextlib import contextmanager
 
 import httpx
@@ -495,23 +496,179 @@ def test_min_tokens_out_of_range_is_a_400(http, min_tokens):
     assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens", response.text
 
 
-def test_unknown_and_no_op_fields_are_accepted(http):
-    response = http.post(
-        "/v1/completions",
-        json={
-            "model": MODEL,
-            "prompt": "Hi",
-            "max_tokens": 2,
-            "best_of": 1,
-            "n": 1,
-            "logprobs": None,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0,
-            "user": "me",
-            "some_future_field": {"x": 1},
-        },
-    )
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+def test_no_op_label_and_unknown_fields_are_accepted_and_the_unknown_ones_logged(http, caplog):
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "best_of": 1,
+        "n": 1,
+        "logprobs": None,
+        "use_beam_search": False,
+        "skip_special_tokens": True,
+        "parallel_tool_calls": True,
+        "modalities": ["text"],
+        "service_tier": "auto",
+        "user": "me",
+        "metadata": {"team": "evals"},
+        "cache_salt": "abc",
+    }
+    with caplog.at_level("WARNING", logger="jaxserve.server.protocol"):
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+        assert not caplog.records
+        response = http.post("/v1/completions", json={**body, "some_future_field": {"x": 1}})
+        assert response.status_code == 200
+    (record,) = caplog.records
+    assert "some_future_field" in record.getMessage() and "ignored" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("bad_words", ["Hi"]),
+        ("skip_special_tokens", False),
+        ("logits_processors", ["my.module:Processor"]),
+        ("functions", [{"name": "f"}]),
+        ("parallel_tool_calls", False),
+        ("store", True),
+        ("modalities", ["text", "audio"]),
+        ("suffix", "!"),
+    ],
+)
+def test_api_fields_jaxserve_does_not_implement_are_a_400_naming_them(http, field, value):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        response = http.post(path, json={**body, "max_tokens": 1, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (path, response.text)
+
+
+PENALTY_BODY = {
+    "prompt": [7, 8, 9],
+    "max_tokens": 24,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+
+
+def test_frequency_and_presence_penalties_pick_the_best_penalized_token(http):
+    _, plain = greedy_text(http)
+    body = {**PENALTY_BODY, "logprobs": 20, "return_tokens_as_token_ids": True}
+    choice = http.post("/v1/completions", json={**body, "frequency_penalty": 1.5, "presence_penalty": 0.5}).json()
+    choice = choice["choices"][0]
+    ids, tops = choice["token_ids"], choice["logprobs"]["top_logprobs"]
+    assert ids != plain
+    checked = 0
+    for t, (token, top) in enumerate(zip(ids, tops)):
+        counts = Counter(ids[:t])  # vLLM's: frequency once per time out, presence once for a token out at all
+        scores = {int(name.split(":")[1]): lp for name, lp in top.items()}
+        scores = {i: lp - 1.5 * counts[i] - 0.5 * (counts[i] > 0) for i, lp in scores.items()}
+        best = max(scores, key=scores.__getitem__)
+        # Penalties only lower a score: a token outside the top 20 cannot beat one above the 20th's raw logprob.
+        if scores[best] >= min(top.values()):
+            assert token == best, t
+            checked += 1
+    assert checked >= 20
+    # A penalty of 0 is no penalty.
+    zero = http.post("/v1/completions", json={**PENALTY_BODY, "frequency_penalty": 0, "presence_penalty": 0}).json()
+    assert zero["choices"][0]["token_ids"] == plain
+
+
+def test_a_high_repetition_penalty_repeats_neither_the_prompt_nor_the_output(http):
+    _, plain = greedy_text(http)
+    assert len(set(plain)) < len(plain)  # the random model loops without it
+    for path, extra in (
+        ("/v1/completions", {}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt": None}),
+    ):
+        body = {**PENALTY_BODY, **extra, "repetition_penalty": 100.0}
+        body = {k: v for k, v in body.items() if v is not None}
+        response = http.post(path, json=body).json()
+        ids = response["choices"][0]["token_ids"]
+        prompt = response.get("prompt_token_ids") or response["choices"][0].get("prompt_token_ids")
+        assert len(set(ids)) == len(ids) and not set(ids) & set(prompt), path
+
+
+def test_min_p_one_is_greedy_and_allowed_token_ids_are_all_that_is_sampled(http, loaded):
+    _, plain = greedy_text(http)
+    body = {**PENALTY_BODY, "temperature": 1.0, "seed": 5}
+    assert http.post("/v1/completions", json={**body, "min_p": 1.0}).json()["choices"][0]["token_ids"] == plain
+    assert http.post("/v1/completions", json={**body, "min_p": 0.0}).json()["choices"][0]["token_ids"] != plain
+    allowed = [11, 12, 200, loaded.config.vocab_size - 1]
+    for path, extra in (
+        ("/v1/completions", {"prompt": [7, 8, 9]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        body = {**{k: v for k, v in PENALTY_BODY.items() if k != "prompt"}, **extra, "temperature": 1.0, "seed": 5}
+        ids = http.post(path, json={**body, "allowed_token_ids": allowed}).json()["choices"][0]["token_ids"]
+        assert set(ids) <= set(allowed) and len(set(ids)) > 1, path
+
+
+@pytest.mark.parametrize(
+    "field, value, what",
+    [
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("repetition_penalty", 0, "greater than zero"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("presence_penalty", "much", "a number"),
+        ("allowed_token_ids", [], "non-empty list"),
+        ("allowed_token_ids", [1, 512], "outside the vocabulary"),
+        ("allowed_token_ids", "1", "list of token ids"),
+        ("best_of", 0, "[n, 128]"),
+    ],
+)
+def test_bad_sampling_fields_are_a_400_naming_them(http, field, value, what):
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+    assert what in response.json()["error"]["message"]
+
+
+def test_best_of_returns_the_n_candidates_best_per_token_and_bills_them_all(http):
+    body = {**PENALTY_BODY, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    candidates = http.post("/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()["choices"]
+    means = [statistics.mean(c["logprobs"]["token_logprobs"]) for c in candidates]
+    ranked = [candidates[i]["token_ids"] for i in sorted(range(4), key=lambda i: -means[i])]
+    assert len({tuple(r) for r in ranked}) == 4  # four different candidates to choose from
+    best = http.post("/v1/completions", json={**body, "best_of": 4}).json()
+    (choice,) = best["choices"]
+    assert choice["token_ids"] == ranked[0] and choice["index"] == 0 and choice["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == 4 * 8
+    two = http.post("/v1/completions", json={**body, "n": 2, "best_of": 4}).json()["choices"]
+    assert [c["token_ids"] for c in two] == ranked[:2] and [c["index"] for c in two] == [0, 1]
+    streamed = http.post("/v1/completions", json={**body, "best_of": 4, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+    fewer = http.post("/v1/completions", json={**body, "n": 3, "best_of": 2})
+    assert fewer.status_code == 400 and fewer.json()["error"]["param"] == "best_of"
+
+
+def test_chat_echo_puts_the_final_assistant_message_before_the_reply(http):
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello, "}]
+    body = {
+        "messages": messages,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["content"] == "Hello, " + plain
+    with http.stream("POST", "/v1/chat/completions", json={**body, "echo": True, "stream": True}) as response:
+        chunks = [c for c in sse_payloads(response.iter_lines()) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[1]["content"] == "Hello, "
+    assert "".join(d.get("content") or "" for d in deltas) == echoed["content"]
+    # The last message is the user's: nothing to echo.
+    user_last = {"messages": messages[:1], "max_tokens": 6, "temperature": 0}
+    alone = http.post("/v1/chat/completions", json=user_last).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**user_last, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == alone
 
 
 def test_models_health_and_metrics(server, http):

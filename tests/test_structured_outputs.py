@@ -303,6 +303,7 @@ def test_the_sampler_samples_only_allowed_tokens():
                 temperature=jnp.full(rows, temperature),
                 top_k=jnp.full(rows, -1, jnp.int32),
                 top_p=jnp.ones(rows),
+                min_p=jnp.zeros(rows),
                 seed=jnp.full(rows, seed, jnp.uint32),
                 position=jnp.ones(rows, jnp.int32),
                 bias_ids=jnp.full((rows, 1), 2**31 - 1, jnp.int32),

@@ -330,6 +330,7 @@ class Engine:
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias])
+        self.check_token_ids("allowed_token_ids", sampling.allowed_token_ids or ())
         if (constraint := sampling.constraint) is not None:
             if self.grammars is None:
                 raise InvalidRequest(

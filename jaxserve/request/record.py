@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:  # grammar.py imports this module (InvalidRequest)
     from jaxserve.request.grammar import Constraint, GrammarMatcher
 
@@ -44,18 +46,22 @@ class TokenLogprob:
 class SamplingParams:
     """Per-request sampling and stopping; the one place their ranges are checked.
 
-        `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
-        is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
-        `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
-        prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
-        logits before sampling (OpenAI's; logprobs still describe the raw distribution). `min_tokens` (vLLM's): neither
-        EOS, nor a stop token, nor a stop string ends the request before it has this many tokens; EOS and the stop
-        token ids are not sampled until then. `constraint` (structured outputs): only tokens its grammar allows are
-    sampled, and the request ends ("stop") once the grammar admits nothing more.
+    `max_tokens=0` asks for the prompt only ("prefill only"): the request finishes with "length" when its prompt
+    is in the cache, having generated nothing (what an evaluator sends for the prompt's logprobs).
+    `logprobs=k`: each generated token comes with its logprob and the top k; `prompt_logprobs=k`: so does every
+    prompt token after the first (None: not computed). `logit_bias`: (token id, bias) pairs added to those tokens'
+    logits before sampling (OpenAI's; logprobs still describe the raw distribution). `min_tokens` (vLLM's): neither
+    EOS, nor a stop token, nor a stop string ends the request before it has this many tokens; EOS and the stop
+    token ids are not sampled until then. `constraint` (structured outputs): only tokens its grammar allows are
+    sampled, and the request ends ("stop") once the grammar admits nothing more. vLLM's penalties act on the raw
+    logits before the logit bias: `repetition_penalty` divides the positive logits (multiplies the negative ones)
+    of every token in the prompt or the output so far, `frequency_penalty` subtracts itself once per time a token
+    came out, `presence_penalty` once for any token that came out. `min_p` drops the tokens less likely than
+    min_p times the most likely one (after temperature); `allowed_token_ids` (vLLM's) are the only tokens sampled.
 
-        It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
-        sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at
-        submission."""
+    It also owns the rules its fields imply: when a token ends the request (`stop_reason`, `may_stop`) and what the
+    sampler adds to the logits (`logit_bias_at`). `eos_token_ids` is the model's, filled in by the engine at
+    submission."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -70,11 +76,18 @@ class SamplingParams:
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None  # structured outputs: what the text must match (grammar.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 means off
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token
 
     def __post_init__(self):
         # Accept any iterable (e.g. a JSON list, a dict of biases) but store tuples, so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         low, high = LOGIT_BIAS_RANGE
@@ -97,6 +110,12 @@ class SamplingParams:
                 f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens",
             ),
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            # vLLM's ranges
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            "repetition_penalty": (0 < self.repetition_penalty < float("inf"), "must be greater than zero"),
+            "min_p": (0 <= self.min_p <= 1, "must be in [0, 1]"),
+            "allowed_token_ids": (self.allowed_token_ids != (), "must not be empty"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
@@ -107,6 +126,11 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens}: holds back the EOS and stop token ids, "
                 f"which with logit_bias make more than {MAX_LOGIT_BIAS} tokens",
             )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler applies any of the penalties (they need the request's token counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def may_stop(self, num_generated: int) -> bool:
         """Whether EOS, a stop token or a stop string may end the request once it has `num_generated` tokens (the
@@ -133,6 +157,34 @@ class SamplingParams:
         held = set(self.stop_token_ids) | (set() if self.ignore_eos else set(self.eos_token_ids))
         kept = tuple((token, bias) for token, bias in self.logit_bias if token not in held)
         return kept + tuple((token, float("-inf")) for token in sorted(held))
+
+
+class TokenOccurrences:
+    """Distinct tokens and how many times each came out, grown from a request's output as it lengthens (a step costs
+    its new tokens, not the whole text): the arrays the sampler's penalties read."""
+
+    def __init__(self, prompt_ids: list[int]):
+        distinct = np.unique(np.asarray(prompt_ids, np.int32))
+        self._index = {int(t): i for i, t in enumerate(distinct)}
+        self._ids = np.zeros(max(64, 2 * len(distinct)), np.int32)
+        self._ids[: len(distinct)] = distinct
+        self._counts = np.zeros(len(self._ids), np.float32)
+        self._outputs_seen = 0
+
+    def entries(self, output_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, counts) after counting output_ids' tokens not yet seen; views, valid until the next call."""
+        for token in output_ids[self._outputs_seen :]:
+            i = self._index.get(token)
+            if i is None:
+                i = self._index[token] = len(self._index)
+                if i == len(self._ids):
+                    self._ids = np.resize(self._ids, 2 * i)
+                    self._counts = np.resize(self._counts, 2 * i)
+                self._ids[i], self._counts[i] = token, 0
+            self._counts[i] += 1
+        self._outputs_seen = len(output_ids)
+        size = len(self._index)
+        return self._ids[:size], self._counts[:size]
 
 
 class RequestStatus(enum.Enum):
@@ -179,6 +231,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With sampling.constraint: where the output stands in it (the engine advances it as tokens are delivered).
     grammar: GrammarMatcher | None = None
+    # With penalties: the tokens they look at, kept up to date by penalty_entries()
+    _occurrences: TokenOccurrences | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -226,6 +280,15 @@ class Request:
         self.status = status
         if status is RequestStatus.PREFILLING:
             self.admitted_time = time.monotonic()
+
+    def penalty_entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, output counts) the penalties of the next sample look at: every output token so far with how
+        many times it came out, and with a repetition penalty the prompt's other tokens (count 0). The engine
+        delivers a step's tokens before the next step samples, so output_ids is up to date when the runner asks."""
+        if self._occurrences is None:
+            prompt = self.prompt_ids if self.sampling.repetition_penalty != 1 else []
+            self._occurrences = TokenOccurrences(prompt)
+        return self._occurrences.entries(self.output_ids)
 
     @property
     def queue_time(self) -> float | None:

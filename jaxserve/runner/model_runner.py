@@ -35,7 +35,7 @@ from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, kv_g
 from jaxserve.model.forward import hidden_states, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
-from jaxserve.request import MAX_LOGIT_BIAS, TokenLogprob
+from jaxserve.request import TokenLogprob
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import (
     MIXED_PREFILL_ROWS,
@@ -50,7 +50,7 @@ from jaxserve.request.step import (
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.runner.progress import progress
-from jaxserve.runner.sampling import SamplingArrays, sample
+from jaxserve.runner.sampling import PenaltyArrays, SamplingArrays, apply_penalties, sample
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -267,6 +267,8 @@ class ModelRunner:
             out_shardings=(self._replicated, self._replicated, self._cache_shardings),
         )
         self._sampler = jax.jit(self._sampler_fn, out_shardings=self._replicated)
+        # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
+        self._penalize = jax.jit(apply_penalties, out_shardings=self._replicated)
         self._compiled: dict[StepShape, _Executables] = {}
         self._samplers: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the rows of each group
         self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
@@ -303,12 +305,15 @@ class ModelRunner:
     def _sampler_fn(
         slot_tokens: jax.Array,
         logits: tuple[jax.Array, ...],
+        penalized: tuple[jax.Array, ...],
         samplings: tuple[SamplingArrays, ...],
         routes: tuple[TokenRoutes, ...],
     ):
+        """Samples from `penalized` (a group's logits after its penalties, or the logits themselves); the logprobs
+        are the raw `logits`'."""
         tokens, sampled = [], []
-        for group_logits, sampling, route in zip(logits, samplings, routes):
-            group_tokens = sample(group_logits, sampling)
+        for group_logits, to_sample, sampling, route in zip(logits, penalized, samplings, routes):
+            group_tokens = sample(to_sample, sampling)
             slot_tokens = slot_tokens.at[route.store_slot].set(group_tokens, mode="drop")
             tokens.append(group_tokens)
             sampled.append(sampled_logprobs(group_logits, group_tokens))
@@ -332,17 +337,9 @@ class ModelRunner:
         return inputs, routes, asked
 
     def _abstract_sampling(self, rows: int) -> SamplingArrays:
-        arr = self._abstract
-        return SamplingArrays(
-            temperature=arr((rows,), jnp.float32),
-            top_k=arr((rows,), jnp.int32),
-            top_p=arr((rows,), jnp.float32),
-            seed=arr((rows,), jnp.uint32),
-            position=arr((rows,), jnp.int32),
-            bias_ids=arr((rows, MAX_LOGIT_BIAS), jnp.int32),
-            bias=arr((rows, MAX_LOGIT_BIAS), jnp.float32),
-            allowed=arr((rows, mask_words(self.cfg.vocab_size)), jnp.int32),
-        )
+        # The arrays of a group of padding rows, so their fields and shapes are defined in one place (sampling.py).
+        padding = SamplingArrays.for_rows((), rows, self._all_tokens_allowed(rows))
+        return jax.tree.map(lambda x: self._abstract(x.shape, x.dtype), padding)
 
     def _abstract_forward_args(self, shape: StepShape) -> tuple:
         groups = [self._abstract_group(group.rows, group.chunk) for group, _ in shape.groups]
@@ -358,7 +355,7 @@ class ModelRunner:
         logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
         samplings = tuple(self._abstract_sampling(r) for r in rows)
         routes = tuple(self._abstract_group(group.rows, group.chunk)[1] for group, _ in shape.groups)
-        return slot_tokens, logits, samplings, routes
+        return slot_tokens, logits, logits, samplings, routes
 
     def _compile(self, shape: StepShape) -> _Executables:
         rows = tuple(group.rows for group, _ in shape.groups)
@@ -446,7 +443,7 @@ class ModelRunner:
                 logits, _, self.cache = compiled.forward(
                     self.weights, self.cache, self.slot_tokens, inputs, routes, asked
                 )
-                outputs = compiled.sampler(self.slot_tokens, logits, samplings, routes)
+                outputs = compiled.sampler(self.slot_tokens, logits, logits, samplings, routes)
                 self.slot_tokens = outputs[2]
             jax.block_until_ready(outputs)
             times.append((time.perf_counter() - started) / back_to_back)
@@ -500,9 +497,15 @@ class ModelRunner:
         return PendingStep(self, compiled, groups, logits, prompt, routes, asked)
 
     def _launch_sampler(self, sampler, groups: list[_Group], logits, routes):
-        samplings = self._sampling_arrays(groups)  # asks the rows' grammars: after the tokens before these landed
+        # Asks the rows' grammars and token counts: after the tokens before these landed.
+        samplings = self._sampling_arrays(groups)
+        penalties = [PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups]
         with self._launching:
-            tokens, sampled, self.slot_tokens = sampler(self.slot_tokens, logits, samplings, routes)
+            penalized = tuple(
+                group_logits if p is None else self._penalize(group_logits, p)
+                for group_logits, p in zip(logits, penalties)
+            )
+            tokens, sampled, self.slot_tokens = sampler(self.slot_tokens, logits, penalized, samplings, routes)
         return tokens, sampled
 
     def _sampling_arrays(self, groups: list[_Group]) -> tuple[SamplingArrays, ...]:

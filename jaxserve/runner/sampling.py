@@ -1,5 +1,5 @@
-"""Token sampling on device: logit biases, structured outputs' token masks, greedy, temperature, top-k, top-p,
-per-request seeds.
+"""Token sampling on device: vLLM's repetition, frequency and presence penalties, logit biases, token masks
+(structured outputs, allowed_token_ids), greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 Each row's randomness comes from its own (seed, position) pair, so a request's tokens do not depend on which
 other requests share its batch, nor on the batch size or row order.
@@ -28,6 +28,7 @@ class SamplingArrays:
     temperature: jax.Array  # [b] f32; 0 means greedy
     top_k: jax.Array  # [b] int32; <= 0 means off
     top_p: jax.Array  # [b] f32 in (0, 1]
+    min_p: jax.Array  # [b] f32 in [0, 1]; 0 means off
     seed: jax.Array  # [b] uint32
     position: jax.Array  # [b] int32, the position of the token being sampled (its key's second half)
     bias_ids: jax.Array  # [b, MAX_LOGIT_BIAS] int32: tokens whose logits get `bias` (NO_TOKEN: unused entry)
@@ -39,8 +40,9 @@ class SamplingArrays:
         """Host arrays for a bucket of `bucket_rows` rows; rows past `rows` are padding and sample greedily (their
         token is dropped). Each row samples the token at position start + length, the request's output token number
         start + length - prompt_len (its logit bias follows from that). A row whose request has a structured output
-        constraint samples only what its grammar allows now (asked here, so just before the step samples); a group
-        without one takes `everything_allowed`, a mask kept on the device, so it copies no mask there."""
+        constraint samples only what its grammar allows now (asked here, so just before the step samples), one with
+        allowed_token_ids only those; a group with neither takes `everything_allowed`, a mask kept on the device, so
+        it copies no mask there."""
         params = [row.request.sampling for row in rows]
         positions = [row.start + row.length for row in rows]
         pad = bucket_rows - len(rows)
@@ -55,6 +57,7 @@ class SamplingArrays:
             temperature=np.asarray([p.temperature for p in params] + [0.0] * pad, np.float32),
             top_k=np.asarray([p.top_k for p in params] + [-1] * pad, np.int32),
             top_p=np.asarray([p.top_p for p in params] + [1.0] * pad, np.float32),
+            min_p=np.asarray([p.min_p for p in params] + [0.0] * pad, np.float32),
             seed=np.asarray([p.seed or 0 for p in params] + [0] * pad, np.uint32),
             position=np.asarray(positions + [1] * pad, np.int32),
             bias_ids=bias_ids,
@@ -65,13 +68,76 @@ class SamplingArrays:
 
 
 def _token_masks(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> Any:
-    constrained = [(i, row.request.grammar) for i, row in enumerate(rows) if row.samples_output and row.request.grammar]
+    constrained = [
+        (i, row.request)
+        for i, row in enumerate(rows)
+        if row.samples_output and (row.request.grammar or row.request.sampling.allowed_token_ids is not None)
+    ]
     if not constrained:
         return everything_allowed
     masks = np.full(everything_allowed.shape, -1, np.int32)
-    for i, grammar in constrained:
-        grammar.fill_mask(masks[i])
+    for i, request in constrained:
+        if request.grammar is not None:
+            request.grammar.fill_mask(masks[i])
+        if (allowed := request.sampling.allowed_token_ids) is not None:
+            masks[i] &= token_bitmask(allowed, masks.shape[1])
     return masks
+
+
+def token_bitmask(token_ids: Sequence[int], words: int) -> np.ndarray:
+    """The int32 bitmask (`words` long) in which exactly `token_ids` are set."""
+    bits = np.zeros(words * 32, np.uint8)
+    bits[np.asarray(token_ids, np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PenaltyArrays:
+    """A group's penalties (vLLM's): per row the tokens they look at and how many times each came out, padded to a
+    bucket of entries (NO_TOKEN: unused), and the three penalties (neutral for rows without them)."""
+
+    token_ids: jax.Array  # [b, P] int32
+    output_counts: jax.Array  # [b, P] f32; 0: the token is only in the prompt (repetition_penalty alone sees it)
+    repetition: jax.Array  # [b] f32; 1 means off
+    frequency: jax.Array  # [b] f32
+    presence: jax.Array  # [b] f32
+
+    @staticmethod
+    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> PenaltyArrays | None:
+        """Host arrays, or None when no row that samples an output token has a penalty (the group's logits go to
+        the sampler untouched). The entries' bucket is a power of two (at least 64), so a group compiles once per
+        bucket it reaches."""
+        entries = {
+            i: row.request.penalty_entries()
+            for i, row in enumerate(rows)
+            if row.samples_output and row.request.sampling.penalized
+        }
+        if not entries:
+            return None
+        width = max(64, 1 << (max(len(ids) for ids, _ in entries.values()) - 1).bit_length())
+        # Host numpy arrays: the jitted penalties take them as their jax.Array inputs (hence Any).
+        token_ids: Any = np.full((bucket_rows, width), NO_TOKEN, np.int32)
+        counts: Any = np.zeros((bucket_rows, width), np.float32)
+        penalties = np.zeros((3, bucket_rows), np.float32)
+        penalties[0] = 1
+        for i, (ids, row_counts) in entries.items():
+            token_ids[i, : len(ids)], counts[i, : len(ids)] = ids, row_counts
+            p = rows[i].request.sampling
+            penalties[:, i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        host: Any = penalties
+        return PenaltyArrays(token_ids, counts, host[0], host[1], host[2])
+
+
+def apply_penalties(logits: jax.Array, penalties: PenaltyArrays) -> jax.Array:
+    """logits [b, V] with the penalties applied, in vLLM's order: repetition, then frequency and presence."""
+    logits = logits.astype(F32)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    counts = jnp.zeros_like(logits).at[rows, penalties.token_ids].add(penalties.output_counts, mode="drop")
+    seen = jnp.zeros(logits.shape, bool).at[rows, penalties.token_ids].set(True, mode="drop")
+    repetition = penalties.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0)
 
 
 def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -103,6 +169,9 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     logits = jnp.where(allowed.astype(bool), logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
+    # min-p: a token whose probability is below min_p times the best one's is out (log 0 = -inf keeps them all).
+    best = jnp.max(scaled, axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= best + jnp.log(params.min_p)[:, None], scaled, -jnp.inf)
     filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
         params.seed, params.position
