@@ -100,7 +100,11 @@ def agent_messages(system: str, results: list[str]):
     def messages(k: int, replies: list[str]) -> list[dict]:
         out = [{"role": "system", "content": system}, {"role": "user", "content": "Find the failing test and fix it."}]
         for i in range(k):
-            out += [{"role": "assistant", "content": replies[i]}, {"role": "tool", "content": results[i]}]
+            call = {"id": f"call_{i}", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+            out += [
+                {"role": "assistant", "content": replies[i], "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": results[i]},
+            ]
         return out
 
     return messages
@@ -179,8 +183,8 @@ def main() -> int:
 
     # The longest the context leaves room for: the turns add ~40 tokens of messages and 16 of reply each.
     clauses = text("Answer from these clauses.", SYSTEM_TOKENS)
-    tools = text("You may call run_tests(path) and edit(path, diff).", SYSTEM_TOKENS - 800)
-    results = [text("Result:", 80) for _ in range(TURNS)]
+    tools = text("You may call run_tests(path) and edit(path, diff).", SYSTEM_TOKENS - 1500)
+    results = [text("Result:", 60) for _ in range(TURNS)]
     traces_spec = {"chat": chat_messages(clauses), "agent": agent_messages(tools, results)}
     traces: dict[str, dict[str, list[dict]]] = {}
     for name, messages in traces_spec.items():
