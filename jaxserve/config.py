@@ -691,6 +691,22 @@ class EngineConfig:
     page_size: int = field(
         default=128, metadata=flag(int, "tokens per KV page; a multiple of every compress rate of the model")
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            bool,
+            "share the KV pages of prompts that start alike: a request whose prompt begins with pages already in the "
+            "cache (and a snapshot of the sequence state where they end) prefills only the rest (as vLLM's)",
+        ),
+    )
+    prefix_cache_snapshots: int | None = field(
+        default=None,
+        metadata=flag(
+            int,
+            "sequence-state snapshots the prefix cache keeps (the window ring and compressor state where a cached "
+            "prefix ends, what a hit starts from; each costs one sequence's fixed state; default: --max-num-seqs)",
+        ),
+    )
     max_queued_requests: int = field(
         default=256, metadata=flag(int, "requests waiting for admission; more are refused (HTTP 429)")
     )
@@ -750,7 +766,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
-        for name in ("max_model_len", "num_kv_pages", "device_memory"):
+        for name in ("max_model_len", "num_kv_pages", "device_memory", "prefix_cache_snapshots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
@@ -778,6 +794,13 @@ class EngineConfig:
         """--max-decode-stall-ms when it sets a budget (unset, 0 or less: none)."""
         budget = self.max_decode_stall_ms
         return budget if budget is not None and budget > 0 else None
+
+    @property
+    def num_prefix_snapshots(self) -> int:
+        """Snapshot rows of the sequence state the cache holds beside the live slots (0: no prefix caching)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.prefix_cache_snapshots is None else self.prefix_cache_snapshots
 
     @property
     def mixed_steps(self) -> bool:

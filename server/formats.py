@@ -69,6 +69,7 @@ class _Format:
         self.top_k = logprobs or 0
         self.tokens_as_ids = tokens_as_ids
         self.prompt_logprobs = prompt_logprobs
+        self._cached = [0] * self.num_choices  # each choice's prompt tokens the prefix cache had
 
     def request_id(self, choice: int) -> str:
         """The engine request id of choice `choice`."""
@@ -112,11 +113,18 @@ class _Format:
         """`completion_tokens`: what was generated, when more than `outputs` hold (best_of)."""
         if completion_tokens is None:
             completion_tokens = sum(len(o.token_ids) for o in outputs)
+        for index, output in enumerate(outputs):
+            self.note_cached(index, output.cached_tokens)
         return {**usage(self._prompt_tokens(), completion_tokens), **self._usage_details()}
 
+    def note_cached(self, index: int, cached_tokens: int) -> None:
+        """Choice `index`'s prompt tokens the prefix cache had (from its deltas)."""
+        self._cached[index] = max(self._cached[index], cached_tokens)
+
     def _usage_details(self) -> dict:
-        """What the usage adds to its token counts (chat: the reasoning tokens)."""
-        return {}
+        """What the usage adds to its token counts: OpenAI's cached prompt tokens (each prompt counted once, as
+        its first choice found it), and for chat the reasoning tokens."""
+        return {"prompt_tokens_details": {"cached_tokens": sum(self._cached[:: self.n])}}
 
     def with_usage(self, chunk: dict, completion_tokens: int) -> dict:
         """`chunk` (of one choice) with that choice's usage so far."""
@@ -381,7 +389,8 @@ class ChatFormat(_Format):
                 self._reasoning_tokens[index] += 1
 
     def _usage_details(self) -> dict:
-        return {"completion_tokens_details": {"reasoning_tokens": sum(self._reasoning_tokens)}}
+        reasoning = {"completion_tokens_details": {"reasoning_tokens": sum(self._reasoning_tokens)}}
+        return {**super()._usage_details(), **reasoning}
 
     @staticmethod
     def _reasoning(reasoning: str | None) -> dict:

@@ -131,6 +131,11 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
         "Decode steps the --max-decode-stall-ms budget asked for.",
         lambda s: s.steps.forced[ForcedBy.STALL],
     ),
+    "prefix_cache_queries": (
+        "Prompt tokens looked up in the prefix cache.",
+        lambda s: s.prefix_cache.queries,
+    ),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache (never prefilled).", lambda s: s.prefix_cache.hits),
     "num_preemptions": (
         "Requests preempted: always 0, jaxserve never preempts (admission reserves a request's KV pages for its "
         "prompt and max_tokens).",
@@ -164,7 +169,7 @@ class _EngineCollector:
             "num_gpu_blocks": geometry.num_pages,
             "cache_dtype": geometry.kv_cache_dtype,
             "num_cpu_blocks": None,  # no CPU swap space
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": self.engine.pages.enabled,
         }
         cache = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(info))
         cache.add_metric([str(value) for value in info.values()], 1)

@@ -355,6 +355,7 @@ async def _chunks(generations: list[Generation], fmt, include_usage: bool, conti
         async for index, delta in deltas:
             if delta.finish_reason == "error":
                 raise APIError(500, f"generation failed: {delta.error}")
+            fmt.note_cached(index, delta.cached_tokens)
             chunk = fmt.chunk(index, delta)
             yield fmt.with_usage(chunk, generations[index].num_generated) if continuous else chunk
     if include_usage:

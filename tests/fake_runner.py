@@ -6,7 +6,9 @@ Logprobs, for requests that ask, are those of a model certain of everything: 0.0
 prompt logprobs, for the prompt token shown), which is also the only entry of its top list.
 
 It also checks what a real cache would silently get wrong: a chunk that does not continue its slot where the
-last one ended, two rows of one step sharing a slot or a page, a row whose pages are too few for its positions.
+last one ended, two rows of one step sharing a slot or writing one page, a row whose pages are too few for its
+positions. The prefix cache's snapshots are state rows like the slots: a row that reads its state from one
+continues what it holds, and a row that writes one leaves there what its slot holds that far into its chunk.
 """
 
 from __future__ import annotations
@@ -117,9 +119,14 @@ class FakeRunner:
             self._undefined.update(r.slot for r in plan.requests)
             return FakeStep(error=error)
         slots = [r.slot for r in plan.requests]
-        pages = [p for r in plan.requests for p in r.pages]
+        size = self.geometry.page_size
+        written_pages = [
+            p
+            for row in plan.rows
+            for p in row.request.pages[row.start // size : (row.start + row.length - 1) // size + 1]
+        ]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
-        assert len(set(pages)) == len(pages), "two rows share a KV page"
+        assert len(set(written_pages)) == len(written_pages), "two rows write one KV page"
         limits = self._limits  # what is "compiled" now
         assert len(plan.prefill) <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
         assert all(row.length <= limits.prefill_tokens for row in plan.prefill), "a chunk longer than compiled"
@@ -133,16 +140,21 @@ class FakeRunner:
         out = []
         for row in plan.rows:
             request = row.request
-            if row.start == 0:
+            source = request.slot if row.read_row is None else row.read_row
+            if row.start == 0 or source != request.slot:
                 self._undefined.discard(request.slot)
             elif request.slot in self._undefined:
                 out.append(RowOutput(0))
                 continue
-            written = [] if row.start == 0 else self._written[request.slot]
-            assert row.start == len(written), f"{request.request_id}: writes at {row.start}, slot holds {len(written)}"
+            written = [] if row.start == 0 else self._written[source]
+            assert row.start == len(written), (
+                f"{request.request_id}: writes at {row.start}, its state holds {len(written)}"
+            )
             written = written + (row.token_ids or [self._kept[request.slot]])
             assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
             self._written[request.slot] = written
+            if row.snapshot_row is not None:
+                self._written[row.snapshot_row] = written[: row.start + row.snapshot_tokens]
             token = self.model(request, written)
             if row.samples_output:
                 self._kept[request.slot] = token

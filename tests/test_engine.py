@@ -83,7 +83,9 @@ def run(engine: Engine, *handles, timeout: float = 60):
 
 def assert_nothing_leaked(engine: Engine) -> None:
     stats = engine.stats()
-    assert stats.free_pages == engine.page_pool.size and stats.running == 0 and stats.waiting == 0
+    assert stats.free_pages == engine.pages.pages.size and stats.running == 0 and stats.waiting == 0
+    # Every page in use is one the prefix cache keeps for later, and nobody holds it.
+    assert engine.pages.pages.num_used == engine.pages.num_cached and engine.pages.num_held == 0
     assert engine.scheduler.prefill_manager.slots.num_free == engine.config.max_num_seqs
     assert not engine.scheduler.has_work
 
@@ -286,6 +288,110 @@ def test_random_workload_matches_running_each_request_alone_and_returns_every_pa
     assert [tokens for tokens, _, _ in results] == alone
     assert all(reason == "length" for _, reason, _ in results)
     assert [reason for _, reason, _ in doomed_results] == ["abort"] * 3
+    assert_nothing_leaked(engine)
+
+
+@pytest.fixture(scope="module")
+def sharded_fp8_runner():
+    """TP 2 x EP 4 over the 8 fake devices, fp8 KV; only the shapes that serve one request at a time."""
+    mesh = make_mesh(2, 4)
+    weights = place(init_weights(jax.random.key(5), CFG, std=0.15), abstract_weights(CFG), mesh)
+    cfg = engine_config(mixed_batches=False, kv_cache_dtype="fp8", tensor_parallel_size=2, expert_parallel_size=4)
+    runner = build_runner(cfg, CFG, weights, mesh)
+    runner.warmup(runner.buckets.first_shapes())
+    return runner
+
+
+@pytest.mark.parametrize("which", ["runner", "sharded_fp8_runner"])
+def test_prefix_cache_hits_give_the_tokens_and_logprobs_of_prefilling_everything(which, request):
+    """On the tiny model (page 8 = its window, chunks of 16; also over TP 2 x EP 4 with fp8 KV): prompts that share
+    a prefix with earlier ones ending inside a page, exactly at a page boundary, shorter than the window, across
+    several chunks (a hit then starts from a snapshot taken mid-chunk) and a whole repeated prompt, one after the
+    other through the overlapped loop so each finds what the ones before left: the same greedy tokens and logprobs
+    (within 1e-5) with the prefix cache as without it."""
+    runner = request.getfixturevalue(which)
+    base = prompt(90, 7)
+    tail = [prompt(n, 300 + n) for n in range(1, 12)]
+    trace = [
+        base[:41],  # the first: nothing cached
+        base[:21] + tail[0],  # shares 21 tokens: ends inside page 2
+        base[:24] + tail[1],  # shares exactly 3 pages
+        base[:5] + tail[2],  # shares less than the window
+        base[:60] + tail[3],  # shares 41 with the first: a hit on the snapshot taken at 40, inside its last chunk
+        base[:41],  # the first again: a hit on its pages but the last
+        base[:90],
+        base[:90] + tail[4],
+    ]
+    outputs = {}
+    for caching in (False, True):
+        engine = make_engine(
+            runner, enable_prefix_caching=caching, async_scheduling=True, kv_cache_dtype=runner.geometry.kv_cache_dtype
+        ).start()
+        try:
+            logprobs = []
+            for i, ids in enumerate(trace):
+                handle = engine.submit(ids, greedy(5, logprobs=3), request_id=f"t{i}")
+                logprobs.append([lp for event in handle.sync_events(timeout=60) for lp in event.logprobs or ()])
+        finally:
+            engine.shutdown()
+        outputs[caching] = logprobs
+        hits = engine.stats().prefix_cache.hits
+        assert (hits > 0) == caching, hits
+        assert_nothing_leaked(engine)
+    # The repeated first prompt finds its 5 full pages but the last (its last token must run): 32 tokens.
+    assert hits >= 32 + 24 + 16 + 40 + 88
+    for plain, cached in zip(outputs[False], outputs[True]):
+        assert len(plain) == 5 and [lp.token_id for lp in plain] == [lp.token_id for lp in cached]
+        assert [[t for t, _ in lp.top] for lp in plain] == [[t for t, _ in lp.top] for lp in cached]
+        np.testing.assert_allclose(
+            [[v for _, v in lp.top] for lp in cached], [[v for _, v in lp.top] for lp in plain], atol=1e-5
+        )
+
+
+def test_a_thousand_requests_on_shared_prefixes_never_write_a_shared_page_and_leak_nothing():
+    """1,000 requests whose prompts start with one of a few long prefixes (cut anywhere, so hits end on all sorts
+    of boundaries), some aborted while they run, over a small pool and few snapshots (so pages and snapshots are
+    evicted): each output is still the fake model's continuation of its own prompt (a hit that resumed the wrong
+    state, or read a page written since, would change it), no step writes a page the cache shared before it, the
+    prefix cache's books balance before every step, and every page and slot comes back."""
+    engine = fake_engine(num_kv_pages=90, prefix_cache_snapshots=3, max_model_len=200)
+    shared_writes = []
+    registered: dict[int, object] = {}  # page -> its cache record, as of the step before
+    dispatch = engine.runner.dispatch
+
+    def checked(plan):  # on the engine thread, between steps
+        size = engine.geometry.page_size
+        for row in plan.rows:
+            for page in row.request.pages[row.start // size : (row.start + row.length - 1) // size + 1]:
+                if registered.get(page) is not None and registered[page] is engine.pages.cached(page):
+                    shared_writes.append((row.request.request_id, page))
+        registered.clear()
+        registered.update({p: engine.pages.cached(p) for p in range(engine.geometry.num_pages)})
+        engine.pages.check_books()
+        return dispatch(plan)
+
+    engine.runner.dispatch = checked
+    rng = random.Random(4)
+    bases = [prompt(120, 60 + i) for i in range(4)]
+    engine.start()
+    try:
+        for wave in range(20):
+            specs, handles = [], []
+            for i in range(50):
+                ids = rng.choice(bases)[: rng.randint(1, 120)] + prompt(rng.randint(0, 12), 5000 + 50 * wave + i)
+                specs.append((ids, rng.randint(1, 8)))
+                handles.append(engine.submit(ids, greedy(specs[-1][1]), request_id=f"w{wave}-{i}"))
+            for handle in handles[::9]:
+                engine.abort(handle.request_id)
+            for (ids, n), handle in zip(specs, handles):
+                tokens, reason, _ = handle.wait(timeout=60)
+                if reason != "abort":
+                    assert tokens == continuation(ids, n, CFG.vocab_size), handle.request_id
+    finally:
+        engine.shutdown()
+    stats = engine.stats().prefix_cache
+    assert not shared_writes, shared_writes[:5]
+    assert stats.hits > 0, stats
     assert_nothing_leaked(engine)
 
 

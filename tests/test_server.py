@@ -248,7 +248,12 @@ def test_token_id_prompt_and_return_token_ids(http, loaded):
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 7
     assert choice["text"] == loaded.tokenizer.decode(choice["token_ids"])
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 7,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
     with http.stream(
         "POST",
@@ -671,6 +676,41 @@ def test_chat_echo_puts_the_final_assistant_message_before_the_reply(http):
     assert echoed["choices"][0]["message"]["content"] == alone
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_in_usage_and_metrics(server, http, runner, loaded):
+    """A 60-token prompt sent twice: the second finds its first 3 pages (48 tokens, page 16) and the snapshot its
+    first chunk took there, says so in usage.prompt_tokens_details.cached_tokens and in vLLM's prefix cache
+    counters, and streams the same greedy tokens; with --no-enable-prefix-caching nothing is cached."""
+    ids = list(range(100, 160))
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def counters(url):
+        samples = metric_samples(httpx.get(url + "/metrics").text)
+        return [samples[(PREFIX + f"prefix_cache_{n}_total", ())] for n in ("queries", "hits")]
+
+    before = counters(server.url)
+    first = http.post("/v1/completions", json=body).json()
+    again = http.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [c for c in sse_payloads(again.iter_lines()) if c != "[DONE]"]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]] == first["choices"][0][
+        "token_ids"
+    ]
+    queries, hits = (after - b for after, b in zip(counters(server.url), before))
+    assert (queries, hits) == (120, 48)
+    info = metric_samples(httpx.get(server.url + "/metrics").text)
+    assert any(
+        name == PREFIX + "cache_config_info" and ("enable_prefix_caching", "True") in labels for name, labels in info
+    )
+    with serving(runner, loaded, enable_prefix_caching=False) as plain:
+        with httpx.Client(base_url=plain.url, timeout=60) as client:
+            for _ in range(2):
+                response = client.post("/v1/completions", json=body).json()
+                assert response["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+                assert response["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert counters(plain.url) == [0, 0]
+
+
 def test_models_health_and_metrics(server, http):
     (card,) = http.get("/v1/models").json()["data"]
     assert card["id"] == MODEL and card["max_model_len"] == CONFIG.max_model_len
@@ -737,7 +777,7 @@ def test_vllm_request_step_and_cache_metrics(server, http):
     cache = {
         "block_size": str(geometry.page_size),
         "cache_dtype": "auto",
-        "enable_prefix_caching": "False",
+        "enable_prefix_caching": "True",
         "num_cpu_blocks": "None",
         "num_gpu_blocks": str(geometry.num_pages),
     }

@@ -18,7 +18,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,7 +28,7 @@ from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingPar
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
-from jaxserve.scheduler import IdAllocator, StepCounts, build_scheduler
+from jaxserve.scheduler import IdAllocator, PrefixCache, PrefixStats, StepCounts, build_scheduler
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -54,6 +54,7 @@ class TokenEvent:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache had (not prefilled); on every event
 
     @property
     def finished(self) -> bool:
@@ -97,15 +98,22 @@ class RequestHandle:
     def wait(self, timeout: float | None = None) -> tuple[list[int], str | None, str | None]:
         """Block until the request finishes: (all generated token ids, finish reason, error or None); the last
         event, with the stop reason, is `last_event`."""
+        tokens: list[int] = []
+        for event in self.sync_events(timeout):
+            tokens.extend(event.token_ids)
+        assert self.last_event is not None  # the last event finished the request
+        return tokens, self.last_event.finish_reason, self.last_event.error
+
+    def sync_events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """The request's events from a plain thread, blocking up to `timeout` for each, until it finishes."""
         if self._loop is not None:
             raise RuntimeError("this handle belongs to an event loop; iterate events() instead")
-        tokens: list[int] = []
         while True:
             event = self._sync_queue.get(timeout=timeout)
-            tokens.extend(event.token_ids)
+            yield event
             if event.finished:
                 self.finish_reason, self.last_event = event.finish_reason, event
-                return tokens, event.finish_reason, event.error
+                return
 
 
 # The latest steps, for tests and debugging: ~290 B each, so 30 MB at most (1M steps kept 290 MB).
@@ -173,6 +181,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    prefix_cache: PrefixStats = field(default_factory=PrefixStats)  # prompt tokens looked up and found
 
     @property
     def running(self) -> int:
@@ -251,10 +260,18 @@ class Engine:
             _check_mixed_steps(engine_cfg, runner.buckets)
         self.runner = runner
         self.geometry = geometry
-        self.page_pool = IdAllocator(geometry.num_pages, "KV pages")
-        self.scheduler = build_scheduler(
-            engine_cfg, self.page_pool, geometry.page_size, min(runner.buckets.prefill_chunks)
+        if engine_cfg.enable_prefix_caching and not geometry.num_snapshots:
+            log.warning(
+                "prefix caching is off: the runner's KV geometry has no snapshot rows (it was built with "
+                "--no-enable-prefix-caching or --prefix-cache-snapshots 0)"
+            )
+        snapshot_rows = range(geometry.num_slots, geometry.state_rows) if engine_cfg.enable_prefix_caching else ()
+        # What else a page's contents depend on than its tokens: the model and how the cache stores it.
+        salt = repr((model_cfg, geometry.kv_cache_dtype)).encode()
+        self.pages = PrefixCache(
+            IdAllocator(geometry.num_pages, "KV pages"), geometry.page_size, list(snapshot_rows), salt
         )
+        self.scheduler = build_scheduler(engine_cfg, self.pages, geometry.page_size, min(runner.buckets.prefill_chunks))
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
         self.listeners: list[EngineListener] = []  # added before start()
@@ -404,8 +421,9 @@ class Engine:
             waiting=states[RequestStatus.WAITING],
             prefilling=states[RequestStatus.PREFILLING],
             decoding=states[RequestStatus.DECODING],
-            free_pages=self.page_pool.num_free,
-            total_pages=self.page_pool.size,
+            free_pages=self.pages.num_free,
+            total_pages=self.pages.pages.size,
+            prefix_cache=self.pages.stats,
             steps=sched.counts.copy(),
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
@@ -546,7 +564,12 @@ class Engine:
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
             self._live[request.request_id][1]._push(
-                TokenEvent((token,), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                TokenEvent(
+                    (token,),
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    cached_tokens=request.num_cached_tokens,
+                )
             )
         else:
             self._finish(
@@ -584,12 +607,14 @@ class Engine:
                 error=error,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                cached_tokens=request.num_cached_tokens,
             )
         )
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> None:
         log.exception("step failed (%s step of %d requests)", plan.kind.value, len(plan.requests))
         failed = [r for r in plan.requests if not r.finished]
+        self.pages.clear()  # the pages and snapshots the step was to write may not be there
         if self.runner.cache_lost():
             # The donated cache went with the failed call: every sequence's KV state is gone, not only the step's.
             self.runner.reset_cache()

@@ -51,18 +51,23 @@ def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: j
 
 
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
-    """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
-    new, rows = compress_chunk(
+    """Run a compressor over the chunk; store its new entries and state (and the rows' snapshots of it); return the
+    updated pool and state."""
+    new, rows, snapshot = compress_chunk(
         x,
         comp_weights,
-        gather(state, (layer, inputs.slots)),
+        gather(state, (layer, inputs.state_source)),
         inputs.positions,
         inputs.lengths,
         rate,
         freqs,
         cfg.rms_norm_eps,
+        inputs.snapshot_lengths,
     )
-    return _write_entries(pool, layer, new, inputs.page_table), scatter(state, (layer, write_slots), rows)
+    state = scatter(state, (layer, write_slots), rows)
+    if snapshot is not None:
+        state = scatter(state, (layer, inputs.snapshot_rows), snapshot)
+    return _write_entries(pool, layer, new, inputs.page_table), state
 
 
 def attention_block(
@@ -100,7 +105,7 @@ def attention_block(
         key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
         # The rows' rings [b, W, k], kept as stored: the write below puts back what it read without re-encoding.
-        ring_rows = gather(cache.window, (layer, inputs.slots))
+        ring_rows = gather(cache.window, (layer, inputs.state_source))
         shared = jnp.concatenate([decode(ring_rows, kv.dtype), kv], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
         shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
@@ -165,5 +170,12 @@ def attention_block(
         # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
         # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
         ring = scatter(cache.window, (layer, write_slots), rows)
+        if inputs.snapshot_rows is not None:  # the ring as of the snapshot's position: its last W tokens before it
+            assert inputs.snapshot_lengths is not None  # StepInputs sets the two together
+            tokens = jnp.arange(t)[None, :]
+            ends = inputs.snapshot_lengths[:, None]
+            upto = valid & (tokens < ends) & (tokens >= ends - window)
+            snapshots = write_kv(ring_rows, (jnp.arange(b)[:, None], jnp.where(upto, qpos % window, window)), kv)
+            ring = scatter(ring, (layer, inputs.snapshot_rows), snapshots)
         cache = dataclasses.replace(cache, window=ring)
     return out, cache

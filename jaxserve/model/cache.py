@@ -14,6 +14,11 @@ The layers are stacked like the weights (`jaxserve.model.segments`): the cache i
 A page covers `page_size` tokens in every layer at once: one page table per sequence serves all layers.
 Nothing here needs resetting when a slot is reused: every read is masked by the row's position.
 
+The per-sequence state (window ring, compressor state) has `num_snapshots` more rows than slots: the prefix cache's
+snapshots of a sequence's state at a page boundary. A prefill row may write its state as of a position inside its
+chunk into one (`StepInputs.snapshot_rows`), and a later request's first chunk may read its state from one
+(`StepInputs.state_rows`) while writing its own slot: a hit starts exactly where the snapshot was taken.
+
 `kv_cache_dtype` (the geometry's) stores the window, entries and indexer keys as plain arrays of the model's dtype
 (`auto`) or bfloat16, or as `Fp8KV` nodes (`fp8`, jaxserve.kernels.kv_quant) whose leaves share the leading axes:
 - K=V vectors (window, entries): the D - R non-RoPE dims in e4m3 with one power-of-two scale (a ue8m0 byte) per
@@ -52,15 +57,23 @@ class CacheGeometry:
     page_size: int  # tokens covered by one page
     max_pages_per_seq: int  # width of a page table
     kv_cache_dtype: str = "auto"  # config.KV_CACHE_DTYPES (storage_dtype resolves `auto`)
+    num_snapshots: int = 0  # rows of per-sequence state past the slots, for the prefix cache's snapshots
 
     @property
     def max_tokens_per_seq(self) -> int:
         return self.max_pages_per_seq * self.page_size
 
+    @property
+    def state_rows(self) -> int:
+        """Rows of every per-sequence state array: the slots, then the snapshots (row num_slots + k)."""
+        return self.num_slots + self.num_snapshots
+
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("num_slots", "num_pages", "page_size", "max_pages_per_seq"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.num_snapshots < 0:
+            raise ValueError(f"num_snapshots={self.num_snapshots}: must be >= 0")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype == FP8_KV:
             fp8_block(cfg)
@@ -98,6 +111,7 @@ def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> CacheGeomet
         page_size=engine_cfg.page_size,
         max_pages_per_seq=per_seq,
         kv_cache_dtype=engine_cfg.kv_cache_dtype,
+        num_snapshots=engine_cfg.num_prefix_snapshots,
     )
 
 
@@ -189,7 +203,7 @@ def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
     def store(lead, lead_axes, index=False):
         return _kv_store(cfg, geo.kv_cache_dtype, lead, lead_axes, index)
 
-    window = store((geo.num_slots, cfg.sliding_window), ("slots", None))
+    window = store((geo.state_rows, cfg.sliding_window), ("slots", None))
     if kind == SWA:
         return LayerCache(window=window)
     rate = cfg.kind_rate(kind)
@@ -197,11 +211,11 @@ def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
     layer = LayerCache(
         window=window,
         entries=store((geo.num_pages, per_page), ("pages", None)),
-        state=_compressor_state(geo.num_slots, rate, cfg.head_dim, overlap=kind == CSA),
+        state=_compressor_state(geo.state_rows, rate, cfg.head_dim, overlap=kind == CSA),
     )
     if kind == CSA:
         layer.index_entries = store((geo.num_pages, per_page), ("pages", None), index=True)
-        layer.index_state = _compressor_state(geo.num_slots, rate, cfg.index_head_dim, overlap=True)
+        layer.index_state = _compressor_state(geo.state_rows, rate, cfg.index_head_dim, overlap=True)
     return layer
 
 
@@ -239,7 +253,8 @@ def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
 
 
 def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
-    """Bytes the cache allocates, split into the paged pools and the fixed per-slot state."""
+    """Bytes the cache allocates, split into the paged pools and the fixed per-sequence state (every state row:
+    the slots and the prefix cache's snapshots)."""
     paged = fixed = 0
     for info in jax.tree.leaves(abstract_cache(cfg, geo), is_leaf=is_info):
         size = nbytes(info)

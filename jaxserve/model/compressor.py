@@ -38,7 +38,8 @@ def compress_chunk(
     rate: int,
     freqs: np.ndarray,
     eps: float,
-) -> tuple[NewEntries, CompressorState]:
+    snapshot_lengths: jax.Array | None = None,  # [b] int32: also return the state this many tokens in
+) -> tuple[NewEntries, CompressorState, CompressorState | None]:
     m = rate
     overlap = state.prev_kv is not None
     c = weights.norm.shape[0]
@@ -85,16 +86,21 @@ def compress_chunk(
         pooled = rms_norm(pooled, weights.norm, eps)
         values = apply_rope(pooled, window_index * m, freqs)
 
-    with jax.named_scope("carry_state"):
-        last = (offset + lengths) // m  # sequence window holding the new partial window; also #complete windows
-        pick = last[:, None, None, None]
-        new_state = CompressorState(
+    def state_after(tokens: jax.Array) -> CompressorState:
+        """The rows' state once `tokens [b]` of the chunk are in."""
+        pick = ((offset + tokens) // m)[:, None, None, None]  # the sequence window holding the partial window
+        state = CompressorState(
             buf_kv=jnp.take_along_axis(win_kv, pick, axis=1)[:, 0],
             buf_gate=jnp.take_along_axis(win_gate, pick, axis=1)[:, 0],
         )
         if overlap:
-            new_state.prev_kv = jnp.take_along_axis(ext_kv, pick, axis=1)[:, 0]
-            new_state.prev_gate = jnp.take_along_axis(ext_gate, pick, axis=1)[:, 0]
+            state.prev_kv = jnp.take_along_axis(ext_kv, pick, axis=1)[:, 0]
+            state.prev_gate = jnp.take_along_axis(ext_gate, pick, axis=1)[:, 0]
+        return state
 
-    valid = jnp.arange(n_windows)[None, :] < last[:, None]
-    return NewEntries(values=values, index=window_index.astype(jnp.int32), valid=valid), new_state
+    with jax.named_scope("carry_state"):
+        new_state = state_after(lengths)
+        snapshot = None if snapshot_lengths is None else state_after(snapshot_lengths)
+
+    valid = jnp.arange(n_windows)[None, :] < ((offset + lengths) // m)[:, None]  # the windows completed by now
+    return NewEntries(values=values, index=window_index.astype(jnp.int32), valid=valid), new_state, snapshot

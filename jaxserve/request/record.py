@@ -219,6 +219,7 @@ class Request:
     admitted_time: float | None = None  # when it left the queue (moved to PREFILLING: pages and slot reserved)
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens already scheduled into the KV cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (never prefilled)
     num_sampled: int = 0  # output tokens sampled by dispatched steps (output_ids lags by the step in flight)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)

@@ -42,10 +42,20 @@ class StepRow:
     start: int
     length: int
     decode: bool = False
+    # The prefix cache's, for prefill rows: the state row (a snapshot) the sequence state is read from instead of
+    # the request's slot (the first chunk after a hit), and the state row that also gets the state as of
+    # `snapshot_tokens` tokens into this chunk (a page boundary the cache will share).
+    read_row: int | None = None
+    snapshot_row: int | None = None
+    snapshot_tokens: int = 0
 
     @staticmethod
-    def chunk(request: Request, start: int, length: int) -> StepRow:
-        return StepRow(request, start, length)
+    def chunk(
+        request: Request, start: int, length: int, read_row: int | None = None, snapshot: tuple[int, int] | None = None
+    ) -> StepRow:
+        """A prompt chunk; `snapshot`: (state row, tokens into the chunk)."""
+        row, tokens = snapshot or (None, 0)
+        return StepRow(request, start, length, read_row=read_row, snapshot_row=row, snapshot_tokens=tokens)
 
     @staticmethod
     def next_token(request: Request) -> StepRow:

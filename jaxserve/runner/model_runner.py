@@ -50,7 +50,7 @@ from jaxserve.request.step import (
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.runner.progress import progress
-from jaxserve.runner.sampling import PenaltyArrays, SamplingArrays, apply_penalties, sample
+from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -269,6 +269,7 @@ class ModelRunner:
         self._sampler = jax.jit(self._sampler_fn, out_shardings=self._replicated)
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
         self._penalize = jax.jit(apply_penalties, out_shardings=self._replicated)
+        self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
         self._compiled: dict[StepShape, _Executables] = {}
         self._samplers: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the rows of each group
         self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
@@ -323,7 +324,7 @@ class ModelRunner:
     def _abstract(self, shape, dtype) -> Any:  # stands in for a jax.Array in the abstract inputs
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
-    def _abstract_group(self, rows: int, chunk: int) -> tuple[StepInputs, TokenRoutes, LogprobInputs]:
+    def _abstract_group(self, rows: int, chunk: int, decode: bool) -> tuple[StepInputs, TokenRoutes, LogprobInputs]:
         arr = self._abstract
         inputs = StepInputs(
             tokens=arr((rows, chunk), jnp.int32),
@@ -331,6 +332,7 @@ class ModelRunner:
             lengths=arr((rows,), jnp.int32),
             slots=arr((rows,), jnp.int32),
             page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
+            **({} if decode else {name: arr((rows,), jnp.int32) for name in PREFIX_STATE_INPUTS}),
         )
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
         asked = _logprob_inputs(rows, chunk, arr)
@@ -342,7 +344,7 @@ class ModelRunner:
         return jax.tree.map(lambda x: self._abstract(x.shape, x.dtype), padding)
 
     def _abstract_forward_args(self, shape: StepShape) -> tuple:
-        groups = [self._abstract_group(group.rows, group.chunk) for group, _ in shape.groups]
+        groups = [self._abstract_group(group.rows, group.chunk, decode) for group, decode in shape.groups]
         weights, cache, slot_tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens),
@@ -354,7 +356,7 @@ class ModelRunner:
         slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
         logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
         samplings = tuple(self._abstract_sampling(r) for r in rows)
-        routes = tuple(self._abstract_group(group.rows, group.chunk)[1] for group, _ in shape.groups)
+        routes = tuple(self._abstract_group(group.rows, group.chunk, decode)[1] for group, decode in shape.groups)
         return slot_tokens, logits, logits, samplings, routes
 
     def _compile(self, shape: StepShape) -> _Executables:
@@ -385,6 +387,8 @@ class ModelRunner:
             # happens now rather than as a latency spike in the middle of serving.
             padding = [_Group((), group, decode) for group, decode in shape.groups]
             self._launch(compiled, padding).result()
+            for group, _ in shape.groups:  # and the penalties' first bucket for its groups
+                self._warm_penalties(group.rows)
             self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
@@ -399,6 +403,13 @@ class ModelRunner:
                     started,
                     detail=f"(about {so_far / i * (len(todo) - i):.0f} s to go; last: {described})",
                 )
+
+    def _warm_penalties(self, rows: int) -> None:
+        if rows in self._penalties_warmed:
+            return
+        logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32, device=self._replicated)
+        jax.block_until_ready(self._penalize(logits, PenaltyArrays.neutral(rows, PENALTY_BUCKET)))
+        self._penalties_warmed.add(rows)
 
     def limits(self) -> StepLimits | None:
         """What steps the compiled shapes allow (None: not even one prefill and one decode shape yet)."""
@@ -536,6 +547,11 @@ class ModelRunner:
         slots: Any = np.zeros(bucket_rows, np.int32)
         store: Any = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
         asked: Any = _logprob_inputs(bucket_rows, chunk, np.zeros)
+        # Prefill groups: where each row's sequence state comes from, and which snapshot it also writes (none:
+        # past every state row, so the write is dropped).
+        read_rows: Any = np.zeros(bucket_rows, np.int32)
+        snapshot_rows: Any = np.full(bucket_rows, self.geometry.state_rows, np.int32)
+        snapshot_lengths: Any = np.zeros(bucket_rows, np.int32)
         for i, row in enumerate(group.rows):
             request = row.request
             if len(request.pages) > max_pages:
@@ -544,6 +560,9 @@ class ModelRunner:
             tokens[i, : len(row_tokens)] = row_tokens
             page_table[i, : len(request.pages)] = request.pages
             positions[i], lengths[i], slots[i] = row.start, row.length, request.slot
+            read_rows[i] = request.slot if row.read_row is None else row.read_row
+            if row.snapshot_row is not None:
+                snapshot_rows[i], snapshot_lengths[i] = row.snapshot_row, row.snapshot_tokens
             if row.samples_output:
                 store[i] = request.slot
             asked.sampled[i] = row.logprobs is not None
@@ -551,10 +570,19 @@ class ModelRunner:
             if targets:
                 asked.prompt[i] = True
                 asked.targets[i, : len(targets)] = targets
-        inputs = StepInputs(tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table)
+        prefix_state = (
+            {} if group.decode else dict(zip(PREFIX_STATE_INPUTS, (read_rows, snapshot_rows, snapshot_lengths)))
+        )
+        inputs = StepInputs(
+            tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table, **prefix_state
+        )
         feed_from_slot: Any = np.full(bucket_rows, group.decode)
         routes = TokenRoutes(feed_from_slot=feed_from_slot, store_slot=store)
         return inputs, routes, asked
+
+
+# StepInputs' fields only a prefill group has: a decode group's rows read and write their own slots.
+PREFIX_STATE_INPUTS = ("read_rows", "snapshot_rows", "snapshot_lengths")
 
 
 def _logprob_inputs(rows: int, chunk: int, make: Callable) -> LogprobInputs:

@@ -20,6 +20,7 @@ from jaxserve.request.step import StepRow
 
 F32 = jnp.float32
 NO_TOKEN = np.iinfo(np.int32).max  # a bias entry past any vocabulary: dropped
+PENALTY_BUCKET = 64  # the fewest entries a row's penalties carry (then powers of two)
 
 
 @jax.tree_util.register_dataclass
@@ -115,18 +116,24 @@ class PenaltyArrays:
         }
         if not entries:
             return None
-        width = max(64, 1 << (max(len(ids) for ids, _ in entries.values()) - 1).bit_length())
-        # Host numpy arrays: the jitted penalties take them as their jax.Array inputs (hence Any).
-        token_ids: Any = np.full((bucket_rows, width), NO_TOKEN, np.int32)
-        counts: Any = np.zeros((bucket_rows, width), np.float32)
-        penalties = np.zeros((3, bucket_rows), np.float32)
-        penalties[0] = 1
+        width = max(PENALTY_BUCKET, 1 << (max(len(ids) for ids, _ in entries.values()) - 1).bit_length())
+        arrays = PenaltyArrays.neutral(bucket_rows, width)
         for i, (ids, row_counts) in entries.items():
-            token_ids[i, : len(ids)], counts[i, : len(ids)] = ids, row_counts
+            arrays.token_ids[i, : len(ids)], arrays.output_counts[i, : len(ids)] = ids, row_counts
             p = rows[i].request.sampling
-            penalties[:, i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        host: Any = penalties
-        return PenaltyArrays(token_ids, counts, host[0], host[1], host[2])
+            arrays.repetition[i], arrays.frequency[i] = p.repetition_penalty, p.frequency_penalty
+            arrays.presence[i] = p.presence_penalty
+        return arrays
+
+    @staticmethod
+    def neutral(rows: int, width: int) -> PenaltyArrays:
+        """Host arrays that penalize nothing (every entry unused, every penalty off), to fill in."""
+        # Host numpy arrays: the jitted penalties take them as their jax.Array inputs (hence Any).
+        token_ids: Any = np.full((rows, width), NO_TOKEN, np.int32)
+        counts: Any = np.zeros((rows, width), np.float32)
+        off: Any = np.zeros((3, rows), np.float32)
+        off[0] = 1  # a repetition penalty of 1
+        return PenaltyArrays(token_ids, counts, off[0], off[1], off[2])
 
 
 def apply_penalties(logits: jax.Array, penalties: PenaltyArrays) -> jax.Array:

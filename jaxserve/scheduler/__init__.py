@@ -1,5 +1,6 @@
-"""Host-side scheduling: the prefill and decode managers, the page and slot allocator, the step policies and the
-queue orders, the decision, and the one place flags become a scheduler."""
+"""Host-side scheduling: the prefill and decode managers, the page and slot allocator, the prefix cache (the KV
+pages' owner), the step policies and the queue orders, the decision, and the one place flags become a
+scheduler."""
 
 from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 from jaxserve.scheduler.compose import build_scheduler
@@ -7,6 +8,7 @@ from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policies import DecodeInterleavePolicy, MixedSteps, step_policies
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
+from jaxserve.scheduler.prefix_cache import PrefixCache, PrefixStats
 from jaxserve.scheduler.queue_order import QUEUE_ORDERS, FirstComeFirstServed, Priority, QueueOrder
 from jaxserve.scheduler.scheduler import Scheduler, StepCounts
 from jaxserve.scheduler.stall import DecodeStallPolicy
@@ -21,6 +23,8 @@ __all__ = [
     "IdAllocator",
     "MixedSteps",
     "PrefillManager",
+    "PrefixCache",
+    "PrefixStats",
     "Priority",
     "QueueOrder",
     "Scheduler",

@@ -7,13 +7,14 @@ from jaxserve.scheduler.allocator import IdAllocator
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policies import step_policies
 from jaxserve.scheduler.prefill import PrefillManager
+from jaxserve.scheduler.prefix_cache import PrefixCache
 from jaxserve.scheduler.queue_order import QUEUE_ORDERS
 from jaxserve.scheduler.scheduler import Scheduler
 
 
-def build_scheduler(cfg: EngineConfig, page_pool: IdAllocator, page_size: int, min_chunk_tokens: int) -> Scheduler:
+def build_scheduler(cfg: EngineConfig, pages: PrefixCache, page_size: int, min_chunk_tokens: int) -> Scheduler:
     prefill = PrefillManager(
-        page_pool,
+        pages,
         page_size,
         cfg.chunked_prefill_size,
         cfg.max_prefill_rows,

@@ -2,9 +2,10 @@
 the cut of prompts into chunks.
 
 Admission reserves every page a request can ever need (`prompt_len + max_tokens` tokens) plus a slot, so a
-running request never has to wait for memory and nothing is ever preempted. Admitted requests are continued before
-anyone new is admitted, in admission order; a request whose prefill has been fully scheduled leaves this manager
-(the Scheduler hands it to the decode manager as that step is scheduled).
+running request never has to wait for memory and nothing is ever preempted; the prefix cache (the pages' owner)
+shares the cached pages a prompt starts with, counted once, and the prefill starts after them. Admitted requests
+are continued before anyone new is admitted, in admission order; a request whose prefill has been fully scheduled
+leaves this manager (the Scheduler hands it to the decode manager as that step is scheduled).
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ import bisect
 import itertools
 from collections import deque
 
-from jaxserve.model.cache import pages_needed
 from jaxserve.request import Request, RequestStatus
 from jaxserve.request.step import StepRow
-from jaxserve.scheduler.allocator import Exhausted, IdAllocator
+from jaxserve.scheduler.allocator import IdAllocator
+from jaxserve.scheduler.prefix_cache import PrefixCache
 from jaxserve.scheduler.queue_order import FirstComeFirstServed, QueueOrder
 
 
 class PrefillManager:
     def __init__(
         self,
-        page_pool: IdAllocator,
+        pages: PrefixCache | IdAllocator,
         page_size: int,
         max_prefill_tokens: int,
         max_prefill_rows: int,
@@ -37,7 +38,8 @@ class PrefillManager:
         ):
             if value <= 0:
                 raise ValueError(f"{name}={value}: must be positive")
-        self.page_pool = page_pool
+        # A bare allocator is a prefix cache that caches nothing.
+        self.pages = pages if isinstance(pages, PrefixCache) else PrefixCache(pages, page_size)
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens  # token budget of one step (--chunked-prefill-size)
         self.max_prefill_rows = max_prefill_rows  # chunks (requests) in one step
@@ -80,11 +82,12 @@ class PrefillManager:
                 break  # nothing admitted to continue, and nobody overtakes a head that does not fit yet
             request = self._admitted[0]
             length = min(request.remaining_prompt, budget)
-            rows.append(StepRow.chunk(request, request.num_prefilled, length))
+            rows.append(self.pages.chunk(request, request.num_prefilled, length))
             request.num_prefilled += length
             budget -= length
             if request.prefill_done:
                 self._admitted.popleft()
+        self.pages.commit(rows)  # the step is decided: what it writes can be shared from the next one on
         return tuple(rows)
 
     def remove(self, request: Request) -> None:
@@ -95,9 +98,7 @@ class PrefillManager:
 
     def release(self, request: Request) -> None:
         """Give back `request`'s pages and slot, each exactly once."""
-        if request.pages:
-            self.page_pool.free(request.pages)
-            request.pages = []
+        self.pages.release(request)
         if request.slot is not None:
             self.slots.free([request.slot])
             request.slot = None
@@ -105,9 +106,7 @@ class PrefillManager:
     def _admit(self, request: Request, max_active: int) -> bool:
         if self.slots.num_used >= max_active:
             return False
-        try:
-            request.pages = self.page_pool.allocate(pages_needed(request.max_total_len, self.page_size))
-        except Exhausted:
+        if not self.pages.admit(request):
             return False
         (request.slot,) = self.slots.allocate(1)
         request.move_to(RequestStatus.PREFILLING)

@@ -28,6 +28,7 @@ class Delta:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first delta, when the request asked
+    cached_tokens: int = 0  # prompt tokens the prefix cache had
 
 
 class Observer(Protocol):
@@ -49,6 +50,7 @@ class Output:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    cached_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -56,6 +58,7 @@ class Output:
         self.logprobs.extend(delta.logprobs or ())
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
 
@@ -131,5 +134,12 @@ class Generation:
                 text += self._stops.flush()
         self._finish_reason = finish_reason
         return Delta(
-            text, event.token_ids, finish_reason, stop_reason, event.error, event.logprobs, event.prompt_logprobs
+            text,
+            event.token_ids,
+            finish_reason,
+            stop_reason,
+            event.error,
+            event.logprobs,
+            event.prompt_logprobs,
+            event.cached_tokens,
         )
