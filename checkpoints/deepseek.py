@@ -372,9 +372,9 @@ def load_weights(
     started = time.perf_counter()
     nbytes = 0
     for count, leaf in enumerate(leaves, start=1):
-        array = read_leaf(reader, sources[leaf.name], leaf.info, leaf.name)
+        array = read_leaf(reader, sources[leaf.name], leaf.stored, leaf.name)
         nbytes += sum(part.nbytes for part in jax.tree.leaves(array))
-        builder.put(leaf.name, array)
+        builder.put(leaf.name, leaf.padded(array))  # zero rows up to the padded vocabulary (none elsewhere)
         if show_progress:
             progress("loading weights", count, len(leaves), started)
     weights = builder.finish()

@@ -11,7 +11,7 @@ from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig, load_config
-from jaxserve.model.sharding import shardings_for
+from jaxserve.model.sharding import for_mesh, shardings_for
 from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.text.tokenizer import TokenIdOnly, Tokenizer, load_tokenizer
 
@@ -41,9 +41,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
     been converted in `dtype` and with the same quantization) is restored shard by shard, a safetensors folder
-    streamed leaf by leaf into its target sharding."""
+    streamed leaf by leaf into its target sharding. The config is the checkpoint's with its vocabulary padded to
+    split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    config = model_config(folder, dtype, quantization)
+    config = for_mesh(model_config(folder, dtype, quantization), mesh)
     if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:

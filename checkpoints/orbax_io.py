@@ -101,7 +101,8 @@ def convert_checkpoint(
         for done, (item, leaves) in enumerate(items.items(), start=1):
             arrays = {}
             for name, leaf in leaves.items():
-                arrays.update(_parts(name, read_leaf(reader, sources[name], leaf.info, name)))
+                # As the checkpoint stores it (its own vocabulary): a conversion is restored into any mesh.
+                arrays.update(_parts(name, read_leaf(reader, sources[name], leaf.stored, name)))
             checkpointer.save(dst / item, arrays)
             checkpointer.wait_until_finished()  # the save is async; waiting keeps one layer in memory, not two
             if show_progress:
@@ -132,7 +133,9 @@ def _clear_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress: bool = False) -> Weights:
     """Restore a conversion straight into `mesh`: each device reads only the shards its target sharding names, one
-    layer at a time, each layer going into its stacks before the next is read."""
+    layer at a time, each layer going into its stacks before the next is read. A vocabulary `cfg` pads
+    (`cfg.padded_vocab_size`) is read into its padded targets, orbax filling the rows past the stored ones with
+    zeros."""
     dst = Path(dst).resolve()
     _check_conversion(dst, cfg)
     items = _by_item(cfg)
@@ -146,9 +149,13 @@ def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress
         for done, (item, leaves) in enumerate(items.items(), start=1):
             infos = {name: leaf.info for name, leaf in leaves.items()}
             targets = shape_dtype_structs(infos, mesh)
+            padded = any(leaf.stored != leaf.info for leaf in leaves.values())
+            if padded:  # a non-strict restore pads (or cuts) any array silently: first check what is stored
+                _check_stored_shapes(checkpointer, dst / item, leaves)
             restored = checkpointer.restore(
                 dst / item,
                 {part: target for name, target in targets.items() for part, target in _parts(name, target).items()},
+                strict=not padded,
             )
             for name, target in targets.items():
                 structure = jax.tree.structure(target)
@@ -156,6 +163,19 @@ def restore_weights(dst: str | Path, cfg: ModelConfig, mesh: Mesh, show_progress
             if show_progress:
                 progress("restoring", done, len(items), started)
     return builder.finish()
+
+
+def _check_stored_shapes(checkpointer, item: Path, leaves: dict[str, LayerLeaf]) -> None:
+    """Every array of an orbax item is stored in the shape its leaf has in a checkpoint (`LayerLeaf.stored`)."""
+    stored = checkpointer.metadata(item).item_metadata.tree
+    for name, leaf in leaves.items():
+        for part, info in _parts(name, leaf.stored).items():
+            shape = tuple(stored[part].shape) if part in stored else None
+            if shape != info.shape:
+                raise CheckpointError(
+                    f"{item}: {part} is stored as {'nothing' if shape is None else list(shape)}, the config needs "
+                    f"{list(info.shape)}; convert again"
+                )
 
 
 def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
@@ -176,7 +196,8 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
             f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
             f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}"
         )
-    converted = load_config(dst).with_dtype(cfg.dtype)
+    # The vocabulary's padding is the mesh's (sharding.for_mesh), never the conversion's.
+    converted = load_config(dst).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
         hint = (

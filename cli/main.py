@@ -46,7 +46,7 @@ from jaxserve.config import (
 )
 from jaxserve.engine import Engine
 from jaxserve.model.cache import storage_dtype
-from jaxserve.model.sharding import make_mesh
+from jaxserve.model.sharding import make_mesh, vocab_padding_line
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
 from jaxserve.runner.plan import give_the_allocator, make_plan, memory_share, usable_memory
@@ -210,9 +210,11 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     started = time.perf_counter()
     engine, loaded = build_engine(cfg, show_progress=True)
     print(f"loaded weights in {time.perf_counter() - started:.1f} s", flush=True)
-    print(capacity_line(engine), flush=True)
     runner = engine.runner
     assert isinstance(runner, ModelRunner)  # build_engine's: the Engine sees it only as a StepRunner
+    if (padding := vocab_padding_line(loaded.config, runner.mesh)) is not None:
+        print(padding, flush=True)
+    print(capacity_line(engine), flush=True)
     print(f"kernels ({cfg.kernels}): {runner.kernels.describe()}", flush=True)
     return engine, loaded
 

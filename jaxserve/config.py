@@ -91,6 +91,11 @@ class ModelConfig:
     # expert_dtype, i.e. what the release ships; `dequantized()` for --quantization none.
     linear_format: str | None = None
     expert_format: str | None = None
+    # The devices hold the vocabulary (the embedding, the LM head, the hash-routing tables) padded with zero rows to
+    # a multiple of this: the ways the mesh splits it (`sharding.for_mesh`), so any tensor-parallel size holds any
+    # vocabulary. Not in config.json; the API, the tokenizer and token-id checks see `vocab_size`, and no padded id
+    # is ever sampled or shown (`forward.vocab_logits`).
+    vocab_multiple: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -110,6 +115,14 @@ class ModelConfig:
     @property
     def compressed_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k != SWA)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary rows the devices hold: `vocab_size` rounded up to a multiple of `vocab_multiple`."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def with_vocab_multiple(self, multiple: int) -> ModelConfig:
+        return dataclasses.replace(self, vocab_multiple=multiple)
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
@@ -153,6 +166,7 @@ class ModelConfig:
             "index_head_dim",
             "index_topk",
             "max_position_embeddings",
+            "vocab_multiple",
         ):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, name, value, "must be a positive integer")

@@ -41,11 +41,15 @@ def test_device_logprobs_are_the_log_softmax_in_blocks_and_nothing_unless_asked(
     expected = log_softmax(hidden @ head)
     best = np.argsort(-expected, axis=-1)[..., :MAX_LOGPROBS]
 
-    out = jax.jit(prompt_logprobs)(hidden, head, targets, np.array([False, True, False]))
+    out = jax.jit(prompt_logprobs, static_argnames="vocab_size")(
+        hidden, head, targets, np.array([False, True, False]), vocab_size=50
+    )
     np.testing.assert_allclose(out.token, np.take_along_axis(expected, targets[..., None], -1)[..., 0], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids, best)
     np.testing.assert_allclose(out.top, np.take_along_axis(expected, best, -1), atol=1e-5)
-    idle = jax.jit(prompt_logprobs)(hidden, head, targets, np.zeros(3, bool))
+    idle = jax.jit(prompt_logprobs, static_argnames="vocab_size")(
+        hidden, head, targets, np.zeros(3, bool), vocab_size=50
+    )
     assert not np.any(idle.token) and not np.any(idle.top) and not np.any(idle.top_ids)
 
     logits = hidden[:, -1] @ head

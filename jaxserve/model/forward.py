@@ -131,11 +131,18 @@ def logits_all(
 ):
     """Logits at every position [b, t, V] (float32)."""
     (y,), cache = hidden_states(weights, cache, [inputs], cfg, kernels)
-    return jnp.einsum("btd,dv->btv", y, weights.head, preferred_element_type=F32), cache
+    return vocab_logits(y, weights.head, cfg.vocab_size), cache
 
 
-def last_logits(y: jax.Array, inputs: StepInputs, head: jax.Array) -> jax.Array:
+def vocab_logits(y: jax.Array, head: jax.Array, vocab_size: int) -> jax.Array:
+    """Hidden states [..., d] times the head [d, padded V] -> logits [..., vocab_size] (float32): the head's padding
+    columns (ModelConfig.padded_vocab_size) are cut off here, so no padded id reaches the sampler or the logprobs,
+    and a softmax over these logits is one over the real vocabulary."""
+    return jnp.einsum("...d,dv->...v", y, head, preferred_element_type=F32)[..., :vocab_size]
+
+
+def last_logits(y: jax.Array, inputs: StepInputs, head: jax.Array, vocab_size: int) -> jax.Array:
     """Logits at each row's last valid token ([b, V] float32) of one group's hidden states: what sampling needs."""
     last = jnp.clip(inputs.lengths - 1, 0, None)
     y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-    return jnp.einsum("bd,dv->bv", y_last, head, preferred_element_type=F32)
+    return vocab_logits(y_last, head, vocab_size)

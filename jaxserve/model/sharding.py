@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.config import ModelConfig
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.weights import ArrayInfo, is_info, is_weight
 
@@ -66,6 +67,22 @@ def _splits(axes: tuple[str | None, ...], mesh: Mesh):
         names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
         ways = int(np.prod([mesh.shape[n] for n in names])) if names else 1
         yield logical, " x ".join(f"{PARALLEL_FLAGS[n]}={mesh.shape[n]}" for n in names), ways
+
+
+def for_mesh(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """`cfg` with its vocabulary padded to a multiple of the ways `mesh` splits it (as vLLM and SGLang pad theirs),
+    so that any vocabulary splits over any tensor-parallel size; the checkpoints hold `cfg.vocab_size` rows."""
+    ((_, _, ways),) = _splits(("vocab",), mesh)
+    return cfg.with_vocab_multiple(ways)
+
+
+def vocab_padding_line(cfg: ModelConfig, mesh: Mesh) -> str | None:
+    """The start-up log's line on the padding `for_mesh` gives the vocabulary of `cfg` on `mesh` (None: none)."""
+    padded = for_mesh(cfg, mesh).padded_vocab_size
+    if padded == cfg.vocab_size:
+        return None
+    ((_, flags, _),) = _splits(("vocab",), mesh)
+    return f"vocabulary: {cfg.vocab_size} tokens, padded to {padded} rows (zeros, never sampled) to split over {flags}"
 
 
 def _split_problems(weight: ArrayInfo | Quantized, mesh: Mesh) -> list[str]:

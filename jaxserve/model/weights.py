@@ -12,6 +12,10 @@ blocks are the release's (128x128 for FP8 `[out, in]`, 1x32 for FP4) carried ont
 The layers are stacked as the layer plan says (`jaxserve.model.segments`): `Weights.segments[s][p]` is one
 `Layer` whose every leaf leads with a `layers` axis. Checkpoints name leaves per layer (`layers.3.attn.wq_b`);
 `release_leaves` maps those names to their place in the stacks.
+
+Leaves with a `vocab` axis (the embedding, the LM head, the hash-routing tables) hold `cfg.padded_vocab_size` rows:
+the checkpoint's `vocab_size` and zero rows up to a multiple of the ways the mesh splits the vocabulary
+(`LayerLeaf.stored` is the checkpoint's shape).
 """
 
 from __future__ import annotations
@@ -275,7 +279,7 @@ def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
         shared_up=_projection(cfg, (d, f), ("embed", "ffw")),
         shared_down=_projection(cfg, (f, d), ("ffw", "embed")),
         score_bias=None if hashed else ArrayInfo((e,), F32, (None,), "small"),
-        tid2eid=ArrayInfo((cfg.vocab_size, cfg.num_experts_per_tok), jnp.int32, ("vocab", None), "expert_ids")
+        tid2eid=ArrayInfo((cfg.padded_vocab_size, cfg.num_experts_per_tok), jnp.int32, ("vocab", None), "expert_ids")
         if hashed
         else None,
     )
@@ -301,7 +305,7 @@ def stack_infos(tree: Any, repeats: int) -> Any:
 
 
 def abstract_weights(cfg: ModelConfig) -> Weights:
-    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.padded_vocab_size
     return Weights(
         embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
         segments=[
@@ -359,6 +363,29 @@ class LayerLeaf:
     path: str  # the Weights leaf that holds it: 'segments.2.1.attn.wq_b', 'embed'
     index: int | None  # its place along that leaf's leading `layers` axis; None outside the layers
     info: ArrayInfo | Quantized  # its own shape (no layers axis), dtype, logical axes (of codes and scales)
+    # As checkpoints store it: `info` with the real vocabulary (cfg.vocab_size) where the devices hold it padded
+    # (cfg.padded_vocab_size); the padding is zero rows, put on by `padded` and taken off by `unpadded`.
+    stored: ArrayInfo | Quantized
+
+    def padded(self, array: Any) -> Any:
+        """`array`, shaped as `stored`, zero-padded to `info`'s shape."""
+        if not isinstance(self.info, ArrayInfo) or self.info.shape == self.stored.shape:
+            return array
+        return np.pad(np.asarray(array), [(0, n - s) for s, n in zip(self.stored.shape, self.info.shape)])
+
+    def unpadded(self, array: Any) -> Any:
+        """`array`, shaped as `info`, without its padding: shaped as `stored`."""
+        if not isinstance(self.info, ArrayInfo) or self.info.shape == self.stored.shape:
+            return array
+        return array[tuple(slice(0, s) for s in self.stored.shape)]
+
+
+def _stored(info: ArrayInfo | Quantized, cfg: ModelConfig) -> ArrayInfo | Quantized:
+    """A leaf's description as checkpoints store it: its vocabulary axes `cfg.vocab_size` long (never quantized)."""
+    if not isinstance(info, ArrayInfo) or "vocab" not in info.axes:
+        return info
+    shape = tuple(cfg.vocab_size if axis == "vocab" else n for axis, n in zip(info.axes, info.shape))
+    return dataclasses.replace(info, shape=shape)
 
 
 def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
@@ -370,25 +397,27 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
     by_layer: dict[int, list[LayerLeaf]] = {}
     for path, info in flatten_with_names(abstract_weights(cfg), is_weight):
         if not path.startswith("segments."):
-            (after if by_layer else before).append(LayerLeaf(path, path, None, info))
+            (after if by_layer else before).append(LayerLeaf(path, path, None, info, _stored(info, cfg)))
             continue
         _, s, p, rest = path.split(".", 3)
         segment = segments[int(s)]
         own = map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init), info)
         for k in range(segment.repeats):
             layer = segment.layer(k, int(p))
-            by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own))
+            by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own, _stored(own, cfg)))
     return before + [leaf for layer in sorted(by_layer) for leaf in by_layer[layer]] + after
 
 
 def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:
-    """The weights un-stacked on the host: (release name, array or Quantized of arrays) in `release_leaves`
-    order."""
+    """The weights un-stacked on the host, as checkpoints store them (the real vocabulary): (release name, array or
+    Quantized of arrays) in `release_leaves` order."""
     host = {path: jax.tree.map(np.asarray, leaf) for path, leaf in flatten_with_names(weights, _is_weight_value)}
     return [
         (
             leaf.name,
-            host[leaf.path] if leaf.index is None else jax.tree.map(lambda a, i=leaf.index: a[i], host[leaf.path]),
+            leaf.unpadded(
+                host[leaf.path] if leaf.index is None else jax.tree.map(lambda a, i=leaf.index: a[i], host[leaf.path])
+            ),
         )
         for leaf in release_leaves(cfg)
     ]
@@ -403,12 +432,14 @@ def _is_weight_value(x: Any) -> bool:
 
 def init_weights(key: jax.Array, cfg: ModelConfig, std: float = 0.02) -> Weights:
     """Random weights of the right shapes (tests, benchmarks, the embedded default's generator). Each layer's
-    leaves are drawn as the un-stacked model's were, so a seed gives the same values whatever the layer plan."""
+    leaves are drawn as the un-stacked model's were, so a seed gives the same values whatever the layer plan, and
+    as checkpoints store them, so a padded vocabulary (cfg.vocab_multiple) only adds zero rows."""
     leaves = release_leaves(cfg)
     keys = jax.random.split(key, len(leaves))
     parts: dict[str, list[Any]] = {}
     for k, leaf in zip(keys, leaves):
-        parts.setdefault(leaf.path, []).append(jax.tree.map(np.asarray, _init_leaf(k, leaf.info, std, cfg)))
+        drawn = jax.tree.map(np.asarray, _init_leaf(k, leaf.stored, std, cfg))
+        parts.setdefault(leaf.path, []).append(leaf.padded(drawn))
     stacked = {leaf.path for leaf in leaves if leaf.index is not None}
     abstract = abstract_weights(cfg)
     weights = [

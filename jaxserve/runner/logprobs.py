@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.forward import vocab_logits
 from jaxserve.request import MAX_LOGPROBS, TokenLogprob
 
 F32 = jnp.float32
@@ -71,9 +72,11 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array) -> Logprobs:
     return _logprobs_of(logits.astype(F32), tokens)
 
 
-def prompt_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, asked: jax.Array) -> Logprobs:
-    """hidden [b, t, d] (final-normed), head [d, V], targets [b, t] -> Logprobs [b, t] of each target at the
-    position before it (zeros unless asked)."""
+def prompt_logprobs(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, asked: jax.Array, vocab_size: int
+) -> Logprobs:
+    """hidden [b, t, d] (final-normed), head [d, V] (V: `vocab_size` and any padding), targets [b, t] -> Logprobs
+    [b, t] of each target at the position before it, over the real vocabulary (zeros unless asked)."""
     rows, length, dim = hidden.shape
     block = max(1, min(length, PROMPT_LOGITS_TOKENS // rows))
     blocks = -(-length // block)
@@ -85,13 +88,12 @@ def prompt_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, aske
 
         def one_block(args) -> Logprobs:
             h_block, t_block = args
-            logits = jnp.einsum("btd,dv->btv", h_block, head, preferred_element_type=F32)
-            return _logprobs_of(logits, t_block)
+            return _logprobs_of(vocab_logits(h_block, head, vocab_size), t_block)
 
         out = jax.lax.map(one_block, (h, t))  # [blocks, b, block, ...]
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(rows, blocks * block, *x.shape[3:])[:, :length], out)
 
-    return _when_asked(asked, compute, (rows, length), min(MAX_LOGPROBS, head.shape[-1]))
+    return _when_asked(asked, compute, (rows, length), min(MAX_LOGPROBS, vocab_size))
 
 
 def to_host(token_ids, token: np.ndarray, top_ids: np.ndarray, top: np.ndarray, k: int) -> list[TokenLogprob]:

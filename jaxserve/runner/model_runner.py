@@ -295,10 +295,10 @@ class ModelRunner:
         ys, cache = hidden_states(weights, cache, groups, self.cfg, self.kernels)
         logits, prompts = [], []
         for y, inputs, asked in zip(ys, groups, logprob_inputs):
-            logits.append(last_logits(y, inputs, weights.head))
+            logits.append(last_logits(y, inputs, weights.head, self.cfg.vocab_size))
             prompt = None
             if asked.targets is not None and asked.prompt is not None:  # prefill groups only (_logprob_inputs)
-                prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt)
+                prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size)
             prompts.append(prompt)
         return tuple(logits), tuple(prompts), cache
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
-from jaxserve.model.sharding import shape_dtype_structs, shardings_for
+from jaxserve.model.sharding import for_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, ModelRunner
@@ -95,8 +95,8 @@ def give_the_allocator(gpu_memory_utilization: float | None) -> None:
 
 def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
     """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
-    sharded over `mesh` (ShardingError when it cannot be)."""
-    abstract = abstract_weights(cfg)
+    sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it."""
+    abstract = abstract_weights(for_mesh(cfg, mesh))
     shardings = shardings_for(abstract, mesh)
     by_format: dict[str, int] = {}
     total = 0
@@ -157,7 +157,9 @@ def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
 
 
 def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int) -> Plan:
-    """The plan for serving `cfg` with these engine knobs on `mesh`, `device_memory` usable bytes on each device."""
+    """The plan for serving `cfg` with these engine knobs on `mesh`, `device_memory` usable bytes on each device
+    (the vocabulary padded as the loader pads it, `sharding.for_mesh`)."""
+    cfg = for_mesh(cfg, mesh)
     per_device, by_format, total = weight_bytes(cfg, mesh)
     geometry = kv_geometry(engine_cfg, cfg)
     max_len = resolve_max_model_len(engine_cfg, cfg)
