@@ -1,8 +1,9 @@
 """The access log: one line per request when its response has been sent (or the client left), with the client,
 method, path, status, the request's prompt and completion tokens when it generated, and the seconds it took.
 
-Routes that generate put their Generations (one per choice) on `request.state.generations`; the line reads its
-counts at the end, so a stream's line has its final token count."""
+Routes that generate put their Generations (one per choice) on `request.state.generations` and their prompts'
+tokens (each prompt once, as the usage counts them) on `request.state.prompt_tokens`; the line reads its counts at
+the end, so a stream's line has its final token count."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class AccessLog:
             tokens = (
                 ""
                 if not generations
-                else f" prompt_tokens={len(generations[0].handle.prompt_ids)} "
+                else f" prompt_tokens={request_state['prompt_tokens']} "
                 f"completion_tokens={sum(g.num_generated for g in generations)}"
             )
             log.info(

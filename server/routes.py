@@ -231,7 +231,8 @@ async def _generate(
     arrival: float,
 ) -> Response:
     generations = _submit(state, fmt, prompts, params, prompt_field, arrival)
-    request.state.generations = generations  # for the access log's token counts
+    request.state.generations = generations  # for the access log's token counts (each prompt counted once)
+    request.state.prompt_tokens = sum(len(p) for p in prompts)
     if params.stream:
         return sse_response(_chunks(generations, fmt, params.include_usage, params.continuous_usage))
     try:

@@ -160,9 +160,12 @@ def _logit_errors(got: list[np.ndarray], want: list[np.ndarray]) -> np.ndarray:
 
 def test_logits_with_fp8_kv_stay_near_bfloat16_kv_as_its_four_fewer_mantissa_bits_predict():
     """Prefill, then decode steps (whose window keys come from the ring): FP8 KV against bfloat16 KV, each against
-    float32 KV. Measured (logits up to ~4.8): fp8 vs bf16 median 0.092, max 1.32 per position; bf16 vs f32 median
-    0.0041. The tiny random model amplifies rounding (a routing or top-k choice flips), hence the max; the median
-    ratio, ~22, is near the 2^4 that 3 mantissa bits instead of 7 predict. Bounds: ~2.5x those figures."""
+    float32 KV. Every K=V a token attends to is at the stored precision, its own chunk's too (as vLLM V1 reads the
+    whole context back from its paged cache; before, a chunk saw its own tokens unrounded, and the figures were
+    fp8 vs bf16 median 0.092, bf16 vs f32 median 0.0041). Measured (logits up to ~4.8): fp8 vs bf16 median 0.33,
+    max 2.5 per position; bf16 vs f32 median 0.019. The tiny random model amplifies rounding (a routing or top-k
+    choice flips), hence the max; the median ratio, ~17, is the 2^4 that 3 mantissa bits instead of 7 predict.
+    Bounds: ~2.5x the medians, 1.4x the max."""
     weights = init_weights(jax.random.key(5), MODEL, std=0.15)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, MODEL.vocab_size, n).astype(np.int32) for n in (37, 21, 50)]
@@ -177,7 +180,7 @@ def test_logits_with_fp8_kv_stay_near_bfloat16_kv_as_its_four_fewer_mantissa_bit
         f"fp8 vs bf16 KV: median {np.median(fp8):.4f}, max {fp8.max():.4f}; bf16 vs f32 KV: median "
         f"{np.median(bf16):.4f}, max {bf16.max():.4f}"
     )
-    assert np.median(fp8) < 0.25 and fp8.max() < 3.5
+    assert np.median(fp8) < 0.8 and fp8.max() < 3.5
     assert np.median(fp8) < 50 * np.median(bf16)
 
 

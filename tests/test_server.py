@@ -711,6 +711,16 @@ def test_a_repeated_prompt_hits_the_prefix_cache_in_usage_and_metrics(server, ht
         assert counters(plain.url) == [0, 0]
 
 
+def test_the_access_log_counts_each_prompt_of_a_batch_once(http, caplog):
+    body = {"prompt": [[5, 6, 7], [8, 9, 10, 11, 12]], "n": 2, "max_tokens": 3, "ignore_eos": True}
+    with caplog.at_level("INFO", logger="jaxserve.access"):
+        assert http.post("/v1/completions", json=body).status_code == 200
+    (line,) = [
+        r.getMessage() for r in caplog.records if r.name == "jaxserve.access" and "/v1/completions" in r.getMessage()
+    ]
+    assert "prompt_tokens=8 completion_tokens=12 " in line, line
+
+
 def test_models_health_and_metrics(server, http):
     (card,) = http.get("/v1/models").json()["data"]
     assert card["id"] == MODEL and card["max_model_len"] == CONFIG.max_model_len

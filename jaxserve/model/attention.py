@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
 from jaxserve.kernels.quant import dense
 from jaxserve.kernels.table import Kernels
-from jaxserve.model.cache import LayerCache, decode, gather, read_kv, scatter, write_kv
+from jaxserve.model.cache import LayerCache, decode, encode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
@@ -106,7 +106,11 @@ def attention_block(
         key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
         # The rows' rings [b, W, k], kept as stored: the write below puts back what it read without re-encoding.
         ring_rows = gather(cache.window, (layer, inputs.state_source))
-        shared = jnp.concatenate([decode(ring_rows, kv.dtype), kv], axis=1)
+        # The chunk's own K=V as the ring will store them (a no-op when the cache stores the compute dtype): a token
+        # sees every earlier one at the stored precision, wherever its chunk starts (so a prefix-cache hit, or any
+        # other chunking, gives what one long chunk would).
+        own = decode(encode(kv, ring_rows), kv.dtype)
+        shared = jnp.concatenate([decode(ring_rows, kv.dtype), own], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
         shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
 
