@@ -1,7 +1,7 @@
 """`jaxserve plan` and the fit check of `serve`: weights per device from the abstract weights (by format), step
 temporaries from compiled steps, and the KV left, checked against hand arithmetic and the live arrays; Flash as
 released fits 8 x 80 GB on its weights, dequantized it does not; `serve` refuses a model that cannot fit before
-loading it."""
+loading it; the `pro` preset is DeepSeek-V4-Pro's published geometry."""
 
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ from jaxserve.runner.plan import (
     give_the_allocator,
     make_plan,
     memory_share,
+    parameter_counts,
     weight_bytes,
 )
 
 FLASH = preset("flash", dtype="bfloat16")
+PRO = preset("pro", dtype="bfloat16")
 TINY = preset("tiny", dtype="bfloat16")
 SMALL_ENGINE = EngineConfig(
     max_num_seqs=4, chunked_prefill_size=16, max_prefill_rows=1, page_size=16, max_model_len=128
@@ -224,3 +226,25 @@ def test_device_memory_sizes_parse():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("24e9") == 24e9
     with pytest.raises(ConfigError, match="not a size"):
         parse_bytes("lots")
+
+
+def test_pro_is_the_published_geometry_of_about_1_6t_parameters_49b_active():
+    # DeepSeek reports V4-Pro as about 1.6T parameters, 49B active (the team's notes, dsv4-model.md 1.3). Our count
+    # leaves out the MTP block (about one more layer, 1.6% of the whole) and rounds nothing: within 3% and 5%.
+    total, active = parameter_counts(PRO)
+    assert abs(total - 1.6e12) <= 0.03 * 1.6e12
+    assert abs(active - 49e9) <= 0.05 * 49e9
+    # Of them, the routed experts by hand: 61 layers x 3 matrices x 384 experts x 7168 x 3072, 6 of 384 active.
+    routed = 61 * 3 * 384 * 7168 * 3072
+    assert total - active == routed - routed * 6 // 384
+    # The published layer schedule, not HF's default (off by one): layers 0-1 HCA, then CSA on the even layers and
+    # HCA on the odd ones, 30 and 31 in all; the first three layers route by the hash table.
+    assert PRO.layer_kinds == tuple("hca" if i < 2 or i % 2 else "csa" for i in range(61))
+    assert (PRO.layer_kinds.count("csa"), PRO.layer_kinds.count("hca")) == (30, 31)
+    assert PRO.hash_layers == (True,) * 3 + (False,) * 58
+    assert (PRO.n_routed_experts, PRO.num_experts_per_tok, PRO.routed_scaling_factor, PRO.index_topk) == (
+        384,
+        6,
+        2.5,
+        1024,
+    )

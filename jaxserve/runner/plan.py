@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
@@ -112,6 +113,19 @@ def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int
             by_format[name] = by_format.get(name, 0) + nbytes(info, part_sharding.shard_shape(info.shape))
             total += nbytes(info)
     return sum(by_format.values()), by_format, total
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, those one token uses) of the model `cfg` describes, counted on its abstract weights (dense, so a
+    packed FP4 code counts as its two values; the hash-routing table is not a parameter): a token uses
+    num_experts_per_tok of the n_routed_experts routed experts and every other weight."""
+    total = routed = 0
+    for name, info in flatten_with_names(abstract_weights(cfg.dequantized()), is_info):
+        if not name.endswith("tid2eid"):
+            count = int(np.prod(info.shape))
+            total += count
+            routed += count if "experts" in info.axes else 0
+    return total, total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
 
 
 class AbstractRunner(ModelRunner):
