@@ -49,7 +49,14 @@ from jaxserve.model.cache import storage_dtype
 from jaxserve.model.sharding import make_mesh, vocab_padding_line
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
-from jaxserve.runner.plan import give_the_allocator, make_plan, memory_share, usable_memory
+from jaxserve.runner.plan import (
+    give_the_allocator,
+    make_plan,
+    memory_share,
+    node_layout,
+    plan_devices,
+    usable_memory,
+)
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
 from jaxserve.text.generation import Generation
 
@@ -444,10 +451,27 @@ def plan(args: argparse.Namespace) -> int:
     from jaxserve.presets import preset
 
     cfg = engine_config(args)
-    if cfg.device_memory is None:
+    memory = cfg.device_memory
+    if memory is None:
         print("jaxserve plan: --device-memory is required (e.g. 80GiB)", file=sys.stderr)
         return EXIT_USAGE
-    needed = cfg.tensor_parallel_size * cfg.expert_parallel_size
+    nodes = {"--num-nodes": args.num_nodes, "--devices-per-node": args.devices_per_node}
+    by_nodes = None not in nodes.values()
+    if not by_nodes and any(nodes.values()):
+        given, missing = sorted(nodes, key=lambda name: nodes[name] is None)
+        print(f"jaxserve plan: {given} needs {missing} too", file=sys.stderr)
+        return EXIT_USAGE
+    if by_nodes and (cfg.tensor_parallel_size, cfg.expert_parallel_size) != (1, 1):
+        print(
+            "jaxserve plan: --num-nodes and --devices-per-node choose the layout; leave --tensor-parallel-size "
+            "and --expert-parallel-size unset",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if by_nodes:
+        needed = args.num_nodes * args.devices_per_node
+    else:
+        needed = cfg.tensor_parallel_size * cfg.expert_parallel_size
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Fake CPU devices, one per device of the mesh: nothing is allocated, only compiled. Works while no
         # backend has started yet (this command touches none before here).
@@ -457,19 +481,35 @@ def plan(args: argparse.Namespace) -> int:
         model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization)
     else:
         model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
+    layout = node_layout(model_cfg, args.num_nodes, args.devices_per_node) if by_nodes else None
+    if layout is not None:
+        cfg = dataclasses.replace(
+            cfg, tensor_parallel_size=layout.tensor_parallel_size, expert_parallel_size=layout.expert_parallel_size
+        )
     share, source = memory_share(cfg.gpu_memory_utilization)
     the_plan = make_plan(
         model_cfg,
         cfg,
-        make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, jax.devices("cpu")),
-        usable_memory(cfg.device_memory, cfg.gpu_memory_utilization),
+        make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, plan_devices(needed)),
+        usable_memory(memory, cfg.gpu_memory_utilization),
     )
     if args.json:
-        print(json.dumps(the_plan.to_json(), indent=2))
+        report = the_plan.to_json()
+        print(json.dumps(report if layout is None else {**report, "layout": dataclasses.asdict(layout)}, indent=2))
     else:
         gb = 1e9
+        if layout is not None:
+            print(
+                f"layout: {layout.num_nodes} node(s) x {layout.devices_per_node} devices: tensor parallel "
+                f"{layout.tensor_parallel_size} within each node, expert parallel {layout.expert_parallel_size} "
+                f"(the routed experts split over all {needed} devices); weights per device by TP x EP: "
+                + ", ".join(
+                    f"{key}: {value / gb:.2f} GB" if isinstance(value, int) else f"{key}: {value}"
+                    for key, value in layout.candidates.items()
+                )
+            )
         print(
-            f"{needed} device(s) of {cfg.device_memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
+            f"{needed} device(s) of {memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
             f"usable ({share:g}: {source}), tensor x expert = {cfg.tensor_parallel_size} x "
             f"{cfg.expert_parallel_size}"
         )
@@ -574,11 +614,35 @@ def plan_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         help="a named geometry instead of --model (flash: "
-        "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections)",
+        "DeepSeek-V4-Flash as released, FP4 experts and FP8 projections; pro: DeepSeek-V4-Pro's published "
+        "geometry in the same formats)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    nodes = parser.add_argument_group(
+        "several nodes",
+        "Plan N nodes of D devices each instead of --tensor-parallel-size x --expert-parallel-size (give both "
+        "flags, and neither of those). Tensor parallelism stays inside a node (its all-reduces run in every layer, "
+        "over the node's own links) and expert parallelism spans the nodes: of the layouts TP x EP with TP dividing "
+        "D and EP = N x D / TP (the routed experts split over all N x D devices whichever), the plan takes the one "
+        "whose devices hold the least weights, the larger TP on a tie; usually TP = D and EP = N, since TP also "
+        "splits attention and the vocabulary. The report says the layout and every candidate's weights per device. "
+        "The devices are fake CPU devices, as without these flags: nothing is allocated.",
+    )
+    nodes.add_argument("--num-nodes", type=node_count, metavar="N", help="nodes")
+    nodes.add_argument("--devices-per-node", type=node_count, metavar="D", help="devices in each node")
     add_flags(parser, server=False)
     return parser
+
+
+def node_count(text: str) -> int:
+    """A positive integer (argparse names the flag in its error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be a positive integer")
+    return value
 
 
 COMMANDS = {

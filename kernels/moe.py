@@ -79,7 +79,9 @@ def gathered_matmul(x: jax.Array, w: Any, group_sizes: jax.Array, expert_offset:
     if size == d:
         out = jnp.einsum("md,mdf->mf", x, dense(take(w, experts), x.dtype), preferred_element_type=F32)
     else:
-        out = jax.lax.fori_loop(0, d // size, lambda i, acc: acc + one_slice(i * size), jnp.zeros((m, f), F32))
+        # The first slice is the initial sum, so the loop's carry has the body's type (under shard_map, varying
+        # over the same mesh axes: a zeros carry would not be).
+        out = jax.lax.fori_loop(1, d // size, lambda i, acc: acc + one_slice(i * size), one_slice(0))
     return jnp.where((group < e)[:, None], out, 0.0)
 
 
@@ -116,10 +118,11 @@ def tiled_matmul(
     if passes == 1:
         out = one_pass(item)
     else:
+        # The first pass is the initial sum, so the carry has the body's type (as in gathered_matmul).
         out = jax.lax.fori_loop(
-            0,
+            1,
             passes,
             lambda i, acc: acc + one_pass(i * per_pass + jnp.arange(per_pass)),
-            jnp.zeros((n_tiles, tile, f), F32),
+            one_pass(jnp.arange(per_pass)),
         )
     return out.reshape(n_tiles * tile, f)[:m]

@@ -112,6 +112,8 @@ def test_the_model_is_positional_or_model(argv, model):
         ),
         (["plan", "--gpu-memory-utilization", "most"], "argument --gpu-memory-utilization: 'most': not a number"),
         (["serve", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),  # argparse's own words
+        (["plan", "--num-nodes", "0"], "argument --num-nodes: 0: must be a positive integer"),
+        (["plan", "--devices-per-node", "x"], "argument --devices-per-node: invalid int value: 'x'"),
     ],
 )
 def test_bad_model_and_memory_flags_exit_2_naming_them(argv, message, capsys):

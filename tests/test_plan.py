@@ -1,7 +1,8 @@
 """`jaxserve plan` and the fit check of `serve`: weights per device from the abstract weights (by format), step
 temporaries from compiled steps, and the KV left, checked against hand arithmetic and the live arrays; Flash as
 released fits 8 x 80 GB on its weights, dequantized it does not; `serve` refuses a model that cannot fit before
-loading it."""
+loading it; the `pro` preset is DeepSeek-V4-Pro's published geometry, and `plan --num-nodes N --devices-per-node D`
+keeps tensor parallelism inside a node."""
 
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ from jaxserve.runner.plan import (
     give_the_allocator,
     make_plan,
     memory_share,
+    node_layout,
+    parameter_counts,
+    usable_memory,
     weight_bytes,
 )
 
 FLASH = preset("flash", dtype="bfloat16")
+PRO = preset("pro", dtype="bfloat16")
 TINY = preset("tiny", dtype="bfloat16")
 SMALL_ENGINE = EngineConfig(
     max_num_seqs=4, chunked_prefill_size=16, max_prefill_rows=1, page_size=16, max_model_len=128
@@ -224,3 +229,91 @@ def test_device_memory_sizes_parse():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("24e9") == 24e9
     with pytest.raises(ConfigError, match="not a size"):
         parse_bytes("lots")
+
+
+def test_pro_is_the_published_geometry_of_about_1_6t_parameters_49b_active():
+    # DeepSeek reports V4-Pro as about 1.6T parameters, 49B active (the team's notes, dsv4-model.md 1.3). Our count
+    # leaves out the MTP block (about one more layer, 1.6% of the whole) and rounds nothing: within 3% and 5%.
+    total, active = parameter_counts(PRO)
+    assert abs(total - 1.6e12) <= 0.03 * 1.6e12
+    assert abs(active - 49e9) <= 0.05 * 49e9
+    # Of them, the routed experts by hand: 61 layers x 3 matrices x 384 experts x 7168 x 3072, 6 of 384 active.
+    routed = 61 * 3 * 384 * 7168 * 3072
+    assert total - active == routed - routed * 6 // 384
+    # The published layer schedule, not HF's default (off by one): layers 0-1 HCA, then CSA on the even layers and
+    # HCA on the odd ones, 30 and 31 in all; the first three layers route by the hash table.
+    assert PRO.layer_kinds == tuple("hca" if i < 2 or i % 2 else "csa" for i in range(61))
+    assert (PRO.layer_kinds.count("csa"), PRO.layer_kinds.count("hca")) == (30, 31)
+    assert PRO.hash_layers == (True,) * 3 + (False,) * 58
+    assert (PRO.n_routed_experts, PRO.num_experts_per_tok, PRO.routed_scaling_factor, PRO.index_topk) == (
+        384,
+        6,
+        2.5,
+        1024,
+    )
+
+
+def test_a_node_layout_keeps_tensor_parallelism_inside_a_node_and_holds_the_least_weights():
+    two = node_layout(PRO, 2, 8)
+    assert (two.tensor_parallel_size, two.expert_parallel_size) == (8, 2)
+    # Every TP dividing the node, EP the rest of the 16 devices; the experts split over all 16 whichever, so a wider
+    # TP (attention and the vocabulary split further) holds strictly less.
+    assert list(two.candidates) == ["8 x 2", "4 x 4", "2 x 8", "1 x 16"]
+    held = list(two.candidates.values())
+    assert all(isinstance(b, int) for b in held) and held == sorted(set(held))
+    # Nodes of 6: Pro's 128 heads split neither 6 nor 3 ways, so TP 2 within the node, its 384 experts over 12.
+    six = node_layout(PRO, 2, 6)
+    assert (six.tensor_parallel_size, six.expert_parallel_size) == (2, 6)
+    assert "cannot split heads (128) over tensor_parallel_size=6" in str(six.candidates["6 x 2"])
+    # Nodes of 3: Flash's 64 heads do not split 3 ways, nor its 256 experts over 6 devices.
+    with pytest.raises(ConfigError, match="--num-nodes 2 --devices-per-node 3: no layout") as refused:
+        node_layout(FLASH, 2, 3)
+    assert "heads (64)" in str(refused.value) and "experts (256)" in str(refused.value)
+    with pytest.raises(ConfigError, match="--num-nodes=0: must be a positive integer"):
+        node_layout(PRO, 0, 8)
+
+
+def test_cli_plan_on_two_nodes_reports_the_layout_and_the_per_device_figures(capsys):
+    """16 devices, more than the tests' 8 fake ones: the plan compiles on a CPU client of its own."""
+    argv = ["plan", "--preset", "pro", "--num-nodes", "2", "--devices-per-node", "8", "--device-memory", "141GB"]
+    status = main([*argv, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["fits"] and report["devices"] == 16
+    layout = report["layout"]
+    assert (layout["num_nodes"], layout["devices_per_node"]) == (2, 8)
+    assert (layout["tensor_parallel_size"], layout["expert_parallel_size"]) == (8, 2)
+    # Per device: the routed experts by hand, 61 x 3 x 384 x 7168 x 3072 FP4 values, two a byte, over 16 devices.
+    assert report["weights_bytes_by_format"][FP4] == 61 * 3 * 384 * 7168 * 3072 // 2 // 16
+    assert report["weights_bytes_per_device"] == layout["candidates"]["8 x 2"]
+    assert report["device_memory"] == usable_memory(141 * 10**9)
+    assert report["kv_bytes_per_token"] == bytes_per_token(PRO, "bfloat16")
+    assert report["temp_bytes_per_device"] > 0 and len(report["compiled_steps"]) == 2
+    left = (
+        report["device_memory"]
+        - report["weights_bytes_per_device"]
+        - report["temp_bytes_per_device"]
+        - report["state_bytes_per_device"]
+    )
+    page = EngineConfig().page_size
+    assert report["max_kv_tokens"] == int(left // report["kv_bytes_per_token"]) // page * page > 8 * 16384
+
+
+def test_cli_plan_on_nodes_prints_the_layout_and_refuses_bad_node_flags_naming_them(capsys):
+    # 10 GB devices: Pro's weights alone do not fit 2 x 6 of them, so nothing is compiled; the layout is printed.
+    status = main(["plan", "--preset", "pro", "--num-nodes", "2", "--devices-per-node", "6", "--device-memory", "10GB"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "layout: 2 node(s) x 6 devices: tensor parallel 2 within each node, expert parallel 6" in out
+    assert "6 x 2: cannot split heads (128)" in out and "12 device(s) of 10.0 GB" in out
+    assert "tensor x expert = 2 x 6" in out and "fits: no: weights need" in out
+    for argv, message in (
+        (["--num-nodes", "2"], "jaxserve plan: --num-nodes needs --devices-per-node too"),
+        (["--devices-per-node", "8"], "jaxserve plan: --devices-per-node needs --num-nodes too"),
+        (
+            ["--num-nodes", "2", "--devices-per-node", "8", "--tensor-parallel-size", "8"],
+            "--num-nodes and --devices-per-node choose the layout",
+        ),
+        (["--num-nodes", "2", "--devices-per-node", "3"], "jaxserve: error: --num-nodes 2 --devices-per-node 3:"),
+    ):
+        assert main(["plan", "--preset", "flash", "--device-memory", "80GB", *argv]) == 2
+        assert message in capsys.readouterr().err

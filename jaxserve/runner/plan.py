@@ -12,16 +12,19 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
+from jaxlib import xla_client
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
-from jaxserve.model.sharding import for_mesh, shape_dtype_structs, shardings_for
+from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, ModelRunner
@@ -93,6 +96,23 @@ def give_the_allocator(gpu_memory_utilization: float | None) -> None:
     os.environ[MEMORY_FRACTION_ENV] = str(memory_share(gpu_memory_utilization)[0])
 
 
+_COMPILE_ONLY_CPUS: dict[int, list] = {}
+
+
+def plan_devices(count: int) -> list:
+    """`count` CPU devices to compile a plan's steps on: the process's own (fake, from
+    --xla_force_host_platform_device_count) when it has that many, else those of a second CPU client of `count`
+    devices made for the plan (cached per count), whose devices only ever compile: nothing is placed on them. So a
+    plan for more devices than the process started with (several nodes) needs no restart."""
+    own = jax.devices("cpu")
+    if count <= len(own):
+        return own[:count]
+    if count not in _COMPILE_ONLY_CPUS:
+        client: Any = xla_client.make_cpu_client(num_devices=count)  # jaxlib's stubs leave its type unresolved
+        _COMPILE_ONLY_CPUS[count] = list(client.devices())
+    return _COMPILE_ONLY_CPUS[count]
+
+
 def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
     """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
     sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it."""
@@ -112,6 +132,64 @@ def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int
             by_format[name] = by_format.get(name, 0) + nbytes(info, part_sharding.shard_shape(info.shape))
             total += nbytes(info)
     return sum(by_format.values()), by_format, total
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, those one token uses) of the model `cfg` describes, counted on its abstract weights (dense, so a
+    packed FP4 code counts as its two values; the hash-routing table is not a parameter): a token uses
+    num_experts_per_tok of the n_routed_experts routed experts and every other weight."""
+    total = routed = 0
+    for name, info in flatten_with_names(abstract_weights(cfg.dequantized()), is_info):
+        if not name.endswith("tid2eid"):
+            count = int(np.prod(info.shape))
+            total += count
+            routed += count if "experts" in info.axes else 0
+    return total, total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+
+
+@dataclass
+class NodeLayout:
+    """The mesh `jaxserve plan --num-nodes N --devices-per-node D` plans on (node_layout)."""
+
+    num_nodes: int
+    devices_per_node: int
+    tensor_parallel_size: int
+    expert_parallel_size: int
+    # Every layout considered, "TP x EP": the weights' bytes on each device, or why the model cannot be split so.
+    candidates: dict[str, int | str]
+
+
+def node_layout(cfg: ModelConfig, num_nodes: int, devices_per_node: int) -> NodeLayout:
+    """The layout for `num_nodes` nodes of `devices_per_node` devices: tensor parallelism inside a node (its
+    all-reduces run in every layer, over the node's own links), expert parallelism across the nodes. Candidates:
+    every TP that divides devices_per_node, with EP = num_nodes x devices_per_node / TP (the routed experts split
+    over all the devices whichever it is: sharding.LOGICAL_AXIS_RULES); of those the mesh can split the model by
+    (weight_bytes), the one whose devices hold the least weights, the larger TP on a tie. Usually TP =
+    devices_per_node and EP = num_nodes: TP splits attention and the vocabulary too. ConfigError naming the flags
+    when the counts are not positive or no candidate splits the model."""
+    flags = f"--num-nodes {num_nodes} --devices-per-node {devices_per_node}"
+    for name, value in (("--num-nodes", num_nodes), ("--devices-per-node", devices_per_node)):
+        if value < 1:
+            raise ConfigError(f"{name}={value}: must be a positive integer")
+    devices = plan_devices(num_nodes * devices_per_node)
+    candidates: dict[str, int | str] = {}
+    best: tuple[int, int] | None = None  # (weights per device, -TP)
+    for tp in sorted((t for t in range(1, devices_per_node + 1) if devices_per_node % t == 0), reverse=True):
+        ep = len(devices) // tp
+        try:
+            per_device = weight_bytes(cfg, make_mesh(tp, ep, devices))[0]
+        except ShardingError as refused:
+            candidates[f"{tp} x {ep}"] = str(refused)
+            continue
+        candidates[f"{tp} x {ep}"] = per_device
+        best = min(best or (per_device, -tp), (per_device, -tp))
+    if best is None:
+        raise ConfigError(
+            f"{flags}: no layout with tensor parallelism inside a node splits this model: "
+            + "; ".join(f"TP x EP = {layout}: {why}" for layout, why in candidates.items())
+        )
+    tp = -best[1]
+    return NodeLayout(num_nodes, devices_per_node, tp, len(devices) // tp, candidates)
 
 
 class AbstractRunner(ModelRunner):
