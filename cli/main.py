@@ -45,7 +45,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.engine import Engine
-from jaxserve.model.cache import storage_dtype
+from jaxserve.model.cache import cache_nbytes, storage_dtype
 from jaxserve.model.sharding import make_mesh, vocab_padding_line
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
@@ -222,6 +222,7 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
     if (padding := vocab_padding_line(loaded.config, runner.mesh)) is not None:
         print(padding, flush=True)
     print(capacity_line(engine), flush=True)
+    print(prefix_cache_line(engine), flush=True)
     print(f"kernels ({cfg.kernels}): {runner.kernels.describe()}", flush=True)
     return engine, loaded
 
@@ -235,6 +236,17 @@ def capacity_line(engine: Engine) -> str:
         f"KV cache ({stored}): {geometry.num_pages} pages x {geometry.page_size} tokens = "
         f"{geometry.num_pages * geometry.page_size} tokens; max concurrency at max_model_len "
         f"({engine.max_model_len} tokens): {concurrency} requests"
+    )
+
+
+def prefix_cache_line(engine: Engine) -> str:
+    geometry = engine.geometry
+    if not engine.pages.enabled:
+        return "prefix caching: off"
+    per_row = cache_nbytes(engine.model_config, geometry)["per_slot_fixed"] / geometry.state_rows
+    return (
+        f"prefix caching: on, {geometry.num_snapshots} snapshots of the sequence state "
+        f"({geometry.num_snapshots * per_row / 2**20:.1f} MiB) for hits to start from"
     )
 
 

@@ -405,6 +405,7 @@ def test_sigterm_drains_running_requests_and_exits_zero():
         assert (
             "KV cache (float32): 64 pages x 16 tokens = 1024 tokens; max concurrency at max_model_len (256 tokens): 4"
             in output
+            and "prefix caching: on, 4 snapshots of the sequence state (" in output
             and "compiled 2 step shapes in" in output
         )
 
