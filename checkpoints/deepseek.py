@@ -214,11 +214,12 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return self.stored_name(name) in self.folder
 
-    def raw(self, name: str) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+    def raw(self, name: str, held: bool = True) -> tuple[np.ndarray, np.ndarray | None, str | None]:
         """(the tensor as stored, its ue8m0 scale bytes or None, its format: FP8 e4m3, packed FP4 or None), the
-        scale's shape checked against the weight's."""
+        scale's shape checked against the weight's. Not `held` (no device of this process holds it): zeros of its
+        shape and dtype, nothing read."""
         stored = self.stored_name(name)
-        weight = self.folder.get(stored)
+        weight = self.folder.get(stored) if held else self.folder.placeholder(stored)
         where = f"{self.folder.file_of(stored)}: tensor {stored!r}"
         scale_stored = scale_name(stored) if stored.endswith(".weight") else None
         if scale_stored is None or scale_stored not in self.folder:
@@ -227,7 +228,7 @@ class TensorReader:
                     f"{where} is {weight.dtype} (quantized) but its scale tensor {scale_stored!r} is missing"
                 )
             return weight, None, None
-        scale = self.folder.get(scale_stored)
+        scale = self.folder.get(scale_stored) if held else self.folder.placeholder(scale_stored)
         if weight.dtype not in (ml_dtypes.float8_e4m3fn, np.int8, np.uint8):
             raise CheckpointError(f"{where} has a scale but dtype {weight.dtype}, neither FP8 e4m3 nor packed FP4")
         if weight.ndim != 2:
@@ -245,17 +246,17 @@ class TensorReader:
             )
         return weight, scale, fmt
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, held: bool = True) -> np.ndarray:
         """The tensor in float32 when it is quantized (FP8 or packed FP4 beside a `.scale`), else as stored."""
-        weight, scale, fmt = self.raw(name)
+        weight, scale, fmt = self.raw(name, held)
         if fmt is None:
             return weight
         assert scale is not None  # raw gives a scale with every format
         return (dequantize_fp8 if fmt == FP8_E4M3 else dequantize_fp4)(weight, scale)
 
-    def get_quantized(self, name: str, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    def get_quantized(self, name: str, fmt: str, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(codes, ue8m0 scale bytes as uint8) of a tensor the config keeps in `fmt`; FP4 codes as uint8."""
-        weight, scale, found = self.raw(name)
+        weight, scale, found = self.raw(name, held)
         if found != fmt:
             stored = self.stored_name(name)
             raise CheckpointError(
@@ -282,13 +283,17 @@ def check_complete(reader: TensorReader, needed: list[Source], folder: Path) -> 
         raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the checkpoint: {shown}")
 
 
-def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo | Quantized, path: str) -> np.ndarray | Quantized:
-    """One Weights leaf from its checkpoint tensors, each shape-checked (the error names file and tensor)."""
+def read_leaf(
+    reader: TensorReader, source: Source, info: ArrayInfo | Quantized, path: str, held: set[int] | None = None
+) -> np.ndarray | Quantized:
+    """One Weights leaf from its checkpoint tensors, each shape-checked (the error names file and tensor). `held`:
+    the routed experts this process's devices hold, for a leaf stacked from one tensor per expert; the others are
+    not read (zeros stand in for them, never placed on a device). None: every tensor."""
     if isinstance(info, Quantized):
-        return _read_quantized(reader, source, info, path)
+        return _read_quantized(reader, source, info, path, held)
     arrays = []
-    for name, need in zip(source.names, source.shapes(info.shape)):
-        array = reader.get(name)
+    for i, (name, need) in enumerate(zip(source.names, source.shapes(info.shape))):
+        array = reader.get(name, held is None or i in held)
         if array.shape != need:
             stored = reader.stored_name(name)
             shape = list(reader.folder.shape(stored))
@@ -301,11 +306,13 @@ def read_leaf(reader: TensorReader, source: Source, info: ArrayInfo | Quantized,
     return source.build(arrays).astype(info.dtype, copy=False)
 
 
-def _read_quantized(reader: TensorReader, source: Source, info: Quantized, path: str) -> Quantized:
+def _read_quantized(
+    reader: TensorReader, source: Source, info: Quantized, path: str, held: set[int] | None
+) -> Quantized:
     """A weight kept quantized: its tensors' codes laid out like the leaf, their scales like the leaf's blocks."""
     codes, scales = [], []
-    for name, need in zip(source.names, source.shapes(info.shape)):
-        tensor_codes, tensor_scales = reader.get_quantized(name, info.format)
+    for i, (name, need) in enumerate(zip(source.names, source.shapes(info.shape))):
+        tensor_codes, tensor_scales = reader.get_quantized(name, info.format, held is None or i in held)
         packed = (need[0], need[1] // 2) if info.format == FP4 else need
         if tensor_codes.shape != packed:
             stored = reader.stored_name(name)
@@ -371,12 +378,27 @@ def load_weights(
     builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()
     nbytes = 0
+    skipped: list[tuple[str, int, int]] = []  # (leaf, experts held, experts) where this process holds only some
     for count, leaf in enumerate(leaves, start=1):
-        array = read_leaf(reader, sources[leaf.name], leaf.stored, leaf.name)
+        source = sources[leaf.name]
+        held = builder.held_rows(leaf.name) if source.layout is EXPERTS_TRANSPOSED else None
+        if held is not None:
+            skipped.append((leaf.name, len(held), len(source.names)))
+        array = read_leaf(reader, source, leaf.stored, leaf.name, held)
         nbytes += sum(part.nbytes for part in jax.tree.leaves(array))
         builder.put(leaf.name, leaf.padded(array))  # zero rows up to the padded vocabulary (none elsewhere)
         if show_progress:
             progress("loading weights", count, len(leaves), started)
     weights = builder.finish()
+    if skipped:
+        name, held_count, total = skipped[0]
+        log.info(
+            "read %d of %d routed experts in each of %d expert weights (%s, ...): the other processes' devices hold "
+            "the rest",
+            held_count,
+            total,
+            len(skipped),
+            name,
+        )
     log.info("loaded %d tensors, %.2f GiB, in %.1f s", len(leaves), nbytes / 2**30, time.perf_counter() - started)
     return weights, cfg

@@ -160,3 +160,9 @@ class SafetensorsFolder:
 
     def get(self, name: str) -> np.ndarray:
         return self._where[name].get(name)
+
+    def placeholder(self, name: str) -> np.ndarray:
+        """Zeros shaped and typed as tensor `name`, read from nothing (for a tensor no device of this process holds:
+        the pages stay unwritten, so it costs no memory either)."""
+        reader = self._where[name]
+        return np.zeros(reader.shape(name), DTYPES[reader.dtype(name)])

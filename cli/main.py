@@ -21,6 +21,7 @@ import functools
 import gc
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from jaxserve.config import (
     ConfigError,
     EngineConfig,
     Flag,
+    GroupConfig,
     ModelConfig,
 )
 from jaxserve.engine import Engine
@@ -49,6 +51,8 @@ from jaxserve.model.cache import cache_nbytes, storage_dtype
 from jaxserve.model.sharding import make_mesh, vocab_padding_line
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
+from jaxserve.runner.group import GroupLost, ProcessGroup, join
+from jaxserve.runner.mirror import CallLog, Follower
 from jaxserve.runner.plan import (
     give_the_allocator,
     make_plan,
@@ -105,13 +109,14 @@ class TrustRemoteCode(argparse.Action):
 
 
 def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
-    """The flags of EngineConfig, and with `server` those of ServerConfig too; and vLLM's --trust-remote-code."""
+    """The flags of EngineConfig, and with `server` those of ServerConfig and GroupConfig too; and vLLM's
+    --trust-remote-code."""
     parser.add_argument(
         "--trust-remote-code",
         action=TrustRemoteCode,
         help="accepted, as vLLM's; jaxserve never runs code from a checkpoint, so it changes nothing",
     )
-    for config in (EngineConfig, ServerConfig) if server else (EngineConfig,):
+    for config in (EngineConfig, ServerConfig, GroupConfig) if server else (EngineConfig,):
         for field, default, flag in config_flags(config):
             name = "--" + field.replace("_", "-")
             if flag.type is bool:
@@ -198,7 +203,9 @@ def configure_logging(level_name: str) -> None:
         logging.getLogger(name).setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
 
 
-def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
+def _prepare(cfg: EngineConfig, group: ProcessGroup | None) -> None:
+    """The log, JAX's allocator share and compilation cache, then one line on the devices (which starts JAX's
+    backend)."""
     configure_logging(cfg.log_level)
     give_the_allocator(cfg.gpu_memory_utilization)  # before the first jax.devices() below starts the backend
     cache = cfg.compilation_cache_dir
@@ -208,11 +215,20 @@ def _setup(cfg: EngineConfig) -> tuple[Engine, LoadedModel]:
         # Every step shape is compiled at start; the persistent cache makes the next start with the same flags fast.
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    where = (
+        ""
+        if group is None
+        else f" (process {group.process_id} of {group.num_processes}, {jax.local_device_count()} here)"
+    )
     print(
-        f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.devices()[0].platform} device(s); XLA "
+        f"jaxserve {version('jaxserve')} on {len(jax.devices())} {jax.devices()[0].platform} device(s){where}; XLA "
         f"compilation cache: {cache or 'off'}",
         flush=True,
     )
+
+
+def _setup(cfg: EngineConfig, group: ProcessGroup | None = None) -> tuple[Engine, LoadedModel]:
+    _prepare(cfg, group)
     print(f"loading weights from {cfg.model or 'the embedded default checkpoint'}", flush=True)
     started = time.perf_counter()
     engine, loaded = build_engine(cfg, show_progress=True)
@@ -318,9 +334,13 @@ def _freeze_heap() -> None:
 
 
 def serve(args: argparse.Namespace) -> NoReturn:
-    cfg, server_cfg = engine_config(args), server_config(args)
+    cfg, server_cfg, group_cfg = engine_config(args), server_config(args), filled(GroupConfig, args)
     with Interrupts() as interrupts:
-        status = _serve(cfg, server_cfg, interrupts)
+        group = join(group_cfg)  # before anything starts JAX's backend; None: one process
+        if group is not None and not group.leader:  # no port for the other processes: they answer nothing
+            status = _follow(cfg, group, group_cfg, interrupts)
+        else:
+            status = _serve(cfg, server_cfg, interrupts, group, group_cfg)
     end_process(status)  # a step shape may still be compiling on its thread (RestCompiles)
 
 
@@ -335,7 +355,13 @@ def end_process(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) -> int:
+def _serve(
+    cfg: EngineConfig,
+    server_cfg: ServerConfig,
+    interrupts: Interrupts,
+    group: ProcessGroup | None,
+    group_cfg: GroupConfig,
+) -> int:
     from jaxserve.server import create_app
     from jaxserve.server.serving import BackgroundServer, ListenError, bind
 
@@ -347,7 +373,9 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
     http: BackgroundServer | None = None
     engine: Engine | None = None
     try:
-        engine, loaded = _setup(cfg)
+        engine, loaded = _setup(cfg, group)
+        if group is not None:
+            lead(engine, group, group_cfg)
         interrupts.check()
         name = server_cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
         http = BackgroundServer(
@@ -370,6 +398,8 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
                 return EXIT_FAILED
             if compiles.error is not None:
                 return compile_failed(compiles.error)
+            if engine.failure is not None:
+                return group_failed(engine, group)
         log.info(
             "shutdown requested: draining, running requests get up to %.0f s to finish", server_cfg.shutdown_timeout
         )
@@ -386,6 +416,94 @@ def _serve(cfg: EngineConfig, server_cfg: ServerConfig, interrupts: Interrupts) 
             sock.close()
         if engine is not None:
             engine.shutdown()
+            if group is not None and engine.failure is None:
+                stop_group(engine, group)
+
+
+# ---- several processes (jaxserve.runner.group) ---------------------------------------------------------------------
+
+# How long process 0 waits at shutdown for the others to hear that it stops, and a lost group's requests get to send
+# their error events before the process ends.
+GROUP_STOP_TIMEOUT_S = 30
+ERROR_EVENTS_GRACE_S = 1.0
+
+
+def lead(engine: Engine, group: ProcessGroup, group_cfg: GroupConfig) -> None:
+    """Process 0 of a group: every device call of its runner goes to the others (before any is made), a failed
+    step fails the engine (the group's steps fail together), and a watch fails it when a process is lost."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # build_engine's
+    runner.mirror = CallLog(group.channel)
+    engine.fatal_step_errors = True
+    group.watch(engine.fail, engine.waiting_since, group_cfg.distributed_step_timeout)
+
+
+def group_failed(engine: Engine, group: ProcessGroup | None) -> int:
+    """The engine stopped for good (a lost process, a failed step): say why, naming the lost process where the
+    coordination service knows it, give the streams a moment to send their error events, exit 1."""
+    why = engine.failure or ""
+    if group is not None and (lost := group.lost_line()) not in why:
+        why = f"{lost} ({why})"
+    print(f"jaxserve: error: {why}", file=sys.stderr, flush=True)
+    time.sleep(ERROR_EVENTS_GRACE_S)
+    return EXIT_FAILED
+
+
+def stop_group(engine: Engine, group: ProcessGroup) -> None:
+    """A clean shutdown of process 0: tell the others, and wait (boundedly) until they heard."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.mirror is not None  # lead()'s
+    sent = runner.mirror.send_seconds
+    if sent:
+        print(
+            f"sent {len(sent)} step messages to the other processes, {runner.mirror.sent_bytes / len(sent):.0f} B "
+            f"each on average; send time median {statistics.median(sent) * 1e6:.0f} us, max {max(sent) * 1e6:.0f} us",
+            flush=True,
+        )
+    try:
+        runner.mirror.stop()
+        group.barrier("stopped", GROUP_STOP_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 - the others are gone already: nothing left to tell
+        log.warning("the other processes did not confirm the shutdown: %s", error)
+
+
+def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, interrupts: Interrupts) -> int:
+    """A process of a group other than process 0: load this process's shards, compile the step shapes in process
+    0's order, and replay process 0's device calls until it stops (exit 0) or the group is lost (exit 1)."""
+    _prepare(cfg, group)
+    mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
+    loaded = load_model(cfg.model, mesh, cfg.dtype, skip_tokenizer=True, quantization=cfg.quantization)
+    runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
+    stopping = threading.Event()
+
+    def lost(why: str) -> None:
+        if stopping.is_set():  # process 0 stopped cleanly and went away: not a loss
+            return
+        print(f"jaxserve: error: process {group.process_id}: {why}", file=sys.stderr, flush=True)
+        end_process(EXIT_FAILED)  # the main thread may be blocked in a step's collective for good
+
+    group.watch(lost, lambda: None, group_cfg.distributed_step_timeout)
+    threading.Thread(
+        target=runner.compile_ahead, kwargs=dict(stop=interrupts.requested.is_set), name="jaxserve-compile", daemon=True
+    ).start()
+    print(f"process {group.process_id} of {group.num_processes}: replaying process 0's steps", flush=True)
+    follower = Follower(runner, group.channel, stopped=interrupts.requested.is_set)
+    try:
+        follower.run()
+    except GroupLost as error:
+        print(f"jaxserve: error: process {group.process_id}: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    if interrupts.requested.is_set():
+        print(f"jaxserve: process {group.process_id} interrupted: the group cannot run without it", file=sys.stderr)
+        return EXIT_FAILED
+    stopping.set()
+    try:
+        group.barrier("stopped", GROUP_STOP_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 - process 0 has gone already: it told us to stop
+        log.warning("process 0 did not wait for the shutdown's confirmation: %s", error)
+    print(f"process {group.process_id}: process 0 stopped; {follower.replayed} calls replayed", flush=True)
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ class ServerState:
         return self.engine.context_limit
 
     def unavailable_reason(self) -> str | None:
+        if self.engine.failure is not None:
+            return f"The engine stopped: {self.engine.failure}"
         if self.engine.is_draining:
             return "The server is shutting down"
         if not self.engine.is_running:

@@ -28,11 +28,12 @@ from jaxserve.cli.main import (
     build_engine,
     configure_logging,
     engine_config,
+    filled,
     parse,
     serve,
     server_config,
 )
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, GroupConfig
 from jaxserve.scheduler import step_policies
 from jaxserve.server.config import ServerConfig
 
@@ -177,10 +178,13 @@ def test_every_config_field_is_a_flag_with_the_same_default():
     assert command is serve  # plain `jaxserve` serves
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    assert not engine_fields & server_fields  # each flag fills one field of one config
-    fields = engine_fields | server_fields
+    group_fields = {f.name for f in dataclasses.fields(GroupConfig)}
+    # each flag fills one field of one config
+    assert not engine_fields & server_fields and not (engine_fields | server_fields) & group_fields
+    fields = engine_fields | server_fields | group_fields
     assert fields == set(vars(args)), f"fields without a flag: {fields - set(vars(args))}"
     assert engine_config(args) == EngineConfig() and server_config(args) == ServerConfig()
+    assert filled(GroupConfig, args) == GroupConfig()
 
 
 def test_flags_reach_the_engine():
@@ -360,8 +364,10 @@ def test_ctrl_c_once_ready_does_not_wait_for_the_shapes_still_compiling(tmp_path
 class ServeProcess:
     """`jaxserve serve` as a child process; its output is collected by a thread so the pipe never fills."""
 
-    def __init__(self, *flags: str, compile_cache: Path | None = None):
-        env = cli_env() if compile_cache is None else {**cli_env(), "JAXSERVE_COMPILE_CACHE": str(compile_cache)}
+    def __init__(self, *flags: str, compile_cache: Path | None = None, env: dict[str, str] | None = None):
+        env = env or cli_env()
+        if compile_cache is not None:
+            env = {**env, "JAXSERVE_COMPILE_CACHE": str(compile_cache)}
         self.process = subprocess.Popen(
             [JAXSERVE, "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

@@ -289,6 +289,11 @@ class Engine:
         # Loop thread only: dispatched, unfinished steps per request, and when the device is done with the last one.
         self._inflight: collections.Counter[str] = collections.Counter()
         self._device_free_at = 0.0
+        self._waiting_since: float | None = None  # time.monotonic() since the loop waits for a step's result
+        # Set once (fail()): why the engine stopped for good; a multi-process group's steps all fail together
+        # (jaxserve.runner.group), so there a failed step fails the engine rather than only its requests.
+        self._failure: str | None = None
+        self.fatal_step_errors = False
         self._publish_stats()
 
     @property
@@ -309,13 +314,40 @@ class Engine:
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is not None and self._failure is None:  # after fail() it may wait on a step forever
             self._thread.join()
 
     @property
     def is_running(self) -> bool:
-        """Warmed up and looping (False before start(), after shutdown(), or if the loop thread died)."""
+        """Warmed up and looping (False before start(), after shutdown() or fail(), or if the loop thread died)."""
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped for good (fail()), or None."""
+        return self._failure
+
+    def waiting_since(self) -> float | None:
+        """time.monotonic() when the loop began waiting for the step it waits for now; None when it waits for none."""
+        return self._waiting_since
+
+    def fail(self, reason: str) -> None:
+        """Stop for good, from any thread: every unfinished request ends with an error saying `reason`, nothing new
+        is admitted, the loop stops. For a device that can no longer run steps (a multi-process group that lost a
+        process): the loop may be blocked in a step that will never end, so this neither waits for it nor touches
+        the scheduler; the process is expected to exit."""
+        with self._admission:
+            if self._failure is not None:
+                return
+            self._failure = reason
+            self._draining = True
+            live, self._live = list(self._live.values()), {}
+            self._admission.notify_all()
+        self._stop.set()
+        self._wake.set()
+        log.error("engine stopped: %s; %d unfinished requests end with this error", reason, len(live))
+        for _, handle in live:
+            handle._push(TokenEvent((), finish_reason="error", error=reason))
 
     @property
     def is_draining(self) -> bool:
@@ -501,12 +533,15 @@ class Engine:
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for a dispatched step's tokens, deliver them and run the stop checks."""
         plan = inflight.plan
+        self._waiting_since = time.monotonic()
         try:
             output = inflight.step.result()
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             self._landed(plan)
             self._fail_step(plan, error)
             return
+        finally:
+            self._waiting_since = None
         # Steps run in order: this one started when it was dispatched or when the one before it ended (known by now,
         # as the one before completed first), so a step's time never includes the one it queued behind.
         started, ended = inflight.device_start(self._device_free_at), time.perf_counter()
@@ -563,7 +598,10 @@ class Engine:
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
-            self._live[request.request_id][1]._push(
+            live = self._live.get(request.request_id)
+            if live is None:  # fail() already ended it
+                return
+            live[1]._push(
                 TokenEvent(
                     (token,),
                     logprobs=logprobs,
@@ -597,9 +635,11 @@ class Engine:
         for listener in self.listeners:
             listener.on_finish(request)
         with self._admission:
-            _, handle = self._live.pop(request.request_id)
+            live = self._live.pop(request.request_id, None)
             self._admission.notify_all()
-        handle._push(
+        if live is None:  # fail() already ended it
+            return
+        live[1]._push(
             TokenEvent(
                 final_tokens,
                 finish_reason=reason,
@@ -613,6 +653,9 @@ class Engine:
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> None:
         log.exception("step failed (%s step of %d requests)", plan.kind.value, len(plan.requests))
+        if self.fatal_step_errors:
+            self.fail(f"a step failed: {type(error).__name__}: {error}")
+            return
         failed = [r for r in plan.requests if not r.finished]
         self.pages.clear()  # the pages and snapshots the step was to write may not be there
         if self.runner.cache_lost():

@@ -37,6 +37,16 @@ def _one_layer(sharding: NamedSharding | None) -> NamedSharding | None:
     return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
 
 
+def _place(array: Any, sharding: NamedSharding | None) -> jax.Array:
+    """A host array goes onto its sharding one shard at a time, each process writing only its own devices' shards
+    (jax.device_put would first check, across the processes of a multi-process group, that each passes the same whole
+    array); a device array moves as it is."""
+    if sharding is None or isinstance(array, jax.Array):
+        return jax.device_put(array, sharding)
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _stack_of(path: str) -> str:
     """'segments.2.1.attn.wq_b' -> 'segments.2.1': the stacked Layer a leaf belongs to."""
     return ".".join(path.split(".")[:3])
@@ -95,13 +105,13 @@ class WeightsBuilder:
     def _put_part(self, path: str, index: int | None, array: Any) -> None:
         sharding = self._sharding(path)
         if index is None:
-            self._arrays[path] = jax.device_put(array, sharding)
+            self._arrays[path] = _place(array, sharding)
         elif self._infos[path].shape[0] == 1:
-            self._arrays[path] = jax.device_put(np.asarray(array)[None], sharding)
+            self._arrays[path] = _place(np.asarray(array)[None], sharding)
         else:
             stack = _stack_of(path)
             layer = self._pending.setdefault((stack, index), {})
-            layer[path] = jax.device_put(array, _one_layer(sharding))
+            layer[path] = _place(array, _one_layer(sharding))
             if len(layer) == len(self._stack_paths[stack]):
                 self._write(stack, index, self._pending.pop((stack, index)))
 
@@ -112,6 +122,25 @@ class WeightsBuilder:
             self._arrays.update(zip(paths, _zeros([self._infos[p] for p in paths], shardings)))
         written = _write_layer([self._arrays[p] for p in paths], [layer[p] for p in paths], np.int32(index))
         self._arrays.update(zip(paths, written))
+
+    def held_rows(self, name: str) -> set[int] | None:
+        """The indices along its first axis of leaf `name` (as `release_leaves` names it) that this process's devices
+        hold, when they hold only some (a multi-process group splitting the routed experts); None: all of them."""
+        leaf = self._layout[name]
+        path = flatten_with_names(leaf.info)[0][0]
+        sharding = self._sharding(".".join(filter(None, (leaf.path, path))))
+        if sharding is None or sharding.is_fully_addressable:
+            return None
+        if leaf.index is not None:
+            sharding = _one_layer(sharding)
+        assert sharding is not None
+        rows = leaf.stored.shape[0]
+        held: set[int] = set()
+        for index in sharding.addressable_devices_indices_map((rows,) + tuple(leaf.stored.shape[1:])).values():
+            if index is None:  # a device that holds the whole leaf
+                return None
+            held.update(range(*index[0].indices(rows)))
+        return held if len(held) < rows else None
 
     def finish(self) -> Weights:
         missing = [name for name in self._layout if name not in self._received]

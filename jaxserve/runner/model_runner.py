@@ -17,6 +17,7 @@ and only then launches N+1's sampler, whose masks the grammars compute while the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from jaxserve.request.step import (
     StepShape,
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
+from jaxserve.runner.mirror import Call, CallLog, ForwardCall, ResetCall, SampleCall
 from jaxserve.runner.progress import progress
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
 
@@ -211,21 +213,21 @@ class PendingStep:
     def __init__(
         self,
         runner: ModelRunner,
-        executables: _Executables,
+        number: int,
         groups: list[_Group],
         logits: tuple[jax.Array, ...],
         prompt: tuple[Logprobs | None, ...],
         routes: tuple[TokenRoutes, ...],
         asked: tuple[LogprobInputs, ...],
     ):
-        self._runner, self._sampler, self._groups = runner, executables.sampler, groups
+        self._runner, self._number, self._groups = runner, number, groups
         self._logits, self._prompt, self._routes, self._asked = logits, prompt, routes, asked
         self._outputs: tuple[GroupOutput, ...] | None = None
 
     def sample(self) -> None:
         if self._outputs is not None:
             return
-        tokens, sampled = self._runner._launch_sampler(self._sampler, self._groups, self._logits, self._routes)
+        tokens, sampled = self._runner._launch_sampler(self._number, self._groups, self._logits, self._routes)
         for out in tokens:
             out.copy_to_host_async()  # the copy runs while the host prepares the next step
         self._outputs = tuple(GroupOutput(*out) for out in zip(tokens, sampled, self._prompt))
@@ -260,7 +262,7 @@ class ModelRunner:
         self._cache_shardings = shardings_for(abstract, mesh)
         self._weight_shardings = jax.tree.map(lambda x: x.sharding, weights)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self.reset_cache()
+        self._init_cache()
         self._forward = jax.jit(
             self._forward_fn,
             donate_argnames=("cache",),
@@ -270,7 +272,10 @@ class ModelRunner:
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
         self._penalize = jax.jit(apply_penalties, out_shardings=self._replicated)
         self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
+        # Every compiled shape, and those warmed up for the engine's steps (limits() reads only these).
+        self._executables: dict[StepShape, _Executables] = {}
         self._compiled: dict[StepShape, _Executables] = {}
+        self._compiling = threading.Lock()
         self._samplers: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the rows of each group
         self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
         # limits() of the first _limits_for compiled shapes
@@ -278,6 +283,11 @@ class ModelRunner:
         self._limits_for = 0
         self._launching = threading.Lock()
         self.times = StepTimes()
+        # Multi-controller serving (jaxserve.runner.mirror): on process 0, the log its device calls go into for the
+        # other processes; on the others, each replayed forward's logits and routes until its sampler call.
+        self.mirror: CallLog | None = None
+        self._forward_numbers = itertools.count()
+        self._replayed: dict[int, tuple[tuple[jax.Array, ...], tuple[TokenRoutes, ...]]] = {}
 
     def _forward_fn(
         self,
@@ -359,6 +369,25 @@ class ModelRunner:
         routes = tuple(self._abstract_group(group.rows, group.chunk, decode)[1] for group, decode in shape.groups)
         return slot_tokens, logits, logits, samplings, routes
 
+    def _executables_for(self, shape: StepShape) -> _Executables:
+        """`shape`'s executables, compiled now unless they are (one compile at a time; a compiled shape never
+        waits for another's compile)."""
+        found = self._executables.get(shape)
+        if found is None:
+            with self._compiling:
+                found = self._executables.get(shape)
+                if found is None:
+                    found = self._executables[shape] = self._compile(shape)
+        return found
+
+    def compile_ahead(self, stop: Callable[[], bool] | None = None) -> None:
+        """Compile every bucket's shape in the order process 0 does, without running any (a follower's: its steps
+        come from process 0, which warms each shape up; `replay` compiles a shape it meets first itself)."""
+        for shape in self.buckets.shapes():
+            if stop is not None and stop():
+                return
+            self._executables_for(shape)
+
     def _compile(self, shape: StepShape) -> _Executables:
         rows = tuple(group.rows for group, _ in shape.groups)
         with jax.set_mesh(self.mesh):
@@ -382,11 +411,11 @@ class ModelRunner:
             if stop is not None and stop():
                 return
             t0 = time.perf_counter()
-            compiled = self._compile(shape)
+            compiled = self._executables_for(shape)
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
             padding = [_Group((), group, decode) for group, decode in shape.groups]
-            self._launch(compiled, padding).result()
+            self._launch(shape, padding).result()
             for group, _ in shape.groups:  # and the penalties' first bucket for its groups
                 self._warm_penalties(group.rows)
             self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
@@ -423,6 +452,12 @@ class ModelRunner:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.cache, self.slot_tokens)))
 
     def reset_cache(self) -> None:
+        if self.mirror is not None:
+            with self._launching:
+                self.mirror.add(ResetCall())
+        self._init_cache()
+
+    def _init_cache(self) -> None:
         with jax.set_mesh(self.mesh):
             self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
@@ -436,7 +471,7 @@ class ModelRunner:
         """Start one step without waiting for it. Every row samples (after a chunk that is not its prompt's last,
         the token is neither kept nor returned as an output)."""
         groups = self._groups(plan)
-        return self._launch(self._compiled_step(groups), groups)
+        return self._launch(self._usable_shape(groups), groups)
 
     def device_seconds(self, plan: StepPlan, repeats: int, back_to_back: int = 1) -> list[float]:
         """Seconds per call of the compiled step of `plan` on inputs built once, `repeats` times: the step's time
@@ -444,8 +479,11 @@ class ModelRunner:
         before waiting for the last, over their number: with one, the call's latency (its launch included); with
         more, the device's pace when it is never left waiting, as in the overlapped loop. For benchmarks: it
         rewrites the plan's KV positions with the same values."""
+        if self.mirror is not None:
+            raise RuntimeError("device_seconds times one process's calls; the other processes would not join them")
         groups = self._groups(plan)
-        compiled, (inputs, routes, asked) = self._compiled_step(groups), self._host_inputs(groups)
+        compiled = self._compiled[self._usable_shape(groups)]
+        inputs, routes, asked = self._host_inputs(groups)
         samplings = self._sampling_arrays(groups)
         times = []
         for _ in range(repeats):
@@ -490,34 +528,75 @@ class ModelRunner:
         sizes = [s.decode.rows for s in list(self._compiled) if s.kind is StepKind.DECODE and s.decode is not None]
         return GroupShape(min((d for d in sizes if d >= rows), default=max(sizes, default=0)), 1)
 
-    def _compiled_step(self, groups: list[_Group]):
+    def _usable_shape(self, groups: list[_Group]) -> StepShape:
         shape = StepShape(**{"decode" if group.decode else "prefill": group.shape for group in groups})
-        compiled = self._compiled.get(shape)
-        if compiled is None:
+        if shape not in self._compiled:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
-        return compiled
+        return shape
 
-    def _launch(self, compiled: _Executables, groups: list[_Group]) -> PendingStep:
+    def _launch(self, shape: StepShape, groups: list[_Group]) -> PendingStep:
+        inputs, routes, asked = self._host_inputs(groups)
+        number, logits, prompt = self._run_forward(shape, inputs, routes, asked)
+        return PendingStep(self, number, groups, logits, prompt, routes, asked)
+
+    def _run_forward(self, shape: StepShape, inputs, routes, asked):
+        executables = self._executables_for(shape)
         # The cache and the slot tokens are replaced: the warm-up's padding runs (on the compiling thread) and the
         # engine's steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
-        inputs, routes, asked = self._host_inputs(groups)
+        # The mirror logs each call inside the lock, so the other processes replay the launch order.
         with self._launching:
-            logits, prompt, self.cache = compiled.forward(
+            number = next(self._forward_numbers)
+            if self.mirror is not None:
+                self.mirror.add(ForwardCall(number, shape, inputs, routes, asked))
+            logits, prompt, self.cache = executables.forward(
                 self.weights, self.cache, self.slot_tokens, inputs, routes, asked
             )
-        return PendingStep(self, compiled, groups, logits, prompt, routes, asked)
+        return number, logits, prompt
 
-    def _launch_sampler(self, sampler, groups: list[_Group], logits, routes):
+    def _launch_sampler(self, number: int, groups: list[_Group], logits, routes):
         # Asks the rows' grammars and token counts: after the tokens before these landed.
         samplings = self._sampling_arrays(groups)
-        penalties = [PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups]
+        penalties = tuple(PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups)
+        return self._run_sampler(number, logits, routes, samplings, penalties)
+
+    def _run_sampler(self, number: int, logits, routes, samplings: tuple[SamplingArrays, ...], penalties):
+        sampler = self._samplers[tuple(group_logits.shape[0] for group_logits in logits)]
         with self._launching:
+            if self.mirror is not None:
+                # A group that allows every token sends no mask (None): each process keeps that one on its devices.
+                kept = tuple(s.allowed is self._everything_allowed.get(s.allowed.shape[0]) for s in samplings)
+                nothing: Any = None
+                sent = tuple(dataclasses.replace(s, allowed=nothing) if k else s for s, k in zip(samplings, kept))
+                self.mirror.add(SampleCall(number, sent, penalties))
             penalized = tuple(
                 group_logits if p is None else self._penalize(group_logits, p)
                 for group_logits, p in zip(logits, penalties)
             )
             tokens, sampled, self.slot_tokens = sampler(self.slot_tokens, logits, penalized, samplings, routes)
         return tokens, sampled
+
+    def replay(self, call: Call) -> None:
+        """Run process 0's `call` on this process's devices (a follower's; jaxserve.runner.mirror)."""
+        if isinstance(call, ForwardCall):
+            number, logits, _ = self._run_forward(call.shape, call.inputs, call.routes, call.asked)
+            if number != call.number:
+                raise RuntimeError(f"replayed forward {number} is process 0's forward {call.number}: out of step")
+            self._replayed[number] = (logits, call.routes)
+        elif isinstance(call, SampleCall):
+            logits, routes = self._replayed.pop(call.number)
+            for stale in [n for n in self._replayed if n < call.number]:  # forwards whose sampler never launched
+                del self._replayed[stale]
+            samplings = tuple(
+                dataclasses.replace(s, allowed=self._all_tokens_allowed(s.temperature.shape[0]))
+                if s.allowed is None
+                else s
+                for s in call.samplings
+            )
+            self._run_sampler(call.number, logits, routes, samplings, call.penalties)
+        elif isinstance(call, ResetCall):
+            self._init_cache()
+        else:
+            raise TypeError(f"not a call to replay: {call!r}")
 
     def _sampling_arrays(self, groups: list[_Group]) -> tuple[SamplingArrays, ...]:
         return tuple(

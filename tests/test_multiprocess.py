@@ -1,0 +1,250 @@
+"""Multi-controller serving (docs/architecture.md, "Several hosts"): two `jaxserve serve` processes of 4 CPU devices
+each (gloo collectives) serve one global mesh of TP 2 x EP 4 through process 0's HTTP API, with the same tokens and
+logprobs as one process of 8 devices; a lost process stops the group within a bounded time; the flags are checked.
+The replay itself (jaxserve.runner.mirror) is also checked in one process: a second runner fed only process 0's
+calls ends with the same device state."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from test_cli import JAXSERVE, SMALL, ServeProcess, cli_env
+
+from jaxserve.cli.main import build_engine, engine_config, parse
+from jaxserve.config import ConfigError, GroupConfig
+from jaxserve.request import SamplingParams
+from jaxserve.runner import ModelRunner
+from jaxserve.runner.mirror import CallLog, Follower, ForwardCall
+
+PARALLEL = ["--tensor-parallel-size", "2", "--expert-parallel-size", "4"]
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 7, 200, 11, 12, 13, 14, 15, 16, 17], [300, 301]]
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def four_device_env() -> dict[str, str]:
+    return {**cli_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+@pytest.fixture(scope="module")
+def group():
+    """Process 0 (HTTP) and process 1 of a group of 2, both started; yields (url, process 0, process 1)."""
+    group_flags = ["--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
+    flags = [*SMALL, *PARALLEL, *group_flags, "--distributed-timeout", "120"]
+    follower = ServeProcess(*flags, "--process-id", "1", env=four_device_env())
+    leader = ServeProcess(*flags, "--process-id", "0", "--port", "0", env=four_device_env())
+    try:
+        ready = leader.wait_for_line("jaxserve ready on http://127.0.0.1:", 900)
+        leader.wait_for_line("compiled all 5 step shapes", 900)  # the concurrent requests below use every shape
+        yield ready.split()[3], leader, follower
+    finally:
+        leader.kill()
+        follower.kill()
+
+
+def reference_outputs() -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs from one process of 8 devices, TP 2 x EP 4, the same flags."""
+    _, args = parse([*SMALL, *PARALLEL])
+    engine, _ = build_engine(engine_config(args))
+    engine.runner.warmup()
+    engine.start()
+    try:
+        outputs = []
+        for prompt in PROMPTS:
+            handle = engine.submit(
+                prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=3, ignore_eos=True)
+            )
+            tokens, logprobs = [], []
+            for event in handle.sync_events(timeout=300):
+                tokens += event.token_ids
+                logprobs += [lp.logprob for lp in event.logprobs or ()]
+            outputs.append((tokens, logprobs))
+        return outputs
+    finally:
+        engine.shutdown()
+
+
+def completion(url: str, prompt: list[int], stream: bool) -> tuple[list[int], list[float], list[dict]]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 3,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"], [response.json()]
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    choices = [chunk["choices"][0] for chunk in chunks if chunk.get("choices")]
+    tokens = [t for choice in choices for t in choice.get("token_ids") or ()]
+    logprobs = [lp for choice in choices if choice.get("logprobs") for lp in choice["logprobs"]["token_logprobs"]]
+    return tokens, logprobs, chunks
+
+
+def test_two_processes_serve_what_one_process_of_eight_devices_serves(group):
+    url, leader, follower = group
+    expected = reference_outputs()
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: they share steps
+        futures = [pool.submit(completion, url, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS)]
+        served = [future.result(timeout=600) for future in futures]
+    for (tokens, logprobs, _), (want_tokens, want_logprobs) in zip(served, expected):
+        assert len(tokens) == MAX_TOKENS and tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
+    assert httpx.get(url + "/health").status_code == 200
+    # Every process read only the routed experts its devices hold (the other half is the other process's).
+    for process in (leader, follower):
+        assert any("read 4 of 8 routed experts in each of" in line for line in process.output), process.output[-20:]
+    assert any(line.startswith("process 1 of 2: replaying process 0's steps") for line in follower.output)
+    assert not any("jaxserve ready" in line or "listening on" in line for line in follower.output)
+
+
+def test_killing_process_1_mid_stream_ends_the_stream_with_an_error_and_process_0_within_15_s(group):
+    url, leader, follower = group
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for line in lines:  # streaming has started
+            if line.startswith("data: {"):
+                events.append(line)
+                break
+        follower.process.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        events += [line for line in lines if line.startswith("data: ")]
+    status = leader.process.wait(timeout=30)
+    seconds = time.monotonic() - killed
+    assert status == 1 and seconds < 15, (status, seconds)
+    errors = [json.loads(line[6:])["error"] for line in events if line.startswith('data: {"error"')]
+    assert len(errors) == 1 and "lost process 1 of the group of 2" in errors[0]["message"], events[-3:]
+    assert events[-1] == "data: [DONE]"
+    leader.reader.join(timeout=10)
+    assert any(line.startswith("jaxserve: error: lost process 1 of the group of 2") for line in leader.output)
+
+
+def test_process_0_alone_fails_with_one_line_within_its_timeout():
+    started = time.monotonic()
+    result = subprocess.run(
+        [JAXSERVE, "serve", *PARALLEL, "--num-processes", "2", "--process-id", "0"]
+        + ["--coordinator-address", f"127.0.0.1:{free_port()}", "--distributed-timeout", "3", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=four_device_env(),
+    )
+    assert result.returncode == 1 and time.monotonic() - started < 20
+    ours = [line for line in result.stderr.splitlines() if line.startswith("jaxserve: error:")]
+    assert ours == [
+        "jaxserve: error: the process group (--num-processes 2, coordinator "
+        + ours[0].split("coordinator ")[1].split(")")[0]
+        + ") was not complete after 3 s (--distributed-timeout): start every process with the same --num-processes "
+        "and --coordinator-address, each with its own --process-id"
+    ], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_processes=2), "give every process --process-id (0 .. 1) and the same --coordinator-address"),
+        (dict(num_processes=2, process_id=2, coordinator_address="h:1"), "process_id=2: must be in [0, 2)"),
+        (dict(num_processes=2, process_id=0, coordinator_address="nowhere"), "must be HOST:PORT"),
+        (dict(process_id=1), "--process-id and --coordinator-address need --num-processes"),
+        (dict(num_processes=0), "num_processes=0: must be a positive integer"),
+        (dict(distributed_timeout=0), "distributed_timeout=0: must be positive"),
+    ],
+)
+def test_bad_group_flags_are_refused_naming_them(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        GroupConfig(**fields)
+
+
+def test_group_flags_are_serve_flags():
+    _, args = parse(["--num-processes", "2", "--process-id", "1", "--coordinator-address", "h:5"])
+    assert (args.num_processes, args.process_id, args.coordinator_address) == (2, 1, "h:5")
+    result = subprocess.run([JAXSERVE, "generate", "x", "--num-processes", "2"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unrecognized arguments: --num-processes" in result.stderr
+
+
+class QueueChannel:
+    """Process 0's messages in memory, each also kept in `sent`."""
+
+    def __init__(self):
+        self.messages: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.sent: list[bytes] = []
+
+    def send(self, payload: bytes) -> None:
+        self.messages.put(payload)
+        self.sent.append(payload)
+
+    def receive(self) -> bytes | None:
+        try:
+            return self.messages.get(timeout=0.1)
+        except queue.Empty:
+            return None
+
+
+def test_a_follower_fed_only_process_0s_calls_ends_with_process_0s_device_state():
+    """In one process: the leader's engine serves (prefill and decode steps, greedy, sampled and penalized rows,
+    the warm-ups' padding runs) while its calls go into a log; a second runner replaying that log ends with the same
+    cache and slot tokens, bit for bit. A call replayed out of turn is refused."""
+    _, args = parse(SMALL)
+    engine, loaded = build_engine(engine_config(args))
+    leader = engine.runner
+    assert isinstance(leader, ModelRunner)
+    replica = ModelRunner(leader.cfg, loaded.weights, leader.geometry, leader.mesh, leader.buckets)
+    channel = QueueChannel()
+    leader.mirror = CallLog(channel)
+    leader.warmup()
+    engine.start()
+    try:
+        samplings = [
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True),
+            SamplingParams(
+                max_tokens=7, temperature=1.0, seed=4, presence_penalty=1.5, repetition_penalty=1.3, ignore_eos=True
+            ),
+        ]
+        handles = [engine.submit(prompt, sampling) for prompt, sampling in zip(PROMPTS, samplings)]
+        for handle in handles:
+            assert handle.wait(timeout=300)[1] == "length"
+    finally:
+        engine.shutdown()
+    leader.mirror.stop()
+    follower = Follower(replica, channel)
+    follower.run()
+    assert follower.replayed > 20 and not leader.mirror.pending
+    assert len(channel.sent) == len(leader.mirror.send_seconds)  # one message per forward, and the stop
+    same = jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+        (leader.cache, leader.slot_tokens),
+        (replica.cache, replica.slot_tokens),
+    )
+    assert all(jax.tree.leaves(same))
+    first = pickle.loads(channel.sent[0])[0]
+    assert isinstance(first, ForwardCall) and first.number == 0
+    with pytest.raises(RuntimeError, match="out of step"):
+        replica.replay(first)
