@@ -494,6 +494,14 @@ def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, inte
     except GroupLost as error:
         print(f"jaxserve: error: process {group.process_id}: {error}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except Exception as error:  # noqa: BLE001 - a replayed step failed: the group cannot go on; one line, exit 1
+        print(
+            f"jaxserve: error: process {group.process_id}: replaying process 0's step {follower.replayed} failed: "
+            f"{type(error).__name__}: {error}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAILED
     if interrupts.requested.is_set():
         print(f"jaxserve: process {group.process_id} interrupted: the group cannot run without it", file=sys.stderr)
         return EXIT_FAILED

@@ -25,9 +25,14 @@ from jaxserve.cli.main import build_engine, engine_config, parse
 from jaxserve.config import ConfigError, GroupConfig
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner
+from jaxserve.runner.group import CoordinationChannel, GroupLost, ProcessGroup
 from jaxserve.runner.mirror import CallLog, Follower, ForwardCall
 
 PARALLEL = ["--tensor-parallel-size", "2", "--expert-parallel-size", "4"]
+# The tests' small engine (test_cli.SMALL) cut to three step shapes (one chunk of 16, decodes of 1 and 2 rows), since
+# each process of a group compiles every shape: the prompts fit one chunk, and 4 requests on 2 slots still share
+# steps and wait for each other.
+FLAGS = [*SMALL, "--max-num-seqs", "2", "--chunked-prefill-size", "16", *PARALLEL]
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 7, 200, 11, 12, 13, 14, 15, 16, 17], [300, 301]]
 MAX_TOKENS = 24
 
@@ -46,12 +51,12 @@ def four_device_env() -> dict[str, str]:
 def group():
     """Process 0 (HTTP) and process 1 of a group of 2, both started; yields (url, process 0, process 1)."""
     group_flags = ["--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
-    flags = [*SMALL, *PARALLEL, *group_flags, "--distributed-timeout", "120"]
+    flags = [*FLAGS, *group_flags, "--distributed-timeout", "120"]
     follower = ServeProcess(*flags, "--process-id", "1", env=four_device_env())
     leader = ServeProcess(*flags, "--process-id", "0", "--port", "0", env=four_device_env())
     try:
         ready = leader.wait_for_line("jaxserve ready on http://127.0.0.1:", 900)
-        leader.wait_for_line("compiled all 5 step shapes", 900)  # the concurrent requests below use every shape
+        leader.wait_for_line("compiled all 3 step shapes", 900)  # the concurrent requests below use every shape
         yield ready.split()[3], leader, follower
     finally:
         leader.kill()
@@ -60,7 +65,7 @@ def group():
 
 def reference_outputs() -> list[tuple[list[int], list[float]]]:
     """Each prompt's greedy tokens and their logprobs from one process of 8 devices, TP 2 x EP 4, the same flags."""
-    _, args = parse([*SMALL, *PARALLEL])
+    _, args = parse(FLAGS)
     engine, _ = build_engine(engine_config(args))
     engine.runner.warmup()
     engine.start()
@@ -248,3 +253,63 @@ def test_a_follower_fed_only_process_0s_calls_ends_with_process_0s_device_state(
     assert isinstance(first, ForwardCall) and first.number == 0
     with pytest.raises(RuntimeError, match="out of step"):
         replica.replay(first)
+
+
+class FakeClient:
+    """The parts of jax's coordination client the group uses, in memory; `live` is who still sends heartbeats."""
+
+    def __init__(self, num_processes: int):
+        self.live = set(range(num_processes))
+        self.store: dict[str, bytes] = {}
+        self.unreachable = False
+
+    def get_live_nodes(self, nodes):
+        if self.unreachable:
+            raise RuntimeError("UNAVAILABLE: failed to connect")
+        return {n: 1 for n in nodes if n in self.live}
+
+    def key_value_set_bytes(self, key, value):
+        self.store[key] = value
+
+    def key_value_delete(self, key):
+        del self.store[key]
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if self.unreachable:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+        if key not in self.store:
+            raise RuntimeError("DEADLINE_EXCEEDED: Deadline Exceeded")
+        return self.store[key]
+
+
+def watched(client: FakeClient, busy_since=lambda: None, step_timeout_s: float = 60.0) -> str:
+    lost: queue.SimpleQueue[str] = queue.SimpleQueue()
+    ProcessGroup(client, 0, 3).watch(lost.put, busy_since, step_timeout_s)
+    return lost.get(timeout=10)
+
+
+def test_the_watch_names_a_lost_process_an_unreachable_service_and_a_hung_step():
+    client = FakeClient(3)
+    client.live.discard(2)
+    assert watched(client) == (
+        "lost process 2 of the group of 3: no heartbeat for 10 s (it died, hung, or its host is unreachable)"
+    )
+    client = FakeClient(3)
+    client.unreachable = True
+    assert watched(client).startswith("the coordination service (process 0) cannot be reached: UNAVAILABLE")
+    since = time.monotonic() - 5
+    assert watched(FakeClient(3), lambda: since, step_timeout_s=2).startswith("a step has waited 5 s for the group")
+    assert ProcessGroup(FakeClient(3), 0, 3).lost_line(wait_s=0.6).startswith("no process is reported lost")
+
+
+def test_the_channel_delivers_in_order_keeps_the_store_small_and_tells_a_wait_from_a_loss():
+    client = FakeClient(2)
+    leader, follower = CoordinationChannel(client), CoordinationChannel(client)
+    assert follower.receive() is None  # nothing sent yet: ask again
+    for i in range(40):
+        leader.send(f"message {i}".encode())
+        assert follower.receive() == f"message {i}".encode()
+    assert len(client.store) == CoordinationChannel.KEEP
+    client.unreachable = True
+    with pytest.raises(GroupLost, match="cannot be reached"):
+        follower.receive()
