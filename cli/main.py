@@ -335,8 +335,10 @@ def _freeze_heap() -> None:
 
 def serve(args: argparse.Namespace) -> NoReturn:
     cfg, server_cfg, group_cfg = engine_config(args), server_config(args), filled(GroupConfig, args)
+    # Before anything starts JAX's backend (None: one process), and before our signal handlers: joining starts jax's
+    # preemption notifier, which would otherwise take SIGTERM for itself.
+    group = join(group_cfg)
     with Interrupts() as interrupts:
-        group = join(group_cfg)  # before anything starts JAX's backend; None: one process
         if group is not None and not group.leader:  # no port for the other processes: they answer nothing
             status = _follow(cfg, group, group_cfg, interrupts)
         else:

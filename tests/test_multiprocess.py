@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from test_cli import JAXSERVE, SMALL, ServeProcess, cli_env
 
+from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.cli.main import build_engine, engine_config, parse
 from jaxserve.config import ConfigError, GroupConfig
 from jaxserve.request import SamplingParams
@@ -47,20 +48,36 @@ def four_device_env() -> dict[str, str]:
     return {**cli_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
-@pytest.fixture(scope="module")
-def group():
-    """Process 0 (HTTP) and process 1 of a group of 2, both started; yields (url, process 0, process 1)."""
+def start_group(*model: str) -> tuple[str, ServeProcess, ServeProcess]:
+    """Process 1 and process 0 (HTTP) of a group of 2 on `model` (default: the embedded one), once every step shape
+    is compiled: (url, process 0, process 1)."""
     group_flags = ["--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
-    flags = [*FLAGS, *group_flags, "--distributed-timeout", "120"]
+    flags = [*model, *FLAGS, *group_flags, "--distributed-timeout", "120"]
     follower = ServeProcess(*flags, "--process-id", "1", env=four_device_env())
     leader = ServeProcess(*flags, "--process-id", "0", "--port", "0", env=four_device_env())
     try:
         ready = leader.wait_for_line("jaxserve ready on http://127.0.0.1:", 900)
         leader.wait_for_line("compiled all 3 step shapes", 900)  # the concurrent requests below use every shape
-        yield ready.split()[3], leader, follower
+    except BaseException:
+        leader.kill()
+        follower.kill()
+        raise
+    return ready.split()[3], leader, follower
+
+
+@pytest.fixture(scope="module")
+def group():
+    url, leader, follower = start_group()
+    try:
+        yield url, leader, follower
     finally:
         leader.kill()
         follower.kill()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[tuple[list[int], list[float]]]:
+    return reference_outputs()
 
 
 def reference_outputs() -> list[tuple[list[int], list[float]]]:
@@ -111,9 +128,8 @@ def completion(url: str, prompt: list[int], stream: bool) -> tuple[list[int], li
     return tokens, logprobs, chunks
 
 
-def test_two_processes_serve_what_one_process_of_eight_devices_serves(group):
+def test_two_processes_serve_what_one_process_of_eight_devices_serves(group, expected):
     url, leader, follower = group
-    expected = reference_outputs()
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: they share steps
         futures = [pool.submit(completion, url, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS)]
         served = [future.result(timeout=600) for future in futures]
@@ -149,6 +165,32 @@ def test_killing_process_1_mid_stream_ends_the_stream_with_an_error_and_process_
     assert events[-1] == "data: [DONE]"
     leader.reader.join(timeout=10)
     assert any(line.startswith("jaxserve: error: lost process 1 of the group of 2") for line in leader.output)
+
+
+def test_an_orbax_conversion_serves_and_sigterm_stops_every_process_with_status_0(tmp_path, expected):
+    """Each process restores only its shards of an orbax conversion; SIGTERM to process 0 drains it, tells process 1
+    to stop, and both exit 0."""
+    convert = subprocess.run(
+        [JAXSERVE, "convert", str(default_checkpoint_path()), str(tmp_path / "orbax"), "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert convert.returncode == 0, convert.stderr
+    url, leader, follower = start_group(str(tmp_path / "orbax"))
+    try:
+        tokens, logprobs, _ = completion(url, PROMPTS[2], stream=False)
+        assert tokens == expected[2][0]
+        np.testing.assert_allclose(logprobs, expected[2][1], atol=1e-4)
+        leader.process.send_signal(signal.SIGTERM)
+        assert leader.process.wait(timeout=60) == 0 and follower.process.wait(timeout=60) == 0
+    finally:
+        leader.kill()
+        follower.kill()
+    leader.reader.join(timeout=10)
+    follower.reader.join(timeout=10)
+    assert any(line.startswith("sent ") and " step messages to the other processes" in line for line in leader.output)
+    assert any(line.startswith("process 1: process 0 stopped;") for line in follower.output), follower.output[-5:]
 
 
 def test_process_0_alone_fails_with_one_line_within_its_timeout():
@@ -313,3 +355,26 @@ def test_the_channel_delivers_in_order_keeps_the_store_small_and_tells_a_wait_fr
     client.unreachable = True
     with pytest.raises(GroupLost, match="cannot be reached"):
         follower.receive()
+
+
+def test_a_launchers_environment_makes_the_group_without_flags():
+    """Slurm's srun variables (as jax.distributed reads them) make process 0 wait for a group of 2 with no group flag:
+    alone, it gives up after --distributed-timeout, naming the launcher."""
+    slurm = {
+        "SLURM_JOB_ID": "1234",  # jax takes port 61440 + the job id mod 4096: outside Linux's ephemeral ports
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    result = subprocess.run(
+        [JAXSERVE, "serve", *PARALLEL, "--distributed-timeout", "3", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**four_device_env(), **slurm},
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "jaxserve: error: the process group (SlurmCluster's environment, 2 processes, coordinator from the " in (
+        result.stderr
+    )

@@ -47,6 +47,14 @@ def _place(array: Any, sharding: NamedSharding | None) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _place_as_stack(array: Any, sharding: NamedSharding | None) -> jax.Array:
+    """A stack of one layer: `array` with a unit layers axis, placed as `sharding` says (a device array, an orbax
+    restore's, gets it on the devices: its shards may live in other processes, out of the host's reach)."""
+    if isinstance(array, jax.Array):
+        return jax.jit(lambda a: a[None], out_shardings=sharding)(array)
+    return _place(np.asarray(array)[None], sharding)
+
+
 def _stack_of(path: str) -> str:
     """'segments.2.1.attn.wq_b' -> 'segments.2.1': the stacked Layer a leaf belongs to."""
     return ".".join(path.split(".")[:3])
@@ -107,7 +115,7 @@ class WeightsBuilder:
         if index is None:
             self._arrays[path] = _place(array, sharding)
         elif self._infos[path].shape[0] == 1:
-            self._arrays[path] = _place(np.asarray(array)[None], sharding)
+            self._arrays[path] = _place_as_stack(array, sharding)
         else:
             stack = _stack_of(path)
             layer = self._pending.setdefault((stack, index), {})

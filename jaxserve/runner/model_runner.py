@@ -17,7 +17,6 @@ and only then launches N+1's sampler, whose masks the grammars compute while the
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -286,7 +285,7 @@ class ModelRunner:
         # Multi-controller serving (jaxserve.runner.mirror): on process 0, the log its device calls go into for the
         # other processes; on the others, each replayed forward's logits and routes until its sampler call.
         self.mirror: CallLog | None = None
-        self._forward_numbers = itertools.count()
+        self._next_forward = 0  # forwards launched so far, each process counting its own
         self._replayed: dict[int, tuple[tuple[jax.Array, ...], tuple[TokenRoutes, ...]]] = {}
 
     def _forward_fn(
@@ -545,7 +544,7 @@ class ModelRunner:
         # engine's steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
         # The mirror logs each call inside the lock, so the other processes replay the launch order.
         with self._launching:
-            number = next(self._forward_numbers)
+            number, self._next_forward = self._next_forward, self._next_forward + 1
             if self.mirror is not None:
                 self.mirror.add(ForwardCall(number, shape, inputs, routes, asked))
             logits, prompt, self.cache = executables.forward(
@@ -578,9 +577,12 @@ class ModelRunner:
     def replay(self, call: Call) -> None:
         """Run process 0's `call` on this process's devices (a follower's; jaxserve.runner.mirror)."""
         if isinstance(call, ForwardCall):
+            if call.number != self._next_forward:  # checked before the call: it would consume the cache
+                raise RuntimeError(
+                    f"process 0's forward {call.number} replayed as this process's forward {self._next_forward}: "
+                    "out of step"
+                )
             number, logits, _ = self._run_forward(call.shape, call.inputs, call.routes, call.asked)
-            if number != call.number:
-                raise RuntimeError(f"replayed forward {number} is process 0's forward {call.number}: out of step")
             self._replayed[number] = (logits, call.routes)
         elif isinstance(call, SampleCall):
             logits, routes = self._replayed.pop(call.number)

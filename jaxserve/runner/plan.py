@@ -196,7 +196,7 @@ class AbstractRunner(ModelRunner):
     """The engine's own runner over abstract weights and an abstract cache: it traces and compiles step shapes, never
     runs them."""
 
-    def reset_cache(self) -> None:
+    def _init_cache(self) -> None:
         self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
         # Abstract like the cache: a ShapeDtypeStruct stands in for the runner's array (traced, never run).
         self.slot_tokens = jax.ShapeDtypeStruct(  # type: ignore[assignment]
