@@ -179,13 +179,27 @@ def check_fit(cfg: EngineConfig, model_cfg: ModelConfig, mesh) -> None:
     log.info("fit check: %s", plan.reason)
 
 
+def load_runner(
+    cfg: EngineConfig, show_progress: bool = False, skip_tokenizer: bool = False
+) -> tuple[ModelRunner, LoadedModel]:
+    """Check the model fits, load the checkpoint onto the mesh (this process's shards of it) and build its runner."""
+    mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
+    loaded = load_model(
+        cfg.model,
+        mesh,
+        cfg.dtype,
+        show_progress=show_progress,
+        skip_tokenizer=skip_tokenizer,
+        quantization=cfg.quantization,
+    )
+    return build_runner(cfg, loaded.config, loaded.weights, mesh), loaded
+
+
 def build_engine(cfg: EngineConfig, show_progress: bool = False) -> tuple[Engine, LoadedModel]:
     """Check the model fits, load the checkpoint onto the mesh and make the engine (not started: start() compiles
     the step shapes)."""
-    mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
-    loaded = load_model(cfg.model, mesh, cfg.dtype, show_progress=show_progress, quantization=cfg.quantization)
-    runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
+    runner, loaded = load_runner(cfg, show_progress)
     tokenizer = loaded.tokenizer
     grammars = tokenizer.grammar_compiler(loaded.config.vocab_size)
     return Engine(cfg, loaded.config, runner, tokenizer.eos_ids, grammars), loaded
@@ -473,10 +487,7 @@ def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, inte
     """A process of a group other than process 0: load this process's shards, compile the step shapes in process
     0's order, and replay process 0's device calls until it stops (exit 0) or the group is lost (exit 1)."""
     _prepare(cfg, group)
-    mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
-    loaded = load_model(cfg.model, mesh, cfg.dtype, skip_tokenizer=True, quantization=cfg.quantization)
-    runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
+    runner, _ = load_runner(cfg, skip_tokenizer=True)  # the text side is process 0's
     stopping = threading.Event()
 
     def lost(why: str) -> None:

@@ -28,7 +28,7 @@ from jaxserve.runner.plan import make_plan, weight_bytes
 
 CFG = preset("tiny", dtype="float32", vocab_size=211)  # prime: no tensor-parallel size above 1 divides it
 TP = 2
-PADDED = 212  # 211 rounded up to a multiple of TP
+PADDED = 212  # 211 rounded up to a multiple of TP (and of 4)
 ENGINE = EngineConfig(
     dtype="float32",
     max_num_seqs=2,
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
 def runners(checkpoints):
     """tensor-parallel size -> (the safetensors folder loaded on that many devices, its warmed-up runner)."""
     out = {}
-    for tp in (1, TP):
+    for tp in (1, TP, 2 * TP):
         mesh = make_mesh(tp, 1)
         loaded = load_model(checkpoints["safetensors"], mesh, dtype="float32")
         runner = build_runner(ENGINE, loaded.config, loaded.weights, mesh)
@@ -115,12 +115,13 @@ def _assert_logprobs_close(got, want, what: str) -> None:
         assert all(abs(top_a[t] - top_b[t]) <= 1e-5 for t in top_a), (what, i, top_a, top_b)
 
 
-def test_split_over_two_devices_it_serves_the_tokens_and_logprobs_of_one(runners):
+@pytest.mark.parametrize("tp", [TP, 2 * TP])
+def test_split_over_two_or_four_devices_it_serves_the_tokens_and_logprobs_of_one(runners, tp):
     samplings = [
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5),
         SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5),
     ]
-    single, split = (_serve(*runners[tp], samplings) for tp in (1, TP))
+    single, split = (_serve(*runners[n], samplings) for n in (1, tp))
     for r, (want, got) in enumerate(zip(single, split)):
         tokens = [t for event in got for t in event.token_ids]
         assert tokens == [t for event in want for t in event.token_ids] and len(tokens) == 8, r
