@@ -441,7 +441,7 @@ def _serve(
 # How long process 0 waits at shutdown for the others to hear that it stops, and a lost group's requests get to send
 # their error events before the process ends.
 GROUP_STOP_TIMEOUT_S = 30
-ERROR_EVENTS_GRACE_S = 1.0
+ERROR_EVENTS_GRACE_S = 0.5
 
 
 def lead(engine: Engine, group: ProcessGroup, group_cfg: GroupConfig) -> None:

@@ -1280,3 +1280,29 @@ def test_priority_scheduling_admits_a_lower_priority_first_through_http(runner, 
             reader.join(60)
     order = sorted(first_token, key=first_token.get)
     assert order == ["running", "urgent", "b", "c", "d"], order
+
+
+def test_a_failed_engine_ends_running_streams_with_its_reason_and_answers_503(runner, loaded):
+    """What a multi-process group's watch does when a process is lost (Engine.fail, from another thread, while the
+    loop may be blocked in a step): the running stream gets one error event naming the reason, then [DONE]; /health
+    and new requests answer 503 saying why."""
+    reason = "lost process 1 of the group of 2: no heartbeat for 10 s (it died, hung, or its host is unreachable)"
+    with serving(runner, loaded) as served:
+        body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    events.append(line)
+                    break
+            served.engine.fail(reason)
+            events += [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(line[6:])["error"] for line in events if line.startswith('data: {"error"')]
+        assert [error["message"] for error in errors] == [f"generation failed: {reason}"] and events[
+            -1
+        ] == "data: [DONE]"
+        health = httpx.get(served.url + "/health", timeout=10)
+        assert health.status_code == 503 and f"The engine stopped: {reason}" in health.text
+        refused = httpx.post(served.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and not served.engine.is_running and served.engine.failure == reason

@@ -116,6 +116,9 @@ class RequestHandle:
                 return
 
 
+# How long shutdown() waits for the loop after fail(): a step it waits on may never end (a lost process's group).
+FAILED_LOOP_JOIN_S = 1.0
+
 # The latest steps, for tests and debugging: ~290 B each, so 30 MB at most (1M steps kept 290 MB).
 STEP_RECORD_LENGTH = 100_000
 
@@ -314,8 +317,8 @@ class Engine:
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None and self._failure is None:  # after fail() it may wait on a step forever
-            self._thread.join()
+        if self._thread is not None:  # after fail() the loop may wait on a step that never ends: not for long
+            self._thread.join(timeout=None if self._failure is None else FAILED_LOOP_JOIN_S)
 
     @property
     def is_running(self) -> bool:
