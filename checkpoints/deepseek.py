@@ -377,7 +377,7 @@ def load_weights(
 
     builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()
-    nbytes = 0
+    nbytes = 0.0
     skipped: list[tuple[str, int, int]] = []  # (leaf, experts held, experts) where this process holds only some
     for count, leaf in enumerate(leaves, start=1):
         source = sources[leaf.name]
@@ -385,7 +385,8 @@ def load_weights(
         if held is not None:
             skipped.append((leaf.name, len(held), len(source.names)))
         array = read_leaf(reader, source, leaf.stored, leaf.name, held)
-        nbytes += sum(part.nbytes for part in jax.tree.leaves(array))
+        share = 1.0 if held is None else len(held) / len(source.names)  # what was read, not the zeros beside it
+        nbytes += share * sum(part.nbytes for part in jax.tree.leaves(array))
         builder.put(leaf.name, leaf.padded(array))  # zero rows up to the padded vocabulary (none elsewhere)
         if show_progress:
             progress("loading weights", count, len(leaves), started)

@@ -11,6 +11,7 @@ Checkpoints name leaves per layer (`release_leaves`); Weights hold the layers of
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,11 +48,17 @@ def _place(array: Any, sharding: NamedSharding | None) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+@functools.cache
+def _with_layers_axis(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    """One jitted "add a unit layers axis" per target sharding (compiled once per leaf shape, not per call)."""
+    return jax.jit(lambda array: array[None], out_shardings=sharding)
+
+
 def _place_as_stack(array: Any, sharding: NamedSharding | None) -> jax.Array:
     """A stack of one layer: `array` with a unit layers axis, placed as `sharding` says (a device array, an orbax
     restore's, gets it on the devices: its shards may live in other processes, out of the host's reach)."""
-    if isinstance(array, jax.Array):
-        return jax.jit(lambda a: a[None], out_shardings=sharding)(array)
+    if isinstance(array, jax.Array) and sharding is not None:
+        return _with_layers_axis(sharding)(array)
     return _place(np.asarray(array)[None], sharding)
 
 

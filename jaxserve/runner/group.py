@@ -126,22 +126,23 @@ class ProcessGroup:
             self._channel = CoordinationChannel(self.client)
         return self._channel
 
-    def missing(self) -> list[int]:
-        """The processes the coordination service no longer hears from (raises when it cannot be reached)."""
-        live = self.client.get_live_nodes(list(range(self.num_processes)))
-        return sorted(set(range(self.num_processes)) - set(live))
+    def loss(self) -> str | None:
+        """What the coordination service says is lost: processes it no longer hears from, or itself, unreachable;
+        None while every process is alive."""
+        try:
+            live = self.client.get_live_nodes(list(range(self.num_processes)))
+        except Exception as error:  # noqa: BLE001 - any failure to reach the service loses the group
+            return f"the coordination service (process 0) cannot be reached: {error}"
+        missing = sorted(set(range(self.num_processes)) - set(live))
+        return describe_lost(missing, self.num_processes) if missing else None
 
     def lost_line(self, wait_s: float = HEARTBEAT_TIMEOUT_S + 2) -> str:
         """Which processes are gone, waiting up to `wait_s` for the coordination service to notice (a step fails at
         once when a peer's connection closes; its heartbeats take up to HEARTBEAT_TIMEOUT_S to be missed)."""
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                missing = self.missing()
-            except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
-                return f"the coordination service (process 0) cannot be reached: {error}"
-            if missing:
-                return describe_lost(missing, self.num_processes)
+            if (loss := self.loss()) is not None:
+                return loss
             if time.monotonic() >= deadline:
                 return "no process is reported lost, but the group's collectives failed"
             time.sleep(WATCH_INTERVAL_S)
@@ -158,13 +159,8 @@ class ProcessGroup:
 
         def run() -> None:
             while True:
-                try:
-                    missing = self.missing()
-                except Exception as error:  # noqa: BLE001 - any failure to reach the service loses the group
-                    on_lost(f"the coordination service (process 0) cannot be reached: {error}")
-                    return
-                if missing:
-                    on_lost(describe_lost(missing, self.num_processes))
+                if (loss := self.loss()) is not None:
+                    on_lost(loss)
                     return
                 since = busy_since()
                 if since is not None and time.monotonic() - since > step_timeout_s:
