@@ -6,5 +6,6 @@ from pathlib import Path
 
 
 def default_checkpoint_path() -> Path:
-    """The small DeepSeek-V4 checkpoint shipped with jaxserve (config, weights, tokenizer); see make_default.py."""
+    """The small DeepSeek-V4 checkpoint shipped with jaxserve (config, weights, tokenizer, model card), trained by
+    `python -m training.train_default`."""
     return Path(__file__).resolve().parent / "default"

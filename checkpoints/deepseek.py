@@ -100,69 +100,86 @@ def scale_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "scale"
 
 
+def _layer_sources(layer: str, cfg: ModelConfig) -> dict[str, Source]:
+    """The Sources of one decoder layer's leaves (`layers.N`, or an MTP block's `mtp.N`, which names its layer's
+    leaves alike)."""
+    src: dict[str, Source] = {}
+    experts = range(cfg.n_routed_experts)
+    for sub in ("attn", "ffn"):
+        src[f"{layer}.{sub}_hc.fn"] = Source((f"{layer}.hc_{sub}_fn",), TRANSPOSED, F32)
+        src[f"{layer}.{sub}_hc.base"] = Source((f"{layer}.hc_{sub}_base",), AS_IS, F32)
+        src[f"{layer}.{sub}_hc.scale"] = Source((f"{layer}.hc_{sub}_scale",), AS_IS, F32)
+        src[f"{layer}.{sub}_norm"] = Source((f"{layer}.{sub}_norm.weight",), AS_IS)
+    a = f"{layer}.attn"
+    src.update(
+        {
+            f"{a}.wq_a": Source((f"{a}.wq_a.weight",), TRANSPOSED, FP8),
+            f"{a}.q_norm": Source((f"{a}.q_norm.weight",), AS_IS),
+            f"{a}.wq_b": Source((f"{a}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim), FP8),
+            f"{a}.wkv": Source((f"{a}.wkv.weight",), TRANSPOSED, FP8),
+            f"{a}.kv_norm": Source((f"{a}.kv_norm.weight",), AS_IS),
+            f"{a}.wo_a": Source((f"{a}.wo_a.weight",), _grouped_out(cfg), FP8),
+            f"{a}.wo_b": Source((f"{a}.wo_b.weight",), TRANSPOSED, FP8),
+            f"{a}.sinks": Source((f"{a}.attn_sink",), AS_IS, F32),
+        }
+    )
+    for comp in (f"{a}.compressor", f"{a}.indexer.compressor"):
+        src[f"{comp}.wkv"] = Source((f"{comp}.wkv.weight",), TRANSPOSED)
+        src[f"{comp}.wgate"] = Source((f"{comp}.wgate.weight",), TRANSPOSED)
+        src[f"{comp}.ape"] = Source((f"{comp}.ape",), AS_IS, F32)
+        src[f"{comp}.norm"] = Source((f"{comp}.norm.weight",), AS_IS)
+    src[f"{a}.indexer.wq_b"] = Source(
+        (f"{a}.indexer.wq_b.weight",), _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8
+    )
+    src[f"{a}.indexer.weights_proj"] = Source((f"{a}.indexer.weights_proj.weight",), TRANSPOSED)
+    m, mt = f"{layer}.moe", f"{layer}.ffn"
+    src.update(
+        {
+            f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
+            f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
+            f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
+            f"{m}.w_gate": Source(
+                tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
+            ),
+            f"{m}.w_up": Source(tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED),
+            f"{m}.w_down": Source(
+                tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
+            ),
+            f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
+            f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
+            f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
+        }
+    )
+    return src
+
+
+def _head_sources(prefix: str) -> dict[str, Source]:
+    """The HC head and final norm: the model's (`prefix` '') or an MTP block's (`mtp.N.`)."""
+    return {
+        f"{prefix}norm": Source((f"{prefix}norm.weight",), AS_IS),
+        f"{prefix}hc_head_fn": Source((f"{prefix}hc_head_fn",), TRANSPOSED, F32),
+        f"{prefix}hc_head_base": Source((f"{prefix}hc_head_base",), AS_IS, F32),
+        f"{prefix}hc_head_scale": Source((f"{prefix}hc_head_scale",), AS_IS, F32),
+    }
+
+
 def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
-    """Release name of a leaf (`release_leaves`: 'layers.3.attn.wq_b', 'embed') -> its Source."""
+    """Release name of a leaf (`release_leaves`: 'layers.3.attn.wq_b', 'embed', 'mtp.0.e_proj') -> its Source."""
     src: dict[str, Source] = {
         "embed": Source(("embed.weight",), AS_IS),
         "head": Source(("head.weight",), TRANSPOSED),
-        "norm": Source(("norm.weight",), AS_IS),
-        "hc_head_fn": Source(("hc_head_fn",), TRANSPOSED, F32),
-        "hc_head_base": Source(("hc_head_base",), AS_IS, F32),
-        "hc_head_scale": Source(("hc_head_scale",), AS_IS, F32),
+        **_head_sources(""),
     }
-    experts = range(cfg.n_routed_experts)
     for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}", f"layers.{i}"
-        for sub in ("attn", "ffn"):
-            src[f"{ours}.{sub}_hc.fn"] = Source((f"{theirs}.hc_{sub}_fn",), TRANSPOSED, F32)
-            src[f"{ours}.{sub}_hc.base"] = Source((f"{theirs}.hc_{sub}_base",), AS_IS, F32)
-            src[f"{ours}.{sub}_hc.scale"] = Source((f"{theirs}.hc_{sub}_scale",), AS_IS, F32)
-            src[f"{ours}.{sub}_norm"] = Source((f"{theirs}.{sub}_norm.weight",), AS_IS)
-        a, at = f"{ours}.attn", f"{theirs}.attn"
-        src.update(
-            {
-                f"{a}.wq_a": Source((f"{at}.wq_a.weight",), TRANSPOSED, FP8),
-                f"{a}.q_norm": Source((f"{at}.q_norm.weight",), AS_IS),
-                f"{a}.wq_b": Source((f"{at}.wq_b.weight",), _heads_last(cfg.num_heads, cfg.head_dim), FP8),
-                f"{a}.wkv": Source((f"{at}.wkv.weight",), TRANSPOSED, FP8),
-                f"{a}.kv_norm": Source((f"{at}.kv_norm.weight",), AS_IS),
-                f"{a}.wo_a": Source((f"{at}.wo_a.weight",), _grouped_out(cfg), FP8),
-                f"{a}.wo_b": Source((f"{at}.wo_b.weight",), TRANSPOSED, FP8),
-                f"{a}.sinks": Source((f"{at}.attn_sink",), AS_IS, F32),
-            }
-        )
-        for comp, comp_t in (
-            (f"{a}.compressor", f"{at}.compressor"),
-            (f"{a}.indexer.compressor", f"{at}.indexer.compressor"),
-        ):
-            src[f"{comp}.wkv"] = Source((f"{comp_t}.wkv.weight",), TRANSPOSED)
-            src[f"{comp}.wgate"] = Source((f"{comp_t}.wgate.weight",), TRANSPOSED)
-            src[f"{comp}.ape"] = Source((f"{comp_t}.ape",), AS_IS, F32)
-            src[f"{comp}.norm"] = Source((f"{comp_t}.norm.weight",), AS_IS)
-        src[f"{a}.indexer.wq_b"] = Source(
-            (f"{at}.indexer.wq_b.weight",), _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8
-        )
-        src[f"{a}.indexer.weights_proj"] = Source((f"{at}.indexer.weights_proj.weight",), TRANSPOSED)
-        m, mt = f"{ours}.moe", f"{theirs}.ffn"
-        src.update(
-            {
-                f"{m}.router": Source((f"{mt}.gate.weight",), TRANSPOSED),
-                f"{m}.score_bias": Source((f"{mt}.gate.bias",), AS_IS, F32),
-                f"{m}.tid2eid": Source((f"{mt}.gate.tid2eid",), AS_IS, I64),
-                f"{m}.w_gate": Source(
-                    tuple(f"{mt}.experts.{e}.w1.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
-                ),
-                f"{m}.w_up": Source(
-                    tuple(f"{mt}.experts.{e}.w3.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
-                ),
-                f"{m}.w_down": Source(
-                    tuple(f"{mt}.experts.{e}.w2.weight" for e in experts), EXPERTS_TRANSPOSED, FP4_PACKED
-                ),
-                f"{m}.shared_gate": Source((f"{mt}.shared_experts.w1.weight",), TRANSPOSED, FP8),
-                f"{m}.shared_up": Source((f"{mt}.shared_experts.w3.weight",), TRANSPOSED, FP8),
-                f"{m}.shared_down": Source((f"{mt}.shared_experts.w2.weight",), TRANSPOSED, FP8),
-            }
-        )
+        src.update(_layer_sources(f"layers.{i}", cfg))
+    for i in range(cfg.mtp_layers):
+        block = f"mtp.{i}"
+        src.update(_layer_sources(block, cfg))
+        src.update(_head_sources(f"{block}."))
+        for name in ("e_proj", "h_proj"):
+            src[f"{block}.{name}"] = Source((f"{block}.{name}.weight",), TRANSPOSED, FP8)
+        for name in ("enorm", "hnorm"):
+            src[f"{block}.{name}"] = Source((f"{block}.{name}.weight",), AS_IS)
     return src
 
 
@@ -194,8 +211,8 @@ class TensorReader:
     # Where transformers' save_pretrained puts an official name (behind its `model.` prefix) when it differs.
     HF_RENAMES = (
         (re.compile(r"^embed\.weight$"), "embed_tokens.weight"),
-        (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
-        (re.compile(r"^(layers\.\d+\.attn)\.kv_norm\.weight$"), r"\1.norm.weight"),
+        (re.compile(r"^((?:mtp\.\d+\.)?)hc_head_(fn|base|scale)$"), r"\1hc_head.hc_\2"),
+        (re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.kv_norm\.weight$"), r"\1.norm.weight"),
     )
 
     def __init__(self, folder: SafetensorsFolder):
@@ -372,8 +389,8 @@ def load_weights(
 
     check_complete(reader, [sources[leaf.name] for leaf in leaves], folder)
     mtp = [k for k in reader.folder.keys() if k.startswith(("mtp.", "model.mtp."))]
-    if mtp:
-        log.info("skipping %d MTP tensors (speculative decoding is not used)", len(mtp))
+    if mtp and not cfg.mtp_layers:
+        log.info("skipping %d MTP tensors (nothing drafts with them: see --speculative-config)", len(mtp))
 
     builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()

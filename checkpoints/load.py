@@ -24,11 +24,14 @@ class LoadedModel:
     tokenizer: Tokenizer | TokenIdOnly
 
 
-def model_config(path: str | Path | None, dtype: str = "bfloat16", quantization: str = "auto") -> ModelConfig:
+def model_config(
+    path: str | Path | None, dtype: str = "bfloat16", quantization: str = "auto", mtp_layers: int = 0
+) -> ModelConfig:
     """The config a checkpoint (None: the embedded default) is served with: its config.json in `dtype`, its weights
-    kept as it ships them (`quantization="auto"`) or dequantized (`"none"`)."""
+    kept as it ships them (`quantization="auto"`) or dequantized (`"none"`), holding its first `mtp_layers` MTP
+    blocks (speculative decoding's drafter)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    return load_config(folder).with_dtype(dtype).with_quantization(quantization)
+    return load_config(folder).with_dtype(dtype).with_quantization(quantization).with_mtp(mtp_layers)
 
 
 def load_model(
@@ -38,13 +41,14 @@ def load_model(
     show_progress: bool = False,
     skip_tokenizer: bool = False,
     quantization: str = "auto",
+    mtp_layers: int = 0,
 ) -> LoadedModel:
     """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
     been converted in `dtype` and with the same quantization) is restored shard by shard, a safetensors folder
     streamed leaf by leaf into its target sharding. The config is the checkpoint's with its vocabulary padded to
     split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    config = for_mesh(model_config(folder, dtype, quantization), mesh)
+    config = for_mesh(model_config(folder, dtype, quantization, mtp_layers), mesh)
     if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:

@@ -31,6 +31,7 @@ FLASH: dict[str, Any] = {
     "o_lora_rank": 1024,
     "sliding_window": 128,
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "num_nextn_predict_layers": 1,  # the MTP block the last ratio entry belongs to
     "num_hash_layers": 3,
     "index_n_heads": 64,
     "index_head_dim": 128,

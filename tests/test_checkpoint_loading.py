@@ -374,3 +374,42 @@ def test_missing_shard_is_named_by_the_index(good_tensors, tmp_path):
     assert message.startswith(f"{tmp_path / 'model.safetensors.index.json'}: names shard(s) missing"), message
     named = re.search(rf"{re.escape(files[1].name)} \(e\.g\. tensor '([^']+)'\)", message)
     assert named and named.group(1) in lost, message
+
+
+MTP_CFG = preset("tiny", dtype="float32", hidden_size=160, moe_intermediate_size=64, num_nextn_predict_layers=1)
+
+
+def _hf_name(name: str) -> str:
+    """A release tensor name as transformers' save_pretrained lays names out (`model.` before all but the head)."""
+    if name == "head.weight":
+        return name
+    name = re.sub(r"^embed\.weight$", "embed_tokens.weight", name)
+    name = re.sub(r"^((?:mtp\.\d+\.)?)hc_head_(fn|base|scale)$", r"\1hc_head.hc_\2", name)
+    name = re.sub(r"^((?:layers|mtp)\.\d+\.attn)\.kv_norm\.weight$", r"\1.norm.weight", name)
+    return "model." + name
+
+
+@pytest.mark.parametrize("naming", ["release", "transformers"])
+def test_mtp_blocks_load_in_both_naming_schemes(naming, tmp_path):
+    cfg = MTP_CFG.with_mtp(1)
+    original = init_weights(jax.random.key(4), cfg, std=0.15)
+    tensors = checkpoint_tensors(original, cfg, dtype="float32")
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.gate.bias"} <= set(tensors)
+    if naming == "transformers":
+        tensors = {_hf_name(name): tensor for name, tensor in tensors.items()}
+    save_tensors(tensors, tmp_path)
+    write_config(cfg, tmp_path)
+    loaded, _ = load_weights(tmp_path, cfg)
+    mtp = {name: value for name, value in layer_arrays(loaded, cfg) if name.startswith("mtp.")}
+    expected = dict(layer_arrays(original, cfg))
+    assert "mtp.0.block" not in " ".join(mtp) and len(mtp) > 20  # named as the release names a layer's leaves
+    for name, value in mtp.items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_asking_for_mtp_blocks_a_checkpoint_lacks_is_one_clear_error(quantized):
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers=0: the checkpoint has 0 MTP blocks, 1 were"):
+        CFG.with_mtp(1)
+    # Declared but not shipped: every missing MTP tensor is named at once, before anything is read.
+    with pytest.raises(CheckpointError, match=r"tensors missing from the checkpoint: mtp\.0\."):
+        load_weights(quantized["folder"], MTP_CFG.with_mtp(1))

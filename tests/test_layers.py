@@ -16,6 +16,7 @@ FORBIDDEN = {
     "jaxserve": ("jaxserve.server", "jaxserve.checkpoints", "jaxserve.cli"),  # the core
     "checkpoints": ("jaxserve.server", "jaxserve.cli"),
     "server": ("jaxserve.checkpoints", "jaxserve.cli"),
+    "training": ("jaxserve.server", "jaxserve.cli"),  # a tool beside the layers: the core and checkpoints only
     # Inside the core, the rooms along a request's way (text -> engine -> scheduler, runner -> model -> kernels, all
     # passing the records of jaxserve/request): none imports a room before it on the way.
     "jaxserve/engine": ("jaxserve.text",),

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
 from jaxserve.model.sharding import make_mesh
 from jaxserve.request import SamplingParams
@@ -56,6 +56,7 @@ CONFIG = EngineConfig(
     mixed_batches=False,  # as tests/test_cli.py's flags; mixed steps have their own tests (tests/test_engine.py)
 )
 MODEL = "tiny-v4"
+VOCAB = load_config(default_checkpoint_path()).vocab_size  # the embedded default's: the first id past it
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PREFIX = "jaxserve:"
@@ -623,7 +624,7 @@ def test_min_p_one_is_greedy_and_allowed_token_ids_are_all_that_is_sampled(http,
         ("min_p", 1.5, "[0, 1]"),
         ("presence_penalty", "much", "a number"),
         ("allowed_token_ids", [], "non-empty list"),
-        ("allowed_token_ids", [1, 512], "outside the vocabulary"),
+        ("allowed_token_ids", [1, VOCAB], "outside the vocabulary"),
         ("allowed_token_ids", "1", "list of token ids"),
         ("best_of", 0, "[n, 128]"),
     ],
@@ -837,14 +838,14 @@ COMPLETION_BAD = [
     ({"prompt": 123}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": [1, 512]}, "prompt"),  # the vocabulary is [0, 512)
+    ({"prompt": [1, VOCAB]}, "prompt"),  # the vocabulary is [0, VOCAB)
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": ["a", [1, 2]]}, "prompt"),  # a batch is of one kind
     ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": [[1, 2], [3, "x"]]}, "prompt"),
     ({"prompt": ["Hi", ""]}, "prompt"),
-    ({"prompt": [[1, 2], [1, 512]]}, "prompt"),  # a refused prompt refuses the whole batch
+    ({"prompt": [[1, 2], [1, VOCAB]]}, "prompt"),  # a refused prompt refuses the whole batch
     ({"prompt": list(range(2, 302))}, "prompt"),  # longer than the context on its own
     ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),  # without echo

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 
 from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.config import load_config
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, render_prompt
 from jaxserve.text.tokenizer import NoTokenizerError, TokenIdOnly, Tokenizer, TokenizerError, load_tokenizer
 
@@ -47,7 +48,7 @@ def _edit_json(path, **changes):
 
 def test_encode_decode_round_trip(folder):
     tok = load_tokenizer(folder)
-    assert isinstance(tok, Tokenizer) and tok.has_text and tok.vocab_size == 512
+    assert isinstance(tok, Tokenizer) and tok.has_text and tok.vocab_size == load_config(folder).vocab_size
     ids = tok.encode(TEXT)
     assert all(isinstance(i, int) for i in ids) and ids[0] != tok.bos_id  # add_bos_token is false, as in V4
     assert tok.decode(ids) == TEXT

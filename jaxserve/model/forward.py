@@ -19,7 +19,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
-from jaxserve.model.weights import Layer, RoutedExperts, Weights
+from jaxserve.model.weights import MTP_KIND, Layer, MTPBlock, RoutedExperts, Weights
 
 F32 = jnp.float32
 
@@ -102,6 +102,26 @@ def hidden_states(
 ):
     """Final-normed hidden states ([b, t, d] per group) and the updated cache; `kernels` (jaxserve.kernels.table)
     runs the kernel-worthy operations."""
+    hs, new_cache = hidden_streams(weights, cache, groups, cfg, kernels)
+    return [
+        final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg) for h in hs
+    ], new_cache
+
+
+def final_norm(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm: jax.Array, cfg: ModelConfig):
+    """The hc streams [b, t, n, d] collapsed by an HC head and normed: what the LM head reads [b, t, d]."""
+    return rms_norm(hc_head(h, fn, base, scale, cfg), norm, cfg.rms_norm_eps)
+
+
+def hidden_streams(
+    weights: Weights,
+    cache: list[list[LayerCache]],
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+):
+    """The last block's hc streams ([b, t, n, d] per group: what the HC head and an MTP block read) and the updated
+    cache."""
     hs = []
     for inputs in groups:
         x = weights.embed[inputs.tokens]
@@ -111,15 +131,44 @@ def hidden_states(
         with jax.named_scope(f"segment_{i}"):
             hs, c = run_segment(hs, w, c, segment, groups, cfg, kernels)
         new_cache.append(c)
-    ys = [
-        rms_norm(
-            hc_head(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, cfg),
-            weights.norm,
-            cfg.rms_norm_eps,
+    return hs, new_cache
+
+
+def mtp_block(
+    w: MTPBlock,
+    embed: jax.Array,
+    streams: jax.Array,
+    cache: LayerCache,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+):
+    """An MTP block over a chunk: `streams` [b, t, n, d] are the main model's last hc streams at positions
+    p..p+t-1 (or this block's own output, to draft further), `inputs.tokens` the tokens at p+1..p+t. Returns its
+    output streams, its final-normed hidden states [b, t, d] (the head's input: guesses at the tokens at p+2..),
+    and its cache (one sliding-window layer, stacked as one repeat)."""
+    with jax.named_scope("mtp"):
+        e = rms_norm(embed[inputs.tokens], w.enorm, cfg.rms_norm_eps)
+        h = rms_norm(streams, w.hnorm, cfg.rms_norm_eps)
+        b, t, n, d = h.shape
+        # The streams' projection as the matmul the other projections run (one [b, t*n, d] activation).
+        projected = kernels.einsum("btd,dr->btr", h.reshape(b, t * n, d), w.h_proj).reshape(b, t, n, -1)
+        x = kernels.einsum("btd,dr->btr", e, w.e_proj)[:, :, None, :] + projected
+        layer, experts = RoutedExperts.split(w.block)
+        first = jnp.zeros((), jnp.int32)
+        (out,), cache = block(
+            [x.astype(streams.dtype)],
+            jax.tree.map(lambda a: a[0], layer),
+            experts,
+            cache,
+            first,
+            [inputs],
+            cfg,
+            MTP_KIND.attention,
+            kernels,
         )
-        for h in hs
-    ]
-    return ys, new_cache
+        y = final_norm(out, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm, cfg)
+    return out, y, cache
 
 
 def logits_all(

@@ -133,6 +133,23 @@ class Layer:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class MTPBlock:
+    """A next-token-prediction block (the release's `mtp.N`): the main model's last hidden streams at position i and
+    the embedding of token i+1 go in, a guess at token i+2 comes out through the shared embedding and head."""
+
+    e_proj: Any  # [d, d], the normed embedding's projection
+    h_proj: Any  # [d, d], the normed hidden streams' projection
+    enorm: Any  # [d]
+    hnorm: Any  # [d]
+    block: Layer  # a sliding-window, score-routed layer, stacked as one repeat ([1, ...]) so the layer code runs it
+    hc_head_fn: Any  # [hc*d, hc]
+    hc_head_base: Any  # [hc]
+    hc_head_scale: Any  # [1]
+    norm: Any  # [d]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Weights:
     embed: Any  # [V, d]
     segments: list[list[Layer]]  # [segment][position in its pattern], every leaf stacked: [repeats, ...]
@@ -141,6 +158,7 @@ class Weights:
     hc_head_scale: Any  # [1]
     norm: Any  # [d]
     head: Any  # [d, V]
+    mtp: list[MTPBlock] = dataclasses.field(default_factory=list)  # the blocks `cfg.mtp_layers` holds
 
 
 # ---- the abstract description ---------------------------------------------------------------------------------
@@ -304,19 +322,49 @@ def stack_infos(tree: Any, repeats: int) -> Any:
     )
 
 
+MTP_KIND = LayerKind(SWA, hashed=False)  # every MTP block's layer (the release's compress ratio 0 for it)
+
+
+def _hc_head(cfg: ModelConfig) -> tuple[ArrayInfo, ArrayInfo, ArrayInfo]:
+    n = cfg.hc_mult
+    return (
+        ArrayInfo((n * cfg.hidden_size, n), F32, ("hc_embed", None)),
+        ArrayInfo((n,), F32, (None,), "small"),
+        ArrayInfo((1,), F32, (None,), "ones"),
+    )
+
+
+def _mtp_block(cfg: ModelConfig) -> MTPBlock:
+    d = cfg.hidden_size
+    fn, base, scale = _hc_head(cfg)
+    return MTPBlock(
+        e_proj=_projection(cfg, (d, d), ("embed", None)),
+        h_proj=_projection(cfg, (d, d), ("embed", None)),
+        enorm=ArrayInfo((d,), F32, (None,), "ones"),
+        hnorm=ArrayInfo((d,), F32, (None,), "ones"),
+        block=stack_infos(_layer(cfg, MTP_KIND), 1),
+        hc_head_fn=fn,
+        hc_head_base=base,
+        hc_head_scale=scale,
+        norm=ArrayInfo((d,), F32, (None,), "ones"),
+    )
+
+
 def abstract_weights(cfg: ModelConfig) -> Weights:
-    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.padded_vocab_size
+    d, v = cfg.hidden_size, cfg.padded_vocab_size
+    fn, base, scale = _hc_head(cfg)
     return Weights(
         embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
         segments=[
             [stack_infos(_layer(cfg, kind), segment.repeats) for kind in segment.pattern]
             for segment in layer_segments(cfg)
         ],
-        hc_head_fn=ArrayInfo((n * d, n), F32, ("hc_embed", None)),
-        hc_head_base=ArrayInfo((n,), F32, (None,), "small"),
-        hc_head_scale=ArrayInfo((1,), F32, (None,), "ones"),
+        hc_head_fn=fn,
+        hc_head_base=base,
+        hc_head_scale=scale,
         norm=ArrayInfo((d,), F32, (None,), "ones"),
         head=ArrayInfo((d, v), cfg.dtype, ("embed", "vocab")),
+        mtp=[_mtp_block(cfg) for _ in range(cfg.mtp_layers)],
     )
 
 
@@ -388,20 +436,33 @@ def _stored(info: ArrayInfo | Quantized, cfg: ModelConfig) -> ArrayInfo | Quanti
     return dataclasses.replace(info, shape=shape)
 
 
+def _unstacked(info: Any) -> Any:
+    """One layer's description of a stacked leaf: its leading `layers` axis dropped."""
+    return map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init), info)
+
+
 def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
     """Every leaf of the un-stacked model in its flatten order: embed, layer 0's leaves, ..., the last layer's,
-    then the HC head, the final norm and the head."""
+    then the HC head, the final norm, the head and the MTP blocks (`mtp.N.attn.wq_a`, `mtp.N.e_proj`, ...)."""
     segments = layer_segments(cfg)
     before: list[LayerLeaf] = []
     after: list[LayerLeaf] = []
     by_layer: dict[int, list[LayerLeaf]] = {}
     for path, info in flatten_with_names(abstract_weights(cfg), is_weight):
+        if path.startswith("mtp."):
+            _, block, rest = path.split(".", 2)
+            if rest.startswith("block."):  # the block's layer: named as the release names a layer's leaves
+                own = _unstacked(info)
+                after.append(LayerLeaf(f"mtp.{block}.{rest[len('block.') :]}", path, 0, own, _stored(own, cfg)))
+            else:
+                after.append(LayerLeaf(path, path, None, info, _stored(info, cfg)))
+            continue
         if not path.startswith("segments."):
             (after if by_layer else before).append(LayerLeaf(path, path, None, info, _stored(info, cfg)))
             continue
         _, s, p, rest = path.split(".", 3)
         segment = segments[int(s)]
-        own = map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init), info)
+        own = _unstacked(info)
         for k in range(segment.repeats):
             layer = segment.layer(k, int(p))
             by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own, _stored(own, cfg)))
