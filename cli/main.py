@@ -184,7 +184,8 @@ def load_runner(
 ) -> tuple[ModelRunner, LoadedModel]:
     """Check the model fits, load the checkpoint onto the mesh (this process's shards of it) and build its runner."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization), mesh)
+    mtp_layers = 1 if cfg.draft_tokens else 0  # speculative decoding drafts with the first MTP block
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization, mtp_layers), mesh)
     loaded = load_model(
         cfg.model,
         mesh,
@@ -192,6 +193,7 @@ def load_runner(
         show_progress=show_progress,
         skip_tokenizer=skip_tokenizer,
         quantization=cfg.quantization,
+        mtp_layers=mtp_layers,
     )
     return build_runner(cfg, loaded.config, loaded.weights, mesh), loaded
 
@@ -352,6 +354,13 @@ def serve(args: argparse.Namespace) -> NoReturn:
     # Before anything starts JAX's backend (None: one process), and before our signal handlers: joining starts jax's
     # preemption notifier, which would otherwise take SIGTERM for itself.
     group = join(group_cfg)
+    if group is not None and cfg.draft_tokens:
+        print(
+            "jaxserve: error: --speculative-config runs in one process; a group of processes replays plain steps only",
+            file=sys.stderr,
+            flush=True,
+        )
+        end_process(EXIT_FAILED)
     with Interrupts() as interrupts:
         if group is not None and not group.leader:  # no port for the other processes: they answer nothing
             status = _follow(cfg, group, group_cfg, interrupts)
@@ -628,10 +637,11 @@ def plan(args: argparse.Namespace) -> int:
         # backend has started yet (this command touches none before here).
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={needed}"
         jax.config.update("jax_platforms", "cpu")
+    mtp_layers = 1 if cfg.draft_tokens else 0  # the drafter's weights count too
     if args.preset is not None:
-        model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization)
+        model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization).with_mtp(mtp_layers)
     else:
-        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization)
+        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization, mtp_layers)
     layout = node_layout(model_cfg, args.num_nodes, args.devices_per_node) if by_nodes else None
     if layout is not None:
         cfg = dataclasses.replace(

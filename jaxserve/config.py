@@ -96,6 +96,11 @@ class ModelConfig:
     # vocabulary. Not in config.json; the API, the tokenizer and token-id checks see `vocab_size`, and no padded id
     # is ever sampled or shown (`forward.vocab_logits`).
     vocab_multiple: int = 1
+    # The next-token-prediction (MTP) blocks the checkpoint declares (config.json's num_nextn_predict_layers), and
+    # how many of them the engine holds: none unless something drafts with them (`with_mtp`), since a Flash MTP
+    # block is a whole MoE layer's weights.
+    nextn_layers: int = 0
+    mtp_layers: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -126,6 +131,15 @@ class ModelConfig:
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
+
+    def with_mtp(self, layers: int) -> ModelConfig:
+        """`cfg` holding its first `layers` MTP blocks (ConfigError when the checkpoint declares fewer)."""
+        if not 0 <= layers <= self.nextn_layers:
+            raise ConfigError(
+                f"num_nextn_predict_layers={self.nextn_layers}: the checkpoint has {self.nextn_layers} MTP blocks, "
+                f"{layers} were asked for (speculative decoding drafts with them)"
+            )
+        return dataclasses.replace(self, mtp_layers=layers)
 
     def dequantized(self) -> ModelConfig:
         """Every weight dense in `dtype` (what --quantization none loads)."""
@@ -170,6 +184,13 @@ class ModelConfig:
         ):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
+        need(self.nextn_layers >= 0, "num_nextn_predict_layers", self.nextn_layers, "must be >= 0")
+        need(
+            0 <= self.mtp_layers <= self.nextn_layers,
+            "mtp_layers",
+            self.mtp_layers,
+            f"must be in [0, num_nextn_predict_layers={self.nextn_layers}]",
+        )
         need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
         need(
             self.linear_format in (None, FP8),
@@ -406,6 +427,7 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
             dtype=dtype,
             linear_format=linear_format,
             expert_format=expert_format,
+            nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
     except KeyError as missing:
         raise ConfigError(f"{missing.args[0]}: required field missing from config.json") from None
@@ -473,7 +495,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.nextn_layers,
     }
     if cfg.quantized:
         out["quantization_config"] = {
@@ -544,6 +566,50 @@ def parse_fraction(text: str) -> float:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+SPECULATIVE_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config (vLLM's JSON): draft `num_speculative_tokens` tokens a step with the model's MTP block
+    and verify them in one forward (jaxserve.runner.speculative)."""
+
+    method: str
+    num_speculative_tokens: int
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method={self.method!r}: jaxserve drafts with the checkpoint's own MTP block; "
+                f"use one of {SPECULATIVE_METHODS}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens={k!r}: must be an integer in 1..{MAX_SPECULATIVE_TOKENS}"
+            )
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """'{"method": "mtp", "num_speculative_tokens": 2}' -> SpeculativeConfig; every error names the field."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as bad:
+        raise ConfigError(f"speculative_config={text!r}: not JSON ({bad})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"speculative_config={text!r}: must be a JSON object")
+    unknown = sorted(set(raw) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ConfigError(
+            f"speculative_config: unknown fields {unknown}; jaxserve reads method and num_speculative_tokens"
+        )
+    for name in ("method", "num_speculative_tokens"):
+        if name not in raw:
+            raise ConfigError(f"speculative_config: {name} is missing")
+    return SpeculativeConfig(raw["method"], raw["num_speculative_tokens"])
+
+
 # --scheduling-policy: the order waiting requests are admitted in (jaxserve.scheduler.queue_order).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -595,8 +661,8 @@ MIXED_HELP = (
     "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that many "
     "tokens so the step costs what a pure chunk does: running requests advance every step, so their longest wait is "
     "about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those keep their "
-    "own semantics over pure prefill steps; add --mixed-batches to combine). --no-mixed-batches without either: "
-    "prefill-first"
+    "own semantics over pure prefill steps; add --mixed-batches to combine) or --speculative-config is (a verify "
+    "step's rows cannot ride in a prefill step). --no-mixed-batches without either: prefill-first"
 )
 
 
@@ -741,6 +807,19 @@ class EngineConfig:
             "and reads this one's tokens meanwhile (as vLLM's --async-scheduling)",
         ),
     )
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=flag(
+            parse_speculative_config,
+            'speculative decoding, as vLLM\'s: \'{"method": "mtp", "num_speculative_tokens": K}\' (K in 1..3) drafts K '
+            "tokens a step with the checkpoint's MTP block and verifies them in one forward of K+1 tokens a row "
+            "(greedy rows keep exactly the model's tokens, sampled rows its distribution, by rejection sampling). "
+            "Decode steps then run one at a time (no --async-scheduling) and prefill steps carry no decode rows (no "
+            "--mixed-batches); requests may not ask for logprobs, penalties, logit_bias, allowed_token_ids, min_tokens "
+            "or a structured output",
+            metavar="JSON",
+        ),
+    )
     decode_log_interval: int = field(default=50, metadata=flag(int, "log one decode step in this many"))
     log_level: str = field(
         default="info",
@@ -782,6 +861,22 @@ class EngineConfig:
         check_choice(self.kernels)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES}")
+        if self.speculative_config is not None and self.mixed_batches:
+            raise ConfigError(
+                "mixed_batches=True with speculative_config: a verify step's rows cannot ride in a prefill step; "
+                "drop --mixed-batches (--decode-interleave-every or --max-decode-stall-ms keep running requests going)"
+            )
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens drafted a step (0: no speculative decoding)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether a step is dispatched before the one before it returns (--async-scheduling): never with drafting,
+        whose next step's positions follow from the tokens the last one accepted."""
+        return self.async_scheduling and not self.draft_tokens
 
     @property
     def interleave_every(self) -> int | None:
@@ -808,7 +903,7 @@ class EngineConfig:
         or --max-decode-stall-ms is set (each keeps its own semantics, over pure prefill steps)."""
         if self.mixed_batches is not None:
             return self.mixed_batches
-        return self.interleave_every is None and self.stall_budget_ms is None
+        return self.interleave_every is None and self.stall_budget_ms is None and not self.draft_tokens
 
 
 @dataclass(frozen=True)

@@ -171,9 +171,31 @@ class _EngineCollector:
             "num_cpu_blocks": None,  # no CPU swap space
             "enable_prefix_caching": self.engine.pages.enabled,
         }
+        yield from _draft_families(stats, self.model_name)
         cache = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(info))
         cache.add_metric([str(value) for value in info.values()], 1)
         yield cache
+
+
+def _draft_families(stats: EngineStats, model_name: str):
+    """Speculative decoding's counters (vLLM's spec_decode_* names; zero without --speculative-config)."""
+    drafts = stats.drafts
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Verify rows that carried drafts.", drafts.drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", drafts.draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", drafts.accepted_tokens),
+    ):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the row (0: the first draft).",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(drafts.accepted_per_position):
+        per_position.add_metric([model_name, str(position)], count)
+    yield per_position
 
 
 class RequestTimer:

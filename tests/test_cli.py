@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import codeop
 import concurrent.futures
 import dataclasses
 import json
@@ -248,6 +249,22 @@ def test_generate_streams_one_prompt_to_the_terminal():
     assert text.endswith("\n") and not text.startswith("\n")
     for chatter in ("jaxserve", "loading", "compil", "KV cache", "tokens in"):
         assert chatter not in text, text
+
+
+def test_generate_continues_python_code_with_and_without_drafts():
+    """The trained default writes Python: `jaxserve generate "def fibonacci(n):"` (greedy) continues it with lines
+    that read as Python (codeop: valid so far, perhaps unfinished), and drafting with its MTP block gives the same."""
+    texts = []
+    for drafts in ([], ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']):
+        result = run_cli("generate", "def fibonacci(n):", "--max-tokens", "40", *SMALL, *drafts, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        texts.append(result.stdout)
+    assert texts[0] == texts[1]
+    source = "def fibonacci(n):" + texts[0]
+    lines = source[: source.rindex("\n", 0, len(source) - 1) + 1]  # the whole lines (the last may be cut off)
+    assert lines.count("\n") >= 3, source
+    codeop.compile_command(lines, symbol="exec")  # a SyntaxError unless the lines read as Python
+    assert re.search(r"\n {4}\S", lines), source  # an indented body
 
 
 def test_a_split_the_mesh_cannot_make_is_refused_naming_axis_size_and_parallel_size(tmp_path):

@@ -168,6 +168,35 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    drafts: DraftStats = field(default_factory=lambda: DraftStats())
+
+    def note_drafts(self, proposed: int, accepted: int) -> None:
+        """One verify row: `proposed` drafts, of which the first `accepted` were kept."""
+        if proposed:
+            self.drafts = self.drafts.plus(proposed, accepted)
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """Speculative decoding's totals, as vLLM counts them: verify rows that carried drafts, drafts, accepted drafts,
+    and accepted drafts by their position in the row (0: the first draft)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def plus(self, proposed: int, accepted: int) -> DraftStats:
+        per_position = list(self.accepted_per_position) + [0] * max(0, proposed - len(self.accepted_per_position))
+        for position in range(accepted):
+            per_position[position] += 1
+        return DraftStats(
+            self.drafts + 1, self.draft_tokens + proposed, self.accepted_tokens + accepted, tuple(per_position)
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -185,6 +214,7 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     prefix_cache: PrefixStats = field(default_factory=PrefixStats)  # prompt tokens looked up and found
+    drafts: DraftStats = field(default_factory=DraftStats)  # speculative decoding's (all zero without it)
 
     @property
     def running(self) -> int:
@@ -261,6 +291,12 @@ class Engine:
             )
         if engine_cfg.mixed_steps:
             _check_mixed_steps(engine_cfg, runner.buckets)
+        if engine_cfg.draft_tokens:
+            log.info(
+                "speculative decoding: %d MTP drafts a step; steps run one at a time (a step's positions follow from "
+                "the drafts the one before kept) and prefill steps carry no decode rows",
+                engine_cfg.draft_tokens,
+            )
         self.runner = runner
         self.geometry = geometry
         if engine_cfg.enable_prefix_caching and not geometry.num_snapshots:
@@ -268,7 +304,7 @@ class Engine:
                 "prefix caching is off: the runner's KV geometry has no snapshot rows (it was built with "
                 "--no-enable-prefix-caching or --prefix-cache-snapshots 0)"
             )
-        snapshot_rows = range(geometry.num_slots, geometry.state_rows) if engine_cfg.enable_prefix_caching else ()
+        snapshot_rows = geometry.snapshot_rows if engine_cfg.enable_prefix_caching else ()
         # What else a page's contents depend on than its tokens: the model and how the cache stores it.
         salt = repr((model_cfg, geometry.kv_cache_dtype)).encode()
         self.pages = PrefixCache(
@@ -379,6 +415,14 @@ class Engine:
         """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit (or asks for a
         priority the queue order does not use)."""
         self.scheduler.prefill_manager.queue_order.check_priority(priority)
+        if self.config.draft_tokens and (field := sampling.drafting_conflict()) is not None:
+            if field == "response_format" and sampling.constraint is not None:
+                field = sampling.constraint.field
+            raise InvalidRequest(
+                field,
+                f"{field}: not supported with speculative decoding (this server runs --speculative-config); its "
+                "requests may set temperature, top_p, top_k, min_p, seed, stop and max_tokens",
+            )
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias])
@@ -463,6 +507,7 @@ class Engine:
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
             finished=dict(self.counters.finished),
+            drafts=self.counters.drafts,
         )
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
@@ -491,7 +536,7 @@ class Engine:
             inflight = dispatched
             # A step that could not even start fails now, after the one before it delivered: tokens come in step
             # order, so a request gets what earlier steps computed for it before its error.
-            if inflight is not None and (inflight.failed_to_start or not self.config.async_scheduling):
+            if inflight is not None and (inflight.failed_to_start or not self.config.overlapped):
                 self._complete(inflight)
                 inflight = None
             # Idle only when nothing was scheduled and nothing landed: a step that lands can make work (a request it
@@ -563,8 +608,14 @@ class Engine:
                 continue
             if request.sampling.max_tokens == 0:  # prefill only: the token after the prompt is unused
                 self._finish(request, "length", prompt_logprobs=self._prompt_logprobs(request))
-            else:  # after the prompt: the first output token; after a decode row: the next
-                self._deliver(request, out.token_id, out.logprob)
+                continue
+            if row.decode and self.config.draft_tokens:  # a verify row: its accepted drafts, then one sampled token
+                self.scheduler.note_accepted(request, len(out.accepted))
+                self.counters.note_drafts(row.length - 1, len(out.accepted))
+            for token in out.token_ids:  # after the prompt: the first output token; after a decode row: the next
+                self._deliver(request, token, out.logprob)
+                if request.finished:  # a stop inside the accepted run ends the request exactly there
+                    break
         seconds = ended - started
         self.scheduler.on_step_done(plan, seconds)
         self.step_record.append(

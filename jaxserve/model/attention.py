@@ -53,7 +53,7 @@ def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: j
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state (and the rows' snapshots of it); return the
     updated pool and state."""
-    new, rows, snapshot = compress_chunk(
+    new, rows, snapshots = compress_chunk(
         x,
         comp_weights,
         gather(state, (layer, inputs.state_source)),
@@ -65,8 +65,9 @@ def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, 
         inputs.snapshot_lengths,
     )
     state = scatter(state, (layer, write_slots), rows)
-    if snapshot is not None:
-        state = scatter(state, (layer, inputs.snapshot_rows), snapshot)
+    for j, snapshot in enumerate(snapshots):
+        assert inputs.snapshot_rows is not None  # StepInputs sets it with snapshot_lengths
+        state = scatter(state, (layer, inputs.snapshot_rows[:, j]), snapshot)
     return _write_entries(pool, layer, new, inputs.page_table), state
 
 
@@ -174,12 +175,13 @@ def attention_block(
         # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
         # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
         ring = scatter(cache.window, (layer, write_slots), rows)
-        if inputs.snapshot_rows is not None:  # the ring as of the snapshot's position: its last W tokens before it
+        if inputs.snapshot_rows is not None:  # the ring as of each snapshot's position: its last W tokens before it
             assert inputs.snapshot_lengths is not None  # StepInputs sets the two together
             tokens = jnp.arange(t)[None, :]
-            ends = inputs.snapshot_lengths[:, None]
-            upto = valid & (tokens < ends) & (tokens >= ends - window)
-            snapshots = write_kv(ring_rows, (jnp.arange(b)[:, None], jnp.where(upto, qpos % window, window)), kv)
-            ring = scatter(ring, (layer, inputs.snapshot_rows), snapshots)
+            for j in range(inputs.snapshot_rows.shape[1]):
+                ends = inputs.snapshot_lengths[:, j, None]
+                upto = valid & (tokens < ends) & (tokens >= ends - window)
+                snapshot = write_kv(ring_rows, (jnp.arange(b)[:, None], jnp.where(upto, qpos % window, window)), kv)
+                ring = scatter(ring, (layer, inputs.snapshot_rows[:, j]), snapshot)
         cache = dataclasses.replace(cache, window=ring)
     return out, cache

@@ -58,6 +58,7 @@ class CacheGeometry:
     max_pages_per_seq: int  # width of a page table
     kv_cache_dtype: str = "auto"  # config.KV_CACHE_DTYPES (storage_dtype resolves `auto`)
     num_snapshots: int = 0  # rows of per-sequence state past the slots, for the prefix cache's snapshots
+    draft_tokens: int = 0  # speculative decoding's drafts per step: each slot has this many more state rows
 
     @property
     def max_tokens_per_seq(self) -> int:
@@ -65,15 +66,27 @@ class CacheGeometry:
 
     @property
     def state_rows(self) -> int:
-        """Rows of every per-sequence state array: the slots, then the snapshots (row num_slots + k)."""
-        return self.num_slots + self.num_snapshots
+        """Rows of every per-sequence state array: the slots, the snapshots (row num_slots + k), then each slot's
+        draft rows (draft_row)."""
+        return self.num_slots + self.num_snapshots + self.num_slots * self.draft_tokens
+
+    @property
+    def snapshot_rows(self) -> range:
+        """The prefix cache's snapshot rows."""
+        return range(self.num_slots, self.num_slots + self.num_snapshots)
+
+    def draft_row(self, slot: int, tokens: int) -> int:
+        """The state row that holds `slot`'s sequence state as of `tokens` (1 .. draft_tokens) tokens into a verify
+        step: where a step that accepts fewer tokens than it ran takes its state back from."""
+        assert 1 <= tokens <= self.draft_tokens, tokens
+        return self.num_slots + self.num_snapshots + slot * self.draft_tokens + tokens - 1
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("num_slots", "num_pages", "page_size", "max_pages_per_seq"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
-        if self.num_snapshots < 0:
-            raise ValueError(f"num_snapshots={self.num_snapshots}: must be >= 0")
+        if self.num_snapshots < 0 or self.draft_tokens < 0:
+            raise ValueError(f"num_snapshots={self.num_snapshots}, draft_tokens={self.draft_tokens}: must be >= 0")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype == FP8_KV:
             fp8_block(cfg)
@@ -112,6 +125,7 @@ def kv_geometry(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> CacheGeomet
         max_pages_per_seq=per_seq,
         kv_cache_dtype=engine_cfg.kv_cache_dtype,
         num_snapshots=engine_cfg.num_prefix_snapshots,
+        draft_tokens=engine_cfg.draft_tokens,
     )
 
 
@@ -228,7 +242,11 @@ def abstract_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache
 
 
 def init_cache(cfg: ModelConfig, geo: CacheGeometry, shardings=None) -> list[list[LayerCache]]:
-    abstract = abstract_cache(cfg, geo)
+    return zeros_of(abstract_cache(cfg, geo), shardings)
+
+
+def zeros_of(abstract: Any, shardings: Any = None) -> Any:
+    """Zeros for every ArrayInfo leaf of an abstract tree (a cache), placed with `shardings` when given."""
     if shardings is None:
         return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), abstract)
     return jax.tree.map(
@@ -263,3 +281,9 @@ def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
         else:
             fixed += size
     return {"paged": paged, "per_slot_fixed": fixed}
+
+
+def abstract_mtp_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[LayerCache]:
+    """The state of each MTP block the model holds: one sliding-window layer, stacked as one repeat."""
+    geo.validate(cfg)
+    return [stack_infos(_layer_cache(cfg, geo, SWA), 1) for _ in range(cfg.mtp_layers)]

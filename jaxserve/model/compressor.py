@@ -38,8 +38,8 @@ def compress_chunk(
     rate: int,
     freqs: np.ndarray,
     eps: float,
-    snapshot_lengths: jax.Array | None = None,  # [b] int32: also return the state this many tokens in
-) -> tuple[NewEntries, CompressorState, CompressorState | None]:
+    snapshot_lengths: jax.Array | None = None,  # [b, j] int32: also return the states this many tokens in
+) -> tuple[NewEntries, CompressorState, list[CompressorState]]:
     m = rate
     overlap = state.prev_kv is not None
     c = weights.norm.shape[0]
@@ -100,7 +100,7 @@ def compress_chunk(
 
     with jax.named_scope("carry_state"):
         new_state = state_after(lengths)
-        snapshot = None if snapshot_lengths is None else state_after(snapshot_lengths)
+        snapshots = [] if snapshot_lengths is None else [state_after(n) for n in snapshot_lengths.T]
 
     valid = jnp.arange(n_windows)[None, :] < ((offset + lengths) // m)[:, None]  # the windows completed by now
-    return NewEntries(values=values, index=window_index.astype(jnp.int32), valid=valid), new_state, snapshot
+    return NewEntries(values=values, index=window_index.astype(jnp.int32), valid=valid), new_state, snapshots

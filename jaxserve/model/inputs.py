@@ -16,12 +16,13 @@ class StepInputs:
     lengths: jax.Array  # [b] int32, valid tokens per row (0 marks a padding row, which writes nothing)
     slots: jax.Array  # [b] int32, the row's cache slot (in range also for padding rows)
     page_table: jax.Array  # [b, max_pages_per_seq] int32, the row's KV pages in order
-    # Prefill groups only (None: a decode group, whose rows read and write their slots): the state row each row's
-    # sequence state is read from (its slot, or a prefix snapshot it starts from), and the state row that also
-    # gets its state as of `snapshot_lengths` tokens into the chunk (out of range: none).
+    # Prefill and verify groups only (None: a decode group, whose rows read and write their slots): the state row
+    # each row's sequence state is read from (its slot, or a prefix snapshot it starts from), and the state rows
+    # that also get its state as of `snapshot_lengths` tokens into the chunk (out of range: none). A prefill row
+    # writes at most one snapshot (the prefix cache's), a verify row one per draft (speculative decoding's).
     read_rows: jax.Array | None = None  # [b] int32
-    snapshot_rows: jax.Array | None = None  # [b] int32
-    snapshot_lengths: jax.Array | None = None  # [b] int32, in [0, length]
+    snapshot_rows: jax.Array | None = None  # [b, j] int32
+    snapshot_lengths: jax.Array | None = None  # [b, j] int32, in [0, length]
 
     @property
     def state_source(self) -> jax.Array:

@@ -127,6 +127,21 @@ class SamplingParams:
                 f"which with logit_bias make more than {MAX_LOGIT_BIAS} tokens",
             )
 
+    def drafting_conflict(self) -> str | None:
+        """The first field set that speculative decoding cannot honour (its verify step samples each position with
+        temperature, min-p, top-k and top-p only, and returns no logprobs); None when there is none."""
+        conflicts = {
+            "logprobs": self.logprobs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
+            "response_format": self.constraint is not None,
+        }
+        return next((name for name, conflict in conflicts.items() if conflict), None)
+
     @property
     def penalized(self) -> bool:
         """Whether the sampler applies any of the penalties (they need the request's token counts)."""

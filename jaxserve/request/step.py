@@ -58,9 +58,12 @@ class StepRow:
         return StepRow(request, start, length, read_row=read_row, snapshot_row=row, snapshot_tokens=tokens)
 
     @staticmethod
-    def next_token(request: Request) -> StepRow:
-        """The decode row of `request` after every token sampled for it so far."""
-        return StepRow(request, request.decode_position, 1, decode=True)
+    def next_token(request: Request, draft_tokens: int = 0) -> StepRow:
+        """The decode row of `request` after every token sampled for it so far. With `draft_tokens` (speculative
+        decoding) a verify row: it may keep up to that many drafts and the token after them, as many as the
+        request's max_tokens leaves room for (its length)."""
+        room = request.sampling.max_tokens - request.num_sampled
+        return StepRow(request, request.decode_position, max(1, min(draft_tokens + 1, room)), decode=True)
 
     @property
     def token_ids(self) -> list[int]:
@@ -128,7 +131,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decode)
+        return self.num_prefill_tokens + sum(row.length for row in self.decode)
 
     @property
     def requests(self) -> list[Request]:
@@ -149,6 +152,13 @@ class RowOutput:
     token_id: int
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # A verify row's (speculative decoding): the drafts it accepted, which come before `token_id`.
+    accepted: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token the row delivers, in order."""
+        return self.accepted + (self.token_id,)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kernels.table import kernels_for
-from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, kv_geometry
-from jaxserve.model.forward import hidden_states, last_logits
+from jaxserve.model.cache import CacheGeometry, kv_geometry, zeros_of
+from jaxserve.model.forward import final_norm, hidden_streams, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.request import TokenLogprob
@@ -52,6 +52,14 @@ from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, s
 from jaxserve.runner.mirror import Call, CallLog, ForwardCall, ResetCall, SampleCall
 from jaxserve.runner.progress import progress
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
+from jaxserve.runner.speculative import (
+    DraftInputs,
+    SpeculativeCache,
+    Verified,
+    abstract_runner_cache,
+    prefill_drafts,
+    speculative_step,
+)
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -200,8 +208,10 @@ class _Group:
 class _Executables:
     """One step shape's compiled forward and the compiled sampler of its groups' rows."""
 
-    forward: jax.stages.Compiled
-    sampler: jax.stages.Compiled
+    forward: jax.stages.Compiled  # a verify step's whole step with drafting on (it samples inside)
+    sampler: jax.stages.Compiled | None
+    # A verify step's variant for batches whose every row is greedy: no sampling filter, only argmaxes.
+    greedy: jax.stages.Compiled | None = None
 
 
 class PendingStep:
@@ -241,6 +251,26 @@ class PendingStep:
         return StepOutput(prefill=fetched.get(False, ()), decode=fetched.get(True, ()))
 
 
+class PendingVerify:
+    """A dispatched verify step (speculative decoding): drafting, verifying and sampling are one call, so there is
+    no sampler to launch; `result()` waits for its tokens."""
+
+    def __init__(self, rows: tuple[StepRow, ...], verified: Verified):
+        self._rows, self._verified = rows, verified
+        verified.tokens.copy_to_host_async()
+
+    def sample(self) -> None:
+        pass
+
+    def result(self) -> StepOutput:
+        tokens, counts = np.asarray(self._verified.tokens), np.asarray(self._verified.counts)
+        outputs = []
+        for i in range(len(self._rows)):
+            kept = [int(t) for t in tokens[i, : counts[i]]]
+            outputs.append(RowOutput(kept[-1], accepted=tuple(kept[:-1])))
+        return StepOutput(prefill=(), decode=tuple(outputs))
+
+
 @dataclass
 class StepTimes:
     compile_s: dict[StepShape, float] = field(default_factory=dict)
@@ -257,8 +287,12 @@ class ModelRunner:
         self.mesh = mesh
         self.buckets = buckets
         self.weights = weights
-        abstract = abstract_cache(cfg, geometry)
-        self._cache_shardings = shardings_for(abstract, mesh)
+        # Speculative decoding's drafts per step (0: none): the KV cache then travels with the draft state.
+        self.draft_tokens = geometry.draft_tokens
+        if self.draft_tokens and not cfg.mtp_layers:
+            raise ValueError("speculative decoding drafts with the model's MTP block, but the weights hold none")
+        self._abstract_cache: Any = abstract_runner_cache(cfg, geometry)
+        self._cache_shardings = shardings_for(self._abstract_cache, mesh)
         self._weight_shardings = jax.tree.map(lambda x: x.sharding, weights)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._init_cache()
@@ -268,6 +302,12 @@ class ModelRunner:
             out_shardings=(self._replicated, self._replicated, self._cache_shardings),
         )
         self._sampler = jax.jit(self._sampler_fn, out_shardings=self._replicated)
+        self._speculate = jax.jit(
+            self._speculate_fn,
+            static_argnames=("sampled",),
+            donate_argnames=("cache",),
+            out_shardings=(self._replicated, self._cache_shardings, self._replicated),
+        )
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
         self._penalize = jax.jit(apply_penalties, out_shardings=self._replicated)
         self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
@@ -296,12 +336,27 @@ class ModelRunner:
         groups: tuple[StepInputs, ...],
         routes: tuple[TokenRoutes, ...],
         logprob_inputs: tuple[LogprobInputs, ...],
+        draft_inputs: tuple[DraftInputs | None, ...],
     ):
         groups = tuple(
             dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None], g.tokens))
             for g, r in zip(groups, routes)
         )
-        ys, cache = hidden_states(weights, cache, groups, self.cfg, self.kernels)
+        speculative = isinstance(cache, SpeculativeCache)
+        hs, kv = hidden_streams(weights, cache.kv if speculative else cache, groups, self.cfg, self.kernels)
+        if speculative:
+            draft = cache.draft
+            for h, inputs, route, drafting in zip(hs, groups, routes, draft_inputs):
+                if drafting is not None:  # prefill groups: the MTP block reads the chunk too
+                    completes = route.store_slot < self.geometry.num_slots
+                    draft = prefill_drafts(weights, draft, h, inputs, drafting, completes, self.cfg, self.kernels)
+            cache = SpeculativeCache(kv, draft)
+        else:
+            cache = kv
+        ys = [
+            final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, self.cfg)
+            for h in hs
+        ]
         logits, prompts = [], []
         for y, inputs, asked in zip(ys, groups, logprob_inputs):
             logits.append(last_logits(y, inputs, weights.head, self.cfg.vocab_size))
@@ -310,6 +365,29 @@ class ModelRunner:
                 prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size)
             prompts.append(prompt)
         return tuple(logits), tuple(prompts), cache
+
+    def _speculate_fn(
+        self,
+        weights,
+        cache: SpeculativeCache,
+        slot_tokens: jax.Array,
+        inputs: StepInputs,
+        params: SamplingArrays,
+        sampled: bool = True,
+    ):
+        verified, kv, draft, slot_tokens = speculative_step(
+            weights,
+            cache.kv,
+            cache.draft,
+            slot_tokens,
+            inputs,
+            params,
+            self.draft_tokens,
+            self.cfg,
+            self.kernels,
+            sampled,
+        )
+        return verified, SpeculativeCache(kv, draft), slot_tokens
 
     @staticmethod
     def _sampler_fn(
@@ -333,7 +411,9 @@ class ModelRunner:
     def _abstract(self, shape, dtype) -> Any:  # stands in for a jax.Array in the abstract inputs
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
-    def _abstract_group(self, rows: int, chunk: int, decode: bool) -> tuple[StepInputs, TokenRoutes, LogprobInputs]:
+    def _abstract_group(
+        self, rows: int, chunk: int, decode: bool
+    ) -> tuple[StepInputs, TokenRoutes, LogprobInputs, DraftInputs | None]:
         arr = self._abstract
         inputs = StepInputs(
             tokens=arr((rows, chunk), jnp.int32),
@@ -341,11 +421,41 @@ class ModelRunner:
             lengths=arr((rows,), jnp.int32),
             slots=arr((rows,), jnp.int32),
             page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
-            **({} if decode else {name: arr((rows,), jnp.int32) for name in PREFIX_STATE_INPUTS}),
+            **({} if decode else self._abstract_prefix_state(rows, 1)),
         )
         routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
         asked = _logprob_inputs(rows, chunk, arr)
-        return inputs, routes, asked
+        drafting = (
+            None
+            if decode or not self.draft_tokens
+            else DraftInputs(arr((rows, chunk), jnp.int32), arr((rows,), jnp.int32))
+        )
+        return inputs, routes, asked, drafting
+
+    def _abstract_verify_args(self, rows: int) -> tuple:
+        arr = self._abstract
+        inputs = StepInputs(
+            tokens=arr((rows, self.draft_tokens + 1), jnp.int32),
+            positions=arr((rows,), jnp.int32),
+            lengths=arr((rows,), jnp.int32),
+            slots=arr((rows,), jnp.int32),
+            page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
+            **self._abstract_prefix_state(rows, self.draft_tokens),
+        )
+        weights, cache = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (self.weights, self.cache)
+        )
+        slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
+        return weights, cache, slot_tokens, inputs, self._abstract_sampling(rows)
+
+    def _abstract_prefix_state(self, rows: int, snapshots: int) -> dict[str, Any]:
+        """A prefill or verify group's state rows (PREFIX_STATE_INPUTS): `snapshots` per row."""
+        arr = self._abstract
+        return dict(
+            read_rows=arr((rows,), jnp.int32),
+            snapshot_rows=arr((rows, snapshots), jnp.int32),
+            snapshot_lengths=arr((rows, snapshots), jnp.int32),
+        )
 
     def _abstract_sampling(self, rows: int) -> SamplingArrays:
         # The arrays of a group of padding rows, so their fields and shapes are defined in one place (sampling.py).
@@ -358,7 +468,7 @@ class ModelRunner:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens),
         )
-        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(3)))
+        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
 
     def _abstract_sampler_args(self, shape: StepShape) -> tuple:
         rows = [group.rows for group, _ in shape.groups]
@@ -387,9 +497,21 @@ class ModelRunner:
                 return
             self._executables_for(shape)
 
+    def _verifies(self, shape: StepShape) -> bool:
+        """Whether `shape` runs as a verify step: a decode step with drafting on."""
+        return bool(self.draft_tokens) and shape.kind is StepKind.DECODE
+
     def _compile(self, shape: StepShape) -> _Executables:
         rows = tuple(group.rows for group, _ in shape.groups)
         with jax.set_mesh(self.mesh):
+            if self._verifies(shape):
+                assert shape.decode is not None  # a decode shape
+                args = self._abstract_verify_args(shape.decode.rows)
+                return _Executables(
+                    self._speculate.lower(*args).compile(),
+                    None,
+                    greedy=self._speculate.lower(*args, sampled=False).compile(),
+                )
             forward = self._forward.lower(*self._abstract_forward_args(shape)).compile()
             sampler = self._samplers.get(rows)
             if sampler is None:
@@ -458,7 +580,7 @@ class ModelRunner:
 
     def _init_cache(self) -> None:
         with jax.set_mesh(self.mesh):
-            self.cache = init_cache(self.cfg, self.geometry, self._cache_shardings)
+            self.cache = zeros_of(self._abstract_cache, self._cache_shardings)
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
@@ -466,7 +588,7 @@ class ModelRunner:
         """One step, waited for: the token sampled after each row and the logprobs its request asked for."""
         return self.dispatch(plan).result()
 
-    def dispatch(self, plan: StepPlan) -> PendingStep:
+    def dispatch(self, plan: StepPlan) -> PendingStep | PendingVerify:
         """Start one step without waiting for it. Every row samples (after a chunk that is not its prompt's last,
         the token is neither kept nor returned as an output)."""
         groups = self._groups(plan)
@@ -481,15 +603,19 @@ class ModelRunner:
         if self.mirror is not None:
             raise RuntimeError("device_seconds times one process's calls; the other processes would not join them")
         groups = self._groups(plan)
-        compiled = self._compiled[self._usable_shape(groups)]
-        inputs, routes, asked = self._host_inputs(groups)
+        shape = self._usable_shape(groups)
+        if self._verifies(shape):
+            raise RuntimeError("device_seconds times plain steps; a verify step's tokens depend on its drafts")
+        compiled = self._compiled[shape]
+        assert compiled.sampler is not None  # a plain step's
+        inputs, routes, asked, drafting = self._host_inputs(groups)
         samplings = self._sampling_arrays(groups)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(back_to_back):
                 logits, _, self.cache = compiled.forward(
-                    self.weights, self.cache, self.slot_tokens, inputs, routes, asked
+                    self.weights, self.cache, self.slot_tokens, inputs, routes, asked, drafting
                 )
                 outputs = compiled.sampler(self.slot_tokens, logits, logits, samplings, routes)
                 self.slot_tokens = outputs[2]
@@ -533,12 +659,26 @@ class ModelRunner:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         return shape
 
-    def _launch(self, shape: StepShape, groups: list[_Group]) -> PendingStep:
-        inputs, routes, asked = self._host_inputs(groups)
-        number, logits, prompt = self._run_forward(shape, inputs, routes, asked)
+    def _launch(self, shape: StepShape, groups: list[_Group]) -> PendingStep | PendingVerify:
+        if self._verifies(shape):
+            (group,) = groups
+            return self._launch_verify(shape, group)
+        inputs, routes, asked, drafting = self._host_inputs(groups)
+        number, logits, prompt = self._run_forward(shape, inputs, routes, asked, drafting)
         return PendingStep(self, number, groups, logits, prompt, routes, asked)
 
-    def _run_forward(self, shape: StepShape, inputs, routes, asked):
+    def _launch_verify(self, shape: StepShape, group: _Group) -> PendingVerify:
+        inputs = self._verify_arrays(group)
+        params = SamplingArrays.for_rows(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows))
+        executables = self._executables_for(shape)
+        all_greedy = all(row.request.sampling.temperature == 0 for row in group.rows)
+        step = executables.greedy if all_greedy and executables.greedy is not None else executables.forward
+        with self._launching:
+            self._next_forward += 1
+            verified, self.cache, self.slot_tokens = step(self.weights, self.cache, self.slot_tokens, inputs, params)
+        return PendingVerify(group.rows, verified)
+
+    def _run_forward(self, shape: StepShape, inputs, routes, asked, drafting):
         executables = self._executables_for(shape)
         # The cache and the slot tokens are replaced: the warm-up's padding runs (on the compiling thread) and the
         # engine's steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
@@ -548,7 +688,7 @@ class ModelRunner:
             if self.mirror is not None:
                 self.mirror.add(ForwardCall(number, shape, inputs, routes, asked))
             logits, prompt, self.cache = executables.forward(
-                self.weights, self.cache, self.slot_tokens, inputs, routes, asked
+                self.weights, self.cache, self.slot_tokens, inputs, routes, asked, drafting
             )
         return number, logits, prompt
 
@@ -582,7 +722,8 @@ class ModelRunner:
                     f"process 0's forward {call.number} replayed as this process's forward {self._next_forward}: "
                     "out of step"
                 )
-            number, logits, _ = self._run_forward(call.shape, call.inputs, call.routes, call.asked)
+            drafting = (None,) * len(call.inputs)  # drafting never runs in a group (EngineConfig refuses it)
+            number, logits, _ = self._run_forward(call.shape, call.inputs, call.routes, call.asked, drafting)
             self._replayed[number] = (logits, call.routes)
         elif isinstance(call, SampleCall):
             logits, routes = self._replayed.pop(call.number)
@@ -616,7 +757,7 @@ class ModelRunner:
     def _host_inputs(self, groups: list[_Group]):
         """(step inputs, token routes, logprob inputs), one of each per group."""
         arrays = [self._host_arrays(group) for group in groups]
-        return tuple(tuple(a[i] for a in arrays) for i in range(3))
+        return tuple(tuple(a[i] for a in arrays) for i in range(4))
 
     def _host_arrays(self, group: _Group):
         max_pages, bucket_rows, chunk = self.geometry.max_pages_per_seq, group.shape.rows, group.shape.chunk
@@ -631,8 +772,8 @@ class ModelRunner:
         # Prefill groups: where each row's sequence state comes from, and which snapshot it also writes (none:
         # past every state row, so the write is dropped).
         read_rows: Any = np.zeros(bucket_rows, np.int32)
-        snapshot_rows: Any = np.full(bucket_rows, self.geometry.state_rows, np.int32)
-        snapshot_lengths: Any = np.zeros(bucket_rows, np.int32)
+        snapshot_rows: Any = np.full((bucket_rows, 1), self.geometry.state_rows, np.int32)
+        snapshot_lengths: Any = np.zeros((bucket_rows, 1), np.int32)
         for i, row in enumerate(group.rows):
             request = row.request
             if len(request.pages) > max_pages:
@@ -643,7 +784,7 @@ class ModelRunner:
             positions[i], lengths[i], slots[i] = row.start, row.length, request.slot
             read_rows[i] = request.slot if row.read_row is None else row.read_row
             if row.snapshot_row is not None:
-                snapshot_rows[i], snapshot_lengths[i] = row.snapshot_row, row.snapshot_tokens
+                snapshot_rows[i, 0], snapshot_lengths[i, 0] = row.snapshot_row, row.snapshot_tokens
             if row.samples_output:
                 store[i] = request.slot
             asked.sampled[i] = row.logprobs is not None
@@ -659,7 +800,40 @@ class ModelRunner:
         )
         feed_from_slot: Any = np.full(bucket_rows, group.decode)
         routes = TokenRoutes(feed_from_slot=feed_from_slot, store_slot=store)
-        return inputs, routes, asked
+        drafting = None
+        if self.draft_tokens and not group.decode:  # each position's next prompt token, for the MTP block
+            next_tokens: Any = np.zeros((bucket_rows, chunk), np.int32)
+            draft_lengths: Any = np.zeros(bucket_rows, np.int32)
+            for i, row in enumerate(group.rows):
+                following = row.request.prompt_ids[row.start + 1 : row.start + row.length + 1]
+                next_tokens[i, : len(following)], draft_lengths[i] = following, len(following)
+            drafting = DraftInputs(next_tokens, draft_lengths)
+        return inputs, routes, asked, drafting
+
+    def _verify_arrays(self, group: _Group) -> StepInputs:
+        """A verify group's inputs: each row's last sampled token's position, the tokens it may keep (StepRow.length),
+        its slot's draft rows for the state as of 1..k of its tokens."""
+        k, bucket_rows, geometry = self.draft_tokens, group.shape.rows, self.geometry
+        host: dict[str, Any] = dict(
+            tokens=np.zeros((bucket_rows, k + 1), np.int32),
+            positions=np.zeros(bucket_rows, np.int32),
+            lengths=np.zeros(bucket_rows, np.int32),
+            slots=np.zeros(bucket_rows, np.int32),
+            page_table=np.zeros((bucket_rows, geometry.max_pages_per_seq), np.int32),
+            read_rows=np.zeros(bucket_rows, np.int32),
+            snapshot_rows=np.full((bucket_rows, k), geometry.state_rows, np.int32),
+            snapshot_lengths=np.zeros((bucket_rows, k), np.int32),
+        )
+        for i, row in enumerate(group.rows):
+            request = row.request
+            assert request.slot is not None  # a decoding request holds a slot
+            host["positions"][i], host["lengths"][i] = row.start, row.length
+            host["slots"][i] = host["read_rows"][i] = request.slot
+            host["page_table"][i, : len(request.pages)] = request.pages
+            for j in range(1, row.length):
+                host["snapshot_rows"][i, j - 1] = geometry.draft_row(request.slot, j)
+                host["snapshot_lengths"][i, j - 1] = j
+        return StepInputs(**host)
 
 
 # StepInputs' fields only a prefill group has: a decode group's rows read and write their own slots.

@@ -23,11 +23,12 @@ from jaxlib import xla_client
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
-from jaxserve.model.cache import CacheGeometry, abstract_cache, bytes_per_token, kv_geometry, resolve_max_model_len
+from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.runner.speculative import abstract_runner_cache
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
@@ -197,7 +198,7 @@ class AbstractRunner(ModelRunner):
     runs them."""
 
     def _init_cache(self) -> None:
-        self.cache = shape_dtype_structs(abstract_cache(self.cfg, self.geometry), self.mesh)
+        self.cache = shape_dtype_structs(self._abstract_cache, self.mesh)
         # Abstract like the cache: a ShapeDtypeStruct stands in for the runner's array (traced, never run).
         self.slot_tokens = jax.ShapeDtypeStruct(  # type: ignore[assignment]
             (self.geometry.num_slots,), jnp.int32, sharding=self._replicated
@@ -214,11 +215,16 @@ class AbstractRunner(ModelRunner):
     def temp_bytes(self, shape) -> int:
         """XLA's temporaries of the compiled step of `shape` (per device): its forward's and its sampler's."""
         total = 0
-        with jax.set_mesh(self.mesh):
-            for jitted, args in (
+        calls = (
+            [(self._speculate, self._abstract_verify_args(shape.decode.rows))]
+            if self._verifies(shape)
+            else [
                 (self._forward, self._abstract_forward_args(shape)),
                 (self._sampler, self._abstract_sampler_args(shape)),
-            ):
+            ]
+        )
+        with jax.set_mesh(self.mesh):
+            for jitted, args in calls:
                 analysis = jitted.lower(*args).compile(compiler_options=ACCELERATOR_LIKE).memory_analysis()
                 if analysis is None:
                     raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
@@ -227,8 +233,8 @@ class AbstractRunner(ModelRunner):
 
 
 def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
-    """Per device bytes of the cache outside the paged pools."""
-    abstract = abstract_cache(cfg, geometry)
+    """Per device bytes of the cache outside the paged pools (with drafts, their state rows and draft state too)."""
+    abstract = abstract_runner_cache(cfg, geometry)
     shardings = shardings_for(abstract, mesh)
     leaves = zip(jax.tree.leaves(abstract, is_leaf=is_info), jax.tree.leaves(shardings))
     return sum(nbytes(info, s.shard_shape(info.shape)) for info, s in leaves if "pages" not in info.axes)

@@ -161,13 +161,9 @@ def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """logits [b, V] float32 -> token ids [b] int32.
-
-    Every row goes through every path (greedy, the top-k / top-p filter, the draw) and keeps its own: a branch on
-    the batch's contents (`lax.cond`) would make a GPU copy its predicate to the host and wait, every step. A row
-    that filters nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token
-    still does not depend on its batch."""
+def processed_logits(logits: jax.Array, params: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """(each row's greedy token [b], its logits as the row samples from them [b, V]: biased, masked, scaled by its
+    temperature, cut by its min-p, top-k and top-p, -inf outside); logits [b, V]."""
     logits = logits.astype(F32)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, params.bias_ids].add(params.bias, mode="drop")
@@ -179,9 +175,23 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     # min-p: a token whose probability is below min_p times the best one's is out (log 0 = -inf keeps them all).
     best = jnp.max(scaled, axis=-1, keepdims=True)
     scaled = jnp.where(scaled >= best + jnp.log(params.min_p)[:, None], scaled, -jnp.inf)
-    filtered = jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
-    keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
+    return greedy, jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
+
+
+def sampling_keys(params: SamplingArrays) -> jax.Array:
+    """Each row's key: its (seed, position) pair's."""
+    return jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
         params.seed, params.position
     )
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """logits [b, V] float32 -> token ids [b] int32.
+
+    Every row goes through every path (greedy, the top-k / top-p filter, the draw) and keeps its own: a branch on
+    the batch's contents (`lax.cond`) would make a GPU copy its predicate to the host and wait, every step. A row
+    that filters nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token
+    still does not depend on its batch."""
+    greedy, filtered = processed_logits(logits, params)
+    sampled = jax.vmap(jax.random.categorical)(sampling_keys(params), filtered).astype(jnp.int32)
     return jnp.where(params.temperature > 0, sampled, greedy)

@@ -21,4 +21,6 @@ def build_scheduler(cfg: EngineConfig, pages: PrefixCache, page_size: int, min_c
         IdAllocator(cfg.max_num_seqs, "slots"),
         QUEUE_ORDERS[cfg.scheduling_policy](),
     )
-    return Scheduler(prefill, DecodeManager(cfg.max_num_seqs), step_policies(cfg, page_size, min_chunk_tokens))
+    return Scheduler(
+        prefill, DecodeManager(cfg.max_num_seqs, cfg.draft_tokens), step_policies(cfg, page_size, min_chunk_tokens)
+    )

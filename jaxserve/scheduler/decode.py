@@ -7,10 +7,13 @@ from jaxserve.request.step import StepRow
 
 
 class DecodeManager:
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, draft_tokens: int = 0):
+        """`draft_tokens`: speculative decoding's drafts per row (0: none), whose rows may keep that many more
+        tokens."""
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be positive")
         self.max_num_seqs = max_num_seqs
+        self.draft_tokens = draft_tokens
         # Insertion order is the order prompts completed.
         self._running: dict[str, Request] = {}
 
@@ -37,4 +40,4 @@ class DecodeManager:
         """The decode rows of the next step (oldest first, at most `max_rows`); empty when none is decoding. A
         request whose last token (max_tokens) is already being sampled by a step in flight gets no further row."""
         due = [r for r in self._running.values() if r.num_sampled < r.sampling.max_tokens][:max_rows]
-        return tuple(StepRow.next_token(request) for request in due)
+        return tuple(StepRow.next_token(request, self.draft_tokens) for request in due)

@@ -136,6 +136,11 @@ class Scheduler:
         rows = riders or self.decode_manager.schedule_next_rows(limits.decode_rows)
         return StepPlan(decode=rows) if rows else None
 
+    def note_accepted(self, request: Request, accepted: int) -> None:
+        """A verify row of `request` kept `accepted` drafts before the token scheduling counted: they are sampled
+        tokens too (its next row starts after them)."""
+        request.num_sampled += accepted
+
     def release(self, request: Request) -> None:
         """Free a finished request's pages and slot (each exactly once)."""
         self.prefill_manager.release(request)

@@ -1,0 +1,299 @@
+"""MTP speculative decoding on the device (`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`).
+
+One jitted step per decode batch drafts k tokens a row with the model's MTP block, verifies them with one forward of
+k + 1 tokens a row, accepts a prefix of them and samples one more, and takes back what the rejected tokens wrote:
+- drafts are the MTP block's most likely tokens (as vLLM's MTP drafts); greedy rows accept a draft exactly when it
+  is the model's argmax; sampled rows by rejection sampling with the draft as a point mass q (draft d is kept with
+  probability p(d), and at the first rejection the token comes from max(p - q, 0) renormalised: p without d), so
+  every token follows the model's own distribution p, the one the plain sampler draws from (temperature, min-p,
+  top-k, top-p);
+- the verify forward also writes each row's sequence state (window ring, compressor state) as of 1..k of its tokens
+  into the slot's draft rows (`CacheGeometry.draft_row`); a row that accepts fewer tokens than it ran gets the
+  state of the tokens it kept copied back into its slot. KV pages are reserved at admission for the request's
+  whole length, so no draft takes or leaves one, and the compressed entries of windows a rejected token completed
+  are invisible to every later query (masked by position) until the real tokens complete those windows and
+  rewrite them.
+
+The MTP block reads the main model's last hc streams at position i and the token at i + 1. Each slot keeps the
+streams of its last kept position (`DraftState.streams`), whose next token (the one sampled last) is in the slot's
+token; a step first runs the block there (its draft 1), then on its own output for drafts 2..k (on a copy of its
+ring, so nothing a draft writes stays), and after verifying, over the positions whose next token it kept. Prefill
+runs the block over each chunk (`prefill_drafts`), so its ring holds the prompt when decoding starts.
+
+Letters: b rows, t tokens of a row, k drafts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.kernels.table import Kernels
+from jaxserve.model.cache import CacheGeometry, LayerCache, abstract_cache, abstract_mtp_cache
+from jaxserve.model.forward import final_norm, hidden_streams, mtp_block, vocab_logits
+from jaxserve.model.inputs import StepInputs
+from jaxserve.model.weights import ArrayInfo, Weights
+from jaxserve.runner.sampling import SamplingArrays, processed_logits, sampling_keys
+
+F32 = jnp.float32
+# What each random draw of a step folds into its row's (seed, position) key, so the two never share one.
+ACCEPT_SALT, BONUS_SALT = 2, 3
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DraftState:
+    """What drafting keeps per slot between steps: the MTP block's sliding-window ring, and the main model's last hc
+    streams at the slot's last kept position ([state rows, n, d])."""
+
+    mtp_cache: LayerCache
+    streams: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DraftInputs:
+    """A prefill group's input to the MTP block: each position's next prompt token [b, t], and how many positions
+    have one [b] (all of a chunk but the prompt's last token, whose next token is the one sampled after it)."""
+
+    next_tokens: jax.Array
+    lengths: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Verified:
+    """A verify step's tokens: per row the accepted drafts then one sampled token [b, k + 1] (-1 past them) and how
+    many there are [b] (0 for padding rows)."""
+
+    tokens: jax.Array
+    counts: jax.Array
+
+
+def _keyed(params: SamplingArrays, salt: int) -> jax.Array:
+    return jax.vmap(lambda key: jax.random.fold_in(key, salt))(sampling_keys(params))
+
+
+def _at_positions(params: SamplingArrays, positions: jax.Array) -> SamplingArrays:
+    """Each row's sampling parameters for the token at `positions [b, j]`, as b * j rows."""
+    j = positions.shape[1]
+    repeated = jax.tree.map(lambda a: jnp.repeat(a, j, axis=0), params)
+    return dataclasses.replace(repeated, position=positions.reshape(-1))
+
+
+def _draw(filtered: jax.Array, greedy: jax.Array, params: SamplingArrays, salt: int) -> jax.Array:
+    sampled = jax.vmap(jax.random.categorical)(_keyed(params, salt), filtered).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, sampled, greedy)
+
+
+def prefill_drafts(
+    weights: Weights,
+    draft: DraftState,
+    streams: jax.Array,
+    inputs: StepInputs,
+    draft_inputs: DraftInputs,
+    completes: jax.Array,
+    cfg: ModelConfig,
+    kernels: Kernels,
+) -> DraftState:
+    """Run the MTP block over a prefill group's chunk (streams [b, t, n, d]); a row that `completes [b]` its prompt
+    leaves the streams of its last token in its slot, for the first step's draft."""
+    mtp_inputs = dataclasses.replace(
+        inputs,
+        tokens=draft_inputs.next_tokens,
+        lengths=draft_inputs.lengths,
+        read_rows=None,
+        snapshot_rows=None,
+        snapshot_lengths=None,
+    )
+    _, _, mtp_cache = mtp_block(weights.mtp[0], weights.embed, streams, draft.mtp_cache, mtp_inputs, cfg, kernels)
+    last = jnp.clip(inputs.lengths - 1, 0, None)
+    final = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)[:, 0]
+    keep = jnp.where(completes, inputs.slots, draft.streams.shape[0])
+    return DraftState(mtp_cache, draft.streams.at[keep].set(final.astype(draft.streams.dtype), mode="drop"))
+
+
+def _propose(
+    weights: Weights,
+    draft: DraftState,
+    last: jax.Array,
+    inputs: StepInputs,
+    k: int,
+    cfg: ModelConfig,
+    kernels: Kernels,
+) -> tuple[jax.Array, LayerCache]:
+    """k drafts per row [b, k], each the MTP block's most likely token (as vLLM's MTP drafts), and the MTP ring with
+    the slot's pending position written."""
+    active = (inputs.lengths > 0).astype(jnp.int32)
+    one = StepInputs(
+        tokens=last[:, None],
+        positions=inputs.positions - 1,
+        lengths=active,
+        slots=inputs.slots,
+        page_table=inputs.page_table,
+    )
+    pending = draft.streams[inputs.slots][:, None]
+    h, y, mtp_cache = mtp_block(weights.mtp[0], weights.embed, pending, draft.mtp_cache, one, cfg, kernels)
+
+    def most_likely(y: jax.Array) -> jax.Array:
+        return jnp.argmax(vocab_logits(y[:, 0], weights.head, cfg.vocab_size), axis=-1).astype(jnp.int32)
+
+    first = most_likely(y)
+    if k == 1:
+        return first[:, None], mtp_cache
+    # Drafts 2..k: the block on its own output, on a copy of the rows' rings (what they write is never kept), as one
+    # scanned body whatever k is.
+    rows = jnp.arange(last.shape[0], dtype=jnp.int32)
+    local = jax.tree.map(lambda a: a[:, inputs.slots], mtp_cache)
+
+    def next_draft(carry, j):
+        h, local, token = carry
+        step = dataclasses.replace(one, tokens=token[:, None], positions=inputs.positions - 1 + j, slots=rows)
+        h, y, local = mtp_block(weights.mtp[0], weights.embed, h, local, step, cfg, kernels)
+        token = most_likely(y)
+        return (h, local, token), token
+
+    _, rest = jax.lax.scan(next_draft, (h, local, first), jnp.arange(1, k, dtype=jnp.int32))
+    return jnp.concatenate([first[:, None], rest.T], axis=1), mtp_cache
+
+
+def _accept(
+    drafts: jax.Array, logits: jax.Array, inputs: StepInputs, params: SamplingArrays, sampled: bool = True
+) -> Verified:
+    """The tokens each row keeps: its longest run of accepted drafts among the first `lengths - 1`, then a token
+    sampled where the run ends. A draft is one token, not a distribution (a point mass q): a sampled row keeps draft
+    d with probability p(d), and after a rejection samples from p without d, renormalised (max(p - q, 0)); after its
+    last draft, from p. So each token follows p, the distribution the plain sampler draws from. Not `sampled`: every
+    row is greedy (the host knows), and only the argmax of each position is computed."""
+    b, k = drafts.shape
+    if not sampled:
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b, k + 1]
+        ok = (drafts == greedy[:, :k]) & (jnp.arange(k)[None, :] < inputs.lengths[:, None] - 1)
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        return _verified(drafts, accepted, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0], inputs)
+    positions = inputs.positions[:, None] + 1 + jnp.arange(k + 1)[None, :]
+    at = _at_positions(params, positions)
+    greedy, filtered = processed_logits(logits.reshape(b * (k + 1), -1), at)
+    greedy, filtered = greedy.reshape(b, k + 1), filtered.reshape(b, k + 1, -1)
+    p = jax.nn.softmax(filtered, axis=-1)
+    p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(jax.random.uniform)(_keyed(_at_positions(params, positions[:, :k]), ACCEPT_SALT))
+    sampled_ok = uniform.reshape(b, k) < p_draft
+    greedy_row = (params.temperature <= 0)[:, None]
+    ok = jnp.where(greedy_row, drafts == greedy[:, :k], sampled_ok)
+    ok = ok & (jnp.arange(k)[None, :] < inputs.lengths[:, None] - 1)  # only drafts the row has room for
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [b]
+    # Where the run ends: p without the rejected draft after a rejection, p itself after the last draft it ran.
+    p_end = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    rejected = accepted < inputs.lengths - 1
+    rejected_draft = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), accepted[:, None], axis=1)
+    residual = jnp.where(rejected[:, None] & (jnp.arange(p.shape[-1])[None, :] == rejected_draft), 0.0, p_end)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_end)  # rounding: p(d) == 1
+    end = dataclasses.replace(params, position=inputs.positions + 1 + accepted)
+    bonus = _draw(jnp.log(residual), jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0], end, BONUS_SALT)
+    return _verified(drafts, accepted, bonus, inputs)
+
+
+def _verified(drafts: jax.Array, accepted: jax.Array, bonus: jax.Array, inputs: StepInputs) -> Verified:
+    """Each row's first `accepted` drafts, then `bonus`."""
+    index = jnp.arange(drafts.shape[1] + 1)[None, :]
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(index < accepted[:, None], padded, jnp.where(index == accepted[:, None], bonus[:, None], -1))
+    counts = jnp.where(inputs.lengths > 0, accepted + 1, 0)
+    return Verified(tokens.astype(jnp.int32), counts.astype(jnp.int32))
+
+
+def _take_back(cache: list[list[LayerCache]], inputs: StepInputs, kept: jax.Array) -> list[list[LayerCache]]:
+    """Each row that kept fewer tokens than it ran gets its state as of the tokens it kept from its draft row."""
+    assert inputs.snapshot_rows is not None  # a verify group writes one draft row per draft
+    partial = (kept > 0) & (kept < inputs.lengths)
+    source = jnp.take_along_axis(inputs.snapshot_rows, jnp.clip(kept - 1, 0, None)[:, None], axis=1)[:, 0]
+
+    def restore(store):
+        def one(a):
+            target = jnp.where(partial, inputs.slots, a.shape[1])  # past every state row: dropped
+            return a.at[:, target].set(a[:, source], mode="drop")
+
+        return jax.tree.map(one, store)
+
+    return [
+        [
+            dataclasses.replace(
+                layer,
+                window=restore(layer.window),
+                state=None if layer.state is None else restore(layer.state),
+                index_state=None if layer.index_state is None else restore(layer.index_state),
+            )
+            for layer in segment
+        ]
+        for segment in cache
+    ]
+
+
+def speculative_step(
+    weights: Weights,
+    cache: list[list[LayerCache]],
+    draft: DraftState,
+    slot_tokens: jax.Array,
+    inputs: StepInputs,
+    params: SamplingArrays,
+    k: int,
+    cfg: ModelConfig,
+    kernels: Kernels,
+    sampled: bool = True,
+):
+    """One decode step with k drafts per row (`sampled` False: every row is greedy, see _accept). `inputs`: a verify
+    group (tokens [b, k + 1] are made here; positions: the position of each row's last sampled token; lengths: the
+    tokens it may keep, 1..k + 1, 0 for padding; snapshot rows [b, k]: its slot's draft rows, lengths 1..k).
+    Returns (Verified, cache, draft state, slot tokens)."""
+    last = slot_tokens[inputs.slots]
+    drafts, mtp_cache = _propose(weights, draft, last, inputs, k, cfg, kernels)
+    with jax.named_scope("verify"):
+        verify = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
+        (streams,), cache = hidden_streams(weights, cache, [verify], cfg, kernels)
+        y = final_norm(streams, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
+        logits = vocab_logits(y, weights.head, cfg.vocab_size)
+    verified = _accept(drafts, logits, inputs, params, sampled)
+    accepted = jnp.maximum(verified.counts - 1, 0)
+    rows = draft.streams.shape[0]
+    cache = _take_back(cache, inputs, verified.counts)
+    with jax.named_scope("mtp_catch_up"):  # the block over the kept positions whose next token is a kept draft
+        kept = StepInputs(
+            tokens=drafts,
+            positions=inputs.positions,
+            lengths=accepted,
+            slots=inputs.slots,
+            page_table=inputs.page_table,
+        )
+        _, _, mtp_cache = mtp_block(weights.mtp[0], weights.embed, streams[:, :k], mtp_cache, kept, cfg, kernels)
+    active = inputs.lengths > 0
+    target = jnp.where(active, inputs.slots, rows)
+    final = jnp.take_along_axis(streams, accepted[:, None, None, None], axis=1)[:, 0]
+    draft = DraftState(mtp_cache, draft.streams.at[target].set(final.astype(draft.streams.dtype), mode="drop"))
+    bonus = jnp.take_along_axis(verified.tokens, accepted[:, None], axis=1)[:, 0]
+    slot_tokens = slot_tokens.at[jnp.where(active, inputs.slots, slot_tokens.shape[0])].set(bonus, mode="drop")
+    return verified, cache, draft, slot_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpeculativeCache:
+    """The runner's device state with drafting on: the KV cache and the draft state, donated together."""
+
+    kv: list[list[LayerCache]]
+    draft: DraftState
+
+
+def abstract_runner_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]] | SpeculativeCache:
+    """What a runner keeps on the devices between steps, described (ArrayInfo leaves): the KV cache, and with drafts
+    (`geo.draft_tokens`) the draft state beside it."""
+    if not geo.draft_tokens:
+        return abstract_cache(cfg, geo)
+    (ring,) = abstract_mtp_cache(cfg, geo)
+    streams = ArrayInfo((geo.num_slots, cfg.hc_mult, cfg.hidden_size), cfg.dtype, ("slots", None, None), "zeros")
+    # ArrayInfo leaves where the live state holds arrays.
+    return SpeculativeCache(abstract_cache(cfg, geo), DraftState(ring, streams))  # type: ignore[arg-type]
