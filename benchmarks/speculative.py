@@ -19,16 +19,6 @@ import dataclasses
 from common import configure_jax, load_average, machine_info, markdown_table, median, write_results
 
 GOAL_BATCH_1 = 1.3  # the issue's bar: decode tok/s with drafts / without, at batch 1
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef list_files(path):\n    ",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    '"""Utilities for parsing command line arguments."""\n\nimport sys\n',
-    "for i in range(10):\n    if i % 2 == 0:\n",
-    "def read_config(filename):\n    with open(filename) as f:\n        return ",
-    "    def __repr__(self):\n        return ",
-    "import collections\nimport functools\n\n\nclass LRUCache:\n",
-]
 
 
 def main() -> None:
@@ -48,12 +38,13 @@ def main() -> None:
     from jaxserve.request import SamplingParams
     from jaxserve.request.step import StepKind
     from jaxserve.runner import build_runner
+    from training.default_model import SAMPLE_PROMPTS
 
     base = EngineConfig(
         dtype="float32",
         max_num_seqs=8,
         chunked_prefill_size=64,
-        max_prefill_rows=8,
+        max_prefill_rows=1,
         page_size=16,
         max_model_len=512,
         mixed_batches=False,  # prefill first, then decode-only steps, with and without drafts alike
@@ -66,7 +57,7 @@ def main() -> None:
     for k, cfg in configs.items():
         runners[k] = build_runner(cfg, loaded.config, loaded.weights, mesh)
         runners[k].warmup()
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    prompts = [loaded.tokenizer.encode(p) for p in SAMPLE_PROMPTS]
     load_before = load_average()
 
     def run(k, batch: int):

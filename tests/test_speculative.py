@@ -22,6 +22,7 @@ from jaxserve.model.cache import kv_geometry
 from jaxserve.model.sharding import make_mesh
 from jaxserve.request import InvalidRequest, SamplingParams
 from jaxserve.runner import Buckets, ModelRunner
+from training.default_model import SAMPLE_PROMPTS as PROMPTS
 
 # Prompts are chunked (32 tokens a step) and a decode step is taken after every two prefill steps.
 CONFIG = EngineConfig(
@@ -35,17 +36,6 @@ CONFIG = EngineConfig(
     decode_interleave_every=2,
     decode_log_interval=1000,
 )
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef list_files(path):\n    ",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    '"""Utilities for parsing command line arguments."""\n\nimport sys\n',
-    "for i in range(10):\n    if i % 2 == 0:\n",
-    "def read_config(filename):\n    with open(filename) as f:\n        return ",
-    "    raise ValueError(",
-    "# Copyright 2001 by the Python Software Foundation. All rights reserved.\n"
-    "# Licensed to the PSF under a contributor agreement.\n\nimport collections\nimport functools\n",
-]
 
 
 @pytest.fixture(scope="module")

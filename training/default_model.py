@@ -78,3 +78,17 @@ def model_config(vocab_size: int = VOCAB_SIZE) -> dict:
             "beta_slow": 1,
         },
     )
+
+
+# Openings of Python the default continues, for tests and benchmarks; the last is longer than a 32-token chunk.
+SAMPLE_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_files(path):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    '"""Utilities for parsing command line arguments."""\n\nimport sys\n',
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "def read_config(filename):\n    with open(filename) as f:\n        return ",
+    "    raise ValueError(",
+    "# Copyright 2001 by the Python Software Foundation. All rights reserved.\n"
+    "# Licensed to the PSF under a contributor agreement.\n\nimport collections\nimport functools\n",
+]
