@@ -70,7 +70,7 @@ def test_readme_quick_start_from_a_fresh_clone(tmp_path):
             ["bash", "-ec", query_block], cwd=clone, env=env, capture_output=True, text=True, timeout=600
         )
         assert query.returncode == 0, query.stdout[-2000:] + query.stderr[-2000:]
-        # curl's JSON (no newline after it), then the openai client's text (random weights: any text).
+        # curl's JSON (no newline after it), then the openai client's text (the trained default's continuation).
         completion, end = json.JSONDecoder().raw_decode(query.stdout)
         assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 16
         assert query.stdout[end:].strip(), query.stdout + query.stderr

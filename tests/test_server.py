@@ -861,7 +861,7 @@ COMPLETION_BAD = [
     ({"prompt": "Hi", "seed": 2**70}, "seed"),
     ({"prompt": "Hi", "stop": 5}, "stop"),
     ({"prompt": "Hi", "stop": [""]}, "stop"),
-    ({"prompt": "Hi", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"prompt": "Hi", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"prompt": "Hi", "stop_token_ids": "1"}, "stop_token_ids"),
     ({"prompt": "Hi", "ignore_eos": "no"}, "ignore_eos"),
     ({"prompt": "Hi", "stream": "yes"}, "stream"),

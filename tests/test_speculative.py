@@ -151,6 +151,21 @@ def test_a_stop_inside_accepted_drafts_ends_the_request_there(runners, loaded):
         engine.shutdown()
 
 
+def test_a_stop_string_inside_accepted_drafts_ends_the_text_there_through_http(runners, loaded):
+    texts = {}
+    for k in (None, 3):
+        with serving(runners[k], loaded, **_knobs(k)) as served:
+            body = {"prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0}
+            full = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            stop = full[len(full) // 2 : len(full) // 2 + 3]  # a piece of the text's middle
+            choice = httpx.post(f"{served.url}/v1/completions", json={**body, "stop": [stop]}, timeout=120).json()
+            wait_for(lambda: settled(served.engine), 5, "the requests to finish")
+        texts[k] = (full, stop, choice["choices"][0]["text"], choice["choices"][0]["finish_reason"])
+    full, stop, text, reason = texts[3]
+    assert texts[3] == texts[None]
+    assert (text, reason) == (full[: full.index(stop)], "stop")
+
+
 def test_no_page_or_slot_leaks_after_random_requests_with_aborts_and_stops(runners, loaded):
     rng = random.Random(11)
     vocab = loaded.config.vocab_size
