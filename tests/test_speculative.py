@@ -10,6 +10,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jax
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
@@ -64,11 +65,19 @@ BUCKETS = Buckets(
 def runners(loaded):
     """A compiled runner per k (None: no drafts), all on the same weights."""
     built = {}
-    for k in (None, 1, 2, 3):
-        cfg = _config(k)
-        runner = ModelRunner(loaded.config, loaded.weights, kv_geometry(cfg, loaded.config), make_mesh(1, 1), BUCKETS)
-        runner.warmup()
-        built[k] = runner
+    # Compiled without the persistent cache: in the full suite (never alone, nor in benchmarks/speculative.py, nor
+    # in `jaxserve generate --speculative-config`) jax's cache write of one of these executables segfaulted twice, after ~690 tests in one
+    # process; reported in the closing note of issue 28, not understood yet.
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        for k in (None, 1, 2, 3):
+            cfg = _config(k)
+            geometry = kv_geometry(cfg, loaded.config)
+            runner = ModelRunner(loaded.config, loaded.weights, geometry, make_mesh(1, 1), BUCKETS)
+            runner.warmup()
+            built[k] = runner
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
     return built
 
 
