@@ -1,5 +1,6 @@
 """Test set-up: 8 fake CPU devices and JAX's persistent compilation cache, both before JAX starts."""
 
+import gc
 import logging
 import os
 import sys
@@ -28,3 +29,14 @@ def _root_logging_restored():
     handlers, level = list(root.handlers), root.level
     yield
     root.handlers[:], root.level = handlers, level
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _executables_released():
+    """Each live XLA:CPU executable keeps its JIT code in a few anonymous memory mappings; in one process the whole
+    suite's executables passed the kernel's vm.max_map_count (65530) and compiling the next one aborted or segfaulted
+    in XLA (CI, ~690 tests in). A finished module's runners and jit caches are let go here, so that maps and memory
+    stay within one module's needs."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -10,7 +10,6 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import jax
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
@@ -65,23 +64,11 @@ BUCKETS = Buckets(
 def runners(loaded):
     """A compiled runner per k (None: no drafts), all on the same weights."""
     built = {}
-    # Never written to the persistent compilation cache: in the full suite (never alone, nor in
-    # benchmarks/speculative.py, nor in `jaxserve generate --speculative-config`) jax's cache write of one of these
-    # executables segfaulted, three times, after ~690 tests in one process; reported on issue 28, not understood.
-    thresholds = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
-    saved = {name: getattr(jax.config, name) for name in thresholds}
-    for name in thresholds:
-        jax.config.update(name, 10**12)
-    try:
-        for k in (None, 1, 2, 3):
-            cfg = _config(k)
-            geometry = kv_geometry(cfg, loaded.config)
-            runner = ModelRunner(loaded.config, loaded.weights, geometry, make_mesh(1, 1), BUCKETS)
-            runner.warmup()
-            built[k] = runner
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
+    for k in (None, 1, 2, 3):
+        cfg = _config(k)
+        runner = ModelRunner(loaded.config, loaded.weights, kv_geometry(cfg, loaded.config), make_mesh(1, 1), BUCKETS)
+        runner.warmup()
+        built[k] = runner
     return built
 
 
