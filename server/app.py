@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from importlib.metadata import version as package_version
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine import Engine
@@ -27,6 +27,28 @@ from jaxserve.server.stats_log import log_stats_forever
 from jaxserve.server.tokenize import router as tokenize_router
 
 JAXSERVE_VERSION = package_version("jaxserve")
+
+# Routes read the app's state from the request and close over nothing: FastAPI caches facts about each endpoint
+# function process-wide, so an endpoint that closed over one app's state kept its engine (and the compiled steps)
+# alive after the app was gone.
+operations_router = APIRouter()
+
+
+# /ping is SageMaker's /health (GET and POST, as vLLM serves it); both stay open, as /version and /metrics do.
+@operations_router.get("/health")
+@operations_router.api_route("/ping", methods=["GET", "POST"])
+async def health() -> Response:
+    return JSONResponse({"status": "ok"})  # the gate answers 503 while loading or draining
+
+
+@operations_router.get("/version")
+async def version() -> dict:
+    return {"version": JAXSERVE_VERSION}
+
+
+@operations_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.server.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 def create_app(
@@ -54,24 +76,11 @@ def create_app(
     app.include_router(router)
     app.include_router(sagemaker_router)
     app.include_router(tokenize_router)
+    app.include_router(operations_router)
     # add_middleware puts each one outside the ones before it: the access log sees every answer, the guards' too.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(LoadingGate, state=state)
     if config.access_log:
         app.add_middleware(AccessLog)
-
-    # /ping is SageMaker's /health (GET and POST, as vLLM serves it); both stay open, as /version and /metrics do.
-    @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})  # the gate answers 503 while loading or draining
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": JAXSERVE_VERSION}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app

@@ -99,7 +99,7 @@ def test_the_shipped_weights_have_the_model_cards_held_out_perplexity(tokens):
 
 def test_the_training_script_reproduces_its_logged_first_steps(tokens):
     """Three steps from the seed, on the same data, give the losses the committed log starts with (the full run is
-    `python -m training.train_default`, about 40 minutes on 2 CPU cores)."""
+    `python -m training.train_default`, about 55 minutes on 2 CPU cores)."""
     cfg = config_from_dict(model_config(), dtype="float32").with_mtp(1)
     logged = {r["step"]: r for r in _log() if "step" in r}
     records: list[dict] = []
