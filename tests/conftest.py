@@ -13,6 +13,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The suite's workers (pytest-xdist, pyproject.toml) share the cache: an entry read while another worker still writes
+# it fails to decompress, and jax then compiles it (a warning), so the sharing costs at most a compile.
 _CACHE = os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", str(Path.home() / ".cache" / "jaxserve" / "xla-tests"))
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
