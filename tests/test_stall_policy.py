@@ -195,3 +195,22 @@ def test_with_mixed_steps_the_decode_rows_come_out_of_the_stall_budgets_chunk_to
     stall.note_decoded()
     plan = scheduler.schedule()
     assert plan.kind is StepKind.MIXED and prefill.budgets[-1] == 80 - StubDecode.max_num_seqs
+
+
+@pytest.mark.parametrize("inflight_decodes, budget", [(False, 32), (True, 256)])
+def test_a_step_in_flight_that_decodes_restarts_the_wait_at_its_end(inflight_decodes, budget):
+    """Mixed steps under a stall budget: the step in flight carries the decode rows, so every running request gets a
+    token when it ends and the next chunk has the whole budget from there. Counted from the token before it, the
+    next chunk would be cut for a wait that the step in flight ends (the stall row's chunks shrank with mixing on)."""
+    clock = FakeClock()
+    stall = DecodeStallPolicy(300, page_size=16, min_chunk_tokens=16, clock=clock)
+    prefill = StubPrefill()
+    scheduler = Scheduler(prefill, StubDecode(), [stall, MixedSteps()])
+    warm(stall)  # 1 ms per prompt token, 10 ms per decode step
+    stall.note_decoded()  # the last token came at t=0
+    clock.now = 0.01
+    stall.note_inflight(0.25, decodes=inflight_decodes)  # a 240-token step in flight, ending at t=250 ms
+    plan = scheduler.schedule()
+    # Waiting since t=0: 300 - 250 - 10 ms decode leave 40 tokens, 32 page-aligned. Waiting since t=250 ms: 300 - 10
+    # ms leave 290 tokens, more than a pure chunk's 256. The mixed step's 4 decode rows come out of either.
+    assert plan.kind is StepKind.MIXED and prefill.budgets[-1] == budget - StubDecode.max_num_seqs

@@ -43,6 +43,7 @@ class DecodeStallPolicy(StepPolicy):
         self.decode_step_s: float = 0.0  # learned
         self.waiting_since: float | None = None  # oldest latest-token time among runnable decodes
         self.inflight_until: float | None = None  # predicted end of a step already dispatched
+        self.inflight_decodes = False  # whether that step gives every runnable request a token (decode or mixed)
         # After a decode step, the next step may always prefill at least the floor: a budget tighter than one step
         # must slow prefill down, never stop it (a request that never prefills never starts).
         self.prefill_owed = False
@@ -55,7 +56,8 @@ class DecodeStallPolicy(StepPolicy):
         if plan is None or device_start is None:
             self.note_inflight(None)
         else:
-            self.note_inflight(device_start + self.predicted_seconds(plan.num_tokens, bool(plan.prefill)))
+            predicted_end = device_start + self.predicted_seconds(plan.num_tokens, bool(plan.prefill))
+            self.note_inflight(predicted_end, decodes=bool(plan.decode))
 
     def on_step_done(self, plan: StepPlan, seconds: float, decoding: bool) -> None:
         if plan.prefill:
@@ -104,9 +106,11 @@ class DecodeStallPolicy(StepPolicy):
             return num_tokens * (self.prefill_s_per_token or 0.0)
         return self.decode_step_s
 
-    def note_inflight(self, predicted_end: float | None) -> None:
-        """A step is dispatched and will end around `predicted_end` (None: nothing in flight)."""
+    def note_inflight(self, predicted_end: float | None, decodes: bool = False) -> None:
+        """A step is dispatched and will end around `predicted_end` (None: nothing in flight); `decodes`: it carries
+        a token of every runnable request (a decode step, or a mixed step's decode rows)."""
         self.inflight_until = predicted_end
+        self.inflight_decodes = decodes and predicted_end is not None
 
     # ---- decisions -----------------------------------------------------------------------------------------
     def prefill_token_limit(self, budget_tokens: int) -> int:
@@ -116,7 +120,9 @@ class DecodeStallPolicy(StepPolicy):
             return budget_tokens
         now = self.clock()
         start = max(now, self.inflight_until or now)  # the next step starts after the one in flight
-        slack = self.waiting_since + self.budget_s - start - self.decode_step_s
+        # A step in flight that decodes ends every wait at its end: the next step's budget starts there.
+        waiting_since = max(self.waiting_since, start) if self.inflight_decodes else self.waiting_since
+        slack = waiting_since + self.budget_s - start - self.decode_step_s
         fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
         if fits >= budget_tokens:
             return budget_tokens
