@@ -151,6 +151,7 @@ class Result:
     victim_wall_vs_unset: float | None
     gen_tok_s_vs_unset: float | None
     attacker_ttft_vs_unset: float | None
+    t_chunk_vs_unset: float | None
     gaps: list[tuple[float, float]] = field(default_factory=list)  # (time since victim start, gap), one run
 
 
@@ -288,7 +289,9 @@ def attacker_length(args: argparse.Namespace) -> int:
     return args.attacker_chunks * args.chunk - args.chunk // 2
 
 
-def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int) -> Run:
+def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int, attack_seed: int) -> Run:
+    """One victim, attacked by a prompt of `attack_seed`: a new one each round, so no attack is a prefix-cache hit of
+    the one before it on the same server."""
     victim_stamps: list[float] = []
     attacker_stamps: list[float] = []
     start = time.perf_counter()
@@ -301,7 +304,7 @@ def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int) -> 
         while len(victim_stamps) < args.attacker_after and victim.is_alive():
             time.sleep(0.001)  # the attacker arrives while the victim is streaming
         attacker_start = time.perf_counter()
-        stream(server.url, token_prompt(attacker_length(args), 2, vocab), 3, attacker_stamps)
+        stream(server.url, token_prompt(attacker_length(args), attack_seed, vocab), 3, attacker_stamps)
     victim.join()
     time.sleep(0.05)  # the last step's log line
     prefill = server.prefill_steps_since(attacker_start) if row.attacker else []
@@ -358,6 +361,7 @@ def summarise(row: Row, runs: list[Run], unset: list[Run] | None, big_gap: float
         victim_wall_vs_unset=vs_unset(lambda r: r.victim_wall / r.pace),
         gen_tok_s_vs_unset=vs_unset(lambda r: r.gen_tok_s * r.pace),
         attacker_ttft_vs_unset=vs_unset(lambda r: r.attacker_ttft),
+        t_chunk_vs_unset=vs_unset(lambda r: r.t_chunk) if attacked else None,
         gaps=[(float(t - middle.start), float(g)) for t, g in zip(middle.victim_stamps[1:], middle.gaps)],
     )
 
@@ -412,6 +416,10 @@ def checks(results: list[Result], rows: dict[str, Row]) -> list[str]:
             )
         if "mixed" in r.flag:  # the victim advances in every step: no gap spans two (information: the check above)
             lines.append(f"- info {r.flag}: worst gap = {r.max_gap_vs_own_step:.2f} x the step that ended it")
+        if r.flag not in ("alone", "unset") and row.attacker:
+            # An unmixed row's chunk steps are the same work as unset's: a difference is its server process running
+            # faster or slower than unset's (a mixed row's shows what its mixed step costs besides).
+            lines.append(f"- info {r.flag}: chunk step {r.t_chunk_vs_unset:+.1%} vs unset's, same round")
         if r.flag not in ("alone", "unset"):
             check(
                 abs(r.gen_tok_s_vs_unset) <= 0.05,
@@ -552,9 +560,9 @@ def main() -> None:
         # T for the stall rows: 3x the chunk time the flagless server measures, attacked alone three times.
         flagless = server_for(make_row("unset", 0))
         chunk_times = []
-        for _ in range(3):
+        for seed in range(3):
             since = time.perf_counter()
-            stream(flagless.url, token_prompt(attacker_length(args), 2, vocab), 3, [])
+            stream(flagless.url, token_prompt(attacker_length(args), 1000 + seed, vocab), 3, [])
             time.sleep(0.05)
             chunk_times += [s for _, n, s in flagless.prefill_steps_since(since) if n == args.chunk]
         t_chunk = statistics.median(chunk_times)
@@ -570,7 +578,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             shift = round_index % len(rows)
             for row in rows[shift:] + rows[:shift]:
-                runs[row.name].append(run_once(servers[row.flags], args, row, vocab))
+                runs[row.name].append(run_once(servers[row.flags], args, row, vocab, attack_seed=2 + round_index))
             print(f"round {round_index + 1}/{args.rounds} done at {time.perf_counter() - began:.0f} s", flush=True)
     finally:
         for server in servers.values():
@@ -619,7 +627,10 @@ def main() -> None:
         "victim gap), which cancels the machine's speed drift; the checks below pair runs by round the same "
         "way (the attacker's TTFT, all prefill, is compared in seconds). `worst gap x the step that ended it`: each "
         "victim gap since the attack over the logged step whose line came nearest its token, the worst of a run "
-        "(median over rounds): one step per gap whatever the machine's speed at that moment gives about 1."
+        "(median over rounds): one step per gap whatever the machine's speed at that moment gives about 1. "
+        "`chunk step vs unset's`: each server is its own process, and a process can run at its own speed (in two "
+        "21-round runs one server, of a different row each time, ran its chunk steps about 30% faster from its "
+        "fourth round on); this shows it, and the comparisons of that row with unset move with it."
     )
     markdown = "\n".join([setup, "", table(results), "", legend, "", *verdicts])
     write_results("interleave", records, markdown)
