@@ -51,7 +51,7 @@ from jaxserve.model.cache import cache_nbytes, storage_dtype
 from jaxserve.model.sharding import make_mesh, vocab_padding_line
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner, build_runner
-from jaxserve.runner.group import GroupLost, ProcessGroup, join
+from jaxserve.runner.group import CompiledEverywhere, GroupLost, ProcessGroup, join
 from jaxserve.runner.mirror import CallLog, Follower
 from jaxserve.runner.plan import (
     give_the_allocator,
@@ -459,6 +459,7 @@ def lead(engine: Engine, group: ProcessGroup, group_cfg: GroupConfig) -> None:
     runner = engine.runner
     assert isinstance(runner, ModelRunner)  # build_engine's
     runner.mirror = CallLog(group.channel)
+    runner.compile_sync = CompiledEverywhere(group, group_cfg.distributed_timeout)
     engine.fatal_step_errors = True
     group.watch(engine.fail, engine.waiting_since, group_cfg.distributed_step_timeout)
 
@@ -497,6 +498,7 @@ def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, inte
     0's order, and replay process 0's device calls until it stops (exit 0) or the group is lost (exit 1)."""
     _prepare(cfg, group)
     runner, _ = load_runner(cfg, skip_tokenizer=True)  # the text side is process 0's
+    runner.compile_sync = CompiledEverywhere(group, group_cfg.distributed_timeout)
     stopping = threading.Event()
 
     def lost(why: str) -> None:

@@ -939,7 +939,9 @@ class GroupConfig:
     distributed_timeout: float = field(
         default=300.0,
         metadata=flag(
-            float, "seconds a process waits at start-up for the whole group to join before it exits with an error"
+            float,
+            "seconds a process waits at start-up for the whole group to join, and process 0 for every process to "
+            "compile a step shape before its first run, before it exits with an error",
         ),
     )
     distributed_step_timeout: float = field(

@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import pickle
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from jaxserve.cli.main import build_engine, engine_config, parse
 from jaxserve.config import ConfigError, GroupConfig
 from jaxserve.request import SamplingParams
 from jaxserve.runner import ModelRunner
-from jaxserve.runner.group import CoordinationChannel, GroupLost, ProcessGroup
+from jaxserve.runner.group import CompiledEverywhere, CoordinationChannel, GroupLost, ProcessGroup
 from jaxserve.runner.mirror import CallLog, Follower, ForwardCall
 
 PARALLEL = ["--tensor-parallel-size", "2", "--expert-parallel-size", "4"]
@@ -257,14 +258,23 @@ class QueueChannel:
 def test_a_follower_fed_only_process_0s_calls_ends_with_process_0s_device_state():
     """In one process: the leader's engine serves (prefill and decode steps, greedy, sampled and penalized rows,
     the warm-ups' padding runs) while its calls go into a log; a second runner replaying that log ends with the same
-    cache and slot tokens, bit for bit. A call replayed out of turn is refused."""
+    cache and slot tokens, bit for bit. A call replayed out of turn is refused. The leader runs no step shape before
+    the follower said it compiled it (its first run is its first collectives, which gloo gives a peer 30 s to join)."""
     _, args = parse(SMALL)
     engine, loaded = build_engine(engine_config(args))
     leader = engine.runner
     assert isinstance(leader, ModelRunner)
     replica = ModelRunner(leader.cfg, loaded.weights, leader.geometry, leader.mesh, leader.buckets)
-    channel = QueueChannel()
+    channel, client = QueueChannel(), FakeClient(2)
     leader.mirror = CallLog(channel)
+    leader.compile_sync = CompiledEverywhere(ProcessGroup(client, 0, 2), timeout_s=0.1)
+    replica.compile_sync = CompiledEverywhere(ProcessGroup(client, 1, 2), timeout_s=0.1)
+    first = leader.buckets.shapes()[0].key  # warmup()'s first
+    with pytest.raises(GroupLost, match=f"process 1 did not compile step shape {re.escape(first)} within 0.1 s"):
+        leader.warmup()
+    assert channel.sent == [] and not client.store  # nothing ran, and process 0 says nothing of its compiles
+    replica.compile_ahead()
+    assert len(client.store) == len(leader.buckets.shapes())
     leader.warmup()
     engine.start()
     try:
@@ -312,6 +322,11 @@ class FakeClient:
 
     def key_value_set_bytes(self, key, value):
         self.store[key] = value
+
+    key_value_set = key_value_set_bytes
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.blocking_key_value_get_bytes(key, timeout_ms)
 
     def key_value_delete(self, key):
         del self.store[key]

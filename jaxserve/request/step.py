@@ -209,6 +209,11 @@ class StepShape:
     def __str__(self) -> str:
         return " + ".join(f"{'decode' if decode else 'prefill'} {group}" for group, decode in self.groups)
 
+    @property
+    def key(self) -> str:
+        """A name without spaces, the same in every process (the process group's compile keys)."""
+        return str(self).replace(" ", "")
+
 
 @dataclass(frozen=True)
 class StepLimits:

@@ -97,6 +97,17 @@ class CallLog:
         self.pending = []
 
 
+class CompileSync(Protocol):
+    """A step shape's first run is its first collectives, and the other processes must reach them in time (jax's
+    CPU collectives give a peer 30 s): process 0 runs a shape only once every process has compiled it."""
+
+    def compiled(self, key: str) -> None:
+        """This process has compiled the shape named `key` (said by every process but 0)."""
+
+    def wait_compiled(self, key: str) -> None:
+        """Return once every other process has compiled it (process 0, before the shape's first run)."""
+
+
 class Replayer(Protocol):
     """What a follower replays calls on (jaxserve.runner.ModelRunner)."""
 

@@ -49,7 +49,7 @@ from jaxserve.request.step import (
     StepShape,
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
-from jaxserve.runner.mirror import Call, CallLog, ForwardCall, ResetCall, SampleCall
+from jaxserve.runner.mirror import Call, CallLog, CompileSync, ForwardCall, ResetCall, SampleCall
 from jaxserve.runner.progress import progress
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
 from jaxserve.runner.speculative import (
@@ -325,6 +325,7 @@ class ModelRunner:
         # Multi-controller serving (jaxserve.runner.mirror): on process 0, the log its device calls go into for the
         # other processes; on the others, each replayed forward's logits and routes until its sampler call.
         self.mirror: CallLog | None = None
+        self.compile_sync: CompileSync | None = None  # in a group: no shape runs before every process compiled it
         self._next_forward = 0  # forwards launched so far, each process counting its own
         self._replayed: dict[int, tuple[tuple[jax.Array, ...], tuple[TokenRoutes, ...]]] = {}
 
@@ -487,6 +488,8 @@ class ModelRunner:
                 found = self._executables.get(shape)
                 if found is None:
                     found = self._executables[shape] = self._compile(shape)
+                    if self.compile_sync is not None:
+                        self.compile_sync.compiled(shape.key)
         return found
 
     def compile_ahead(self, stop: Callable[[], bool] | None = None) -> None:
@@ -533,6 +536,8 @@ class ModelRunner:
                 return
             t0 = time.perf_counter()
             compiled = self._executables_for(shape)
+            if self.compile_sync is not None:
+                self.compile_sync.wait_compiled(shape.key)
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
             padding = [_Group((), group, decode) for group, decode in shape.groups]
