@@ -416,7 +416,7 @@ def checks(results: list[Result], rows: dict[str, Row]) -> list[str]:
             )
         if "mixed" in r.flag:  # the victim advances in every step: no gap spans two (information: the check above)
             lines.append(f"- info {r.flag}: worst gap = {r.max_gap_vs_own_step:.2f} x the step that ended it")
-        if r.flag not in ("alone", "unset") and row.attacker:
+        if r.flag != "unset" and row.attacker:
             # An unmixed row's chunk steps are the same work as unset's: a difference is its server process running
             # faster or slower than unset's (a mixed row's shows what its mixed step costs besides).
             lines.append(f"- info {r.flag}: chunk step {r.t_chunk_vs_unset:+.1%} vs unset's, same round")

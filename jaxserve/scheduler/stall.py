@@ -121,8 +121,8 @@ class DecodeStallPolicy(StepPolicy):
         now = self.clock()
         start = max(now, self.inflight_until or now)  # the next step starts after the one in flight
         # A step in flight that decodes ends every wait at its end: the next step's budget starts there.
-        waiting_since = max(self.waiting_since, start) if self.inflight_decodes else self.waiting_since
-        slack = waiting_since + self.budget_s - start - self.decode_step_s
+        wait_from = start if self.inflight_decodes else self.waiting_since
+        slack = wait_from + self.budget_s - start - self.decode_step_s
         fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
         if fits >= budget_tokens:
             return budget_tokens
