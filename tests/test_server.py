@@ -714,11 +714,17 @@ def test_a_repeated_prompt_hits_the_prefix_cache_in_usage_and_metrics(server, ht
 
 def test_the_access_log_counts_each_prompt_of_a_batch_once(http, caplog):
     body = {"prompt": [[5, 6, 7], [8, 9, 10, 11, 12]], "n": 2, "max_tokens": 3, "ignore_eos": True}
+
+    def lines() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if r.name == "jaxserve.access" and "/v1/completions" in r.getMessage()
+        ]
+
     with caplog.at_level("INFO", logger="jaxserve.access"):
         assert http.post("/v1/completions", json=body).status_code == 200
-    (line,) = [
-        r.getMessage() for r in caplog.records if r.name == "jaxserve.access" and "/v1/completions" in r.getMessage()
-    ]
+        # the server writes the line after the response's last byte went out: the client can read it first
+        wait_for(lambda: lines(), SETTLE_S, "the access log's line")
+    (line,) = lines()
     assert "prompt_tokens=8 completion_tokens=12 " in line, line
 
 
