@@ -717,7 +717,9 @@ def test_the_access_log_counts_each_prompt_of_a_batch_once(http, caplog):
 
     def lines() -> list[str]:
         return [
-            r.getMessage() for r in caplog.records if r.name == "jaxserve.access" and "/v1/completions" in r.getMessage()
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "jaxserve.access" and "/v1/completions" in r.getMessage()
         ]
 
     with caplog.at_level("INFO", logger="jaxserve.access"):
