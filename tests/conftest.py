@@ -9,11 +9,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# Compiling, not running, is most of a cold suite's time: LLVM's optimizations of the tiny models' CPU code cost ~40%
-# of each compile and repay little at these sizes. XLA's own passes (fusion, sharding, layouts) are unchanged, so the
-# programs under test are the same; the flag reaches the CLI processes the tests start through the environment.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
