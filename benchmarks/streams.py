@@ -3,9 +3,10 @@ policy.
 
 A client sends 64 streamed `/v1/completions` requests (`ignore_eos`, a fixed `max_tokens`, greedy), keeping 16 in
 flight: it starts the next request when one ends. The prompts are 16 to 300 random words of a small English
-vocabulary, drawn with a fixed seed: every row and round gets the same ones. Every streamed chunk's arrival time is
-recorded. Each row is one `jaxserve serve --max-num-seqs 16 --dtype float32` process on the embedded default
-checkpoint, with the row's scheduling flags (the ROWS table below).
+vocabulary, drawn with a fixed seed per round: every row of a round gets the same ones, and each round new ones (a
+prompt a server has seen would be a prefix-cache hit). Every streamed chunk's arrival time is recorded. Each row is
+one `jaxserve serve --max-num-seqs 16 --dtype float32` process on the embedded default checkpoint, with the row's
+scheduling flags (the ROWS table below).
 
 Per row, medians over the rounds of:
 - the inter-token gaps (consecutive chunks of one request, after its first token) of all requests: median, p99, max;
@@ -127,8 +128,8 @@ def pure_chunk_steps(server: Server, since: float, chunk: int) -> list[float]:
     ]
 
 
-def make_prompts(count: int) -> list[str]:
-    rng = np.random.default_rng(PROMPT_SEED)
+def make_prompts(count: int, round_index: int) -> list[str]:
+    rng = np.random.default_rng(PROMPT_SEED + round_index)
     return [" ".join(rng.choice(WORDS, n)) for n in rng.integers(MIN_WORDS, MAX_WORDS + 1, count)]
 
 
@@ -288,8 +289,8 @@ def main() -> None:
     server_cpus, client_cpus = split_cpus(args.pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)
-    prompts = make_prompts(args.requests)
-    max_model_len = model_len_for(prompts, args.max_tokens, args.chunk)
+    prompts = [make_prompts(args.requests, i) for i in range(args.rounds)]
+    max_model_len = model_len_for([p for round_prompts in prompts for p in round_prompts], args.max_tokens, args.chunk)
     servers: dict[str, Server] = {}
     try:
         for name in args.rows:
@@ -303,7 +304,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             shift = round_index % len(args.rows)
             for name in args.rows[shift:] + args.rows[:shift]:
-                runs[name].append(run_workload(servers[name], prompts, args))
+                runs[name].append(run_workload(servers[name], prompts[round_index], args))
             print(f"round {round_index + 1}/{args.rounds} done at {time.perf_counter() - began:.0f} s", flush=True)
     finally:
         for server in servers.values():
