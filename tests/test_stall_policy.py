@@ -214,3 +214,28 @@ def test_a_step_in_flight_that_decodes_restarts_the_wait_at_its_end(inflight_dec
     # Waiting since t=0: 300 - 250 - 10 ms decode leave 40 tokens, 32 page-aligned. Waiting since t=250 ms: 300 - 10
     # ms leave 290 tokens, more than a pure chunk's 256. The mixed step's 4 decode rows come out of either.
     assert plan.kind is StepKind.MIXED and prefill.budgets[-1] == budget - StubDecode.max_num_seqs
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [
+        # One size seen: no fixed cost can be told apart, seconds per token through the origin (37.5 ms / 8 tokens
+        # predict 4.7 ms a token: 90 ms fit 19 tokens, under the 64-token floor): a decode first, the safe side.
+        ([(8, 0.0375)], ("D", None)),
+        # Two sizes: 35 ms fixed + 0.3 ms a token. 90 ms fit (90 - 35) / 0.3 = 183 tokens, 176 page-aligned (seconds
+        # per token averaged over both steps would have fit 24 tokens: a decode).
+        ([(8, 0.0374), (40, 0.047)], ("P", 176)),
+        # Only full chunks: per token through the origin, as before (0.4 ms a token: 225 tokens, 224 aligned).
+        ([(256, 0.1024)] * 3, ("P", 224)),
+    ],
+)
+def test_a_prefill_steps_fixed_cost_is_learned_apart_from_its_cost_per_token(steps, expected):
+    """A short prompt's step is mostly fixed cost (weights, launch): seconds per token measured on it made a long
+    prompt's next chunks look many times dearer than they are, and the stall budget cut them for nothing."""
+    scheduler, stall, prefill, _, clock = make(100)
+    for tokens, seconds in steps:
+        stall.observe_prefill(tokens, seconds)
+    stall.observe_decode(0.010)
+    stall.note_decoded()  # decodes wait from t=0: 100 ms - 10 ms decode leave 90 ms of prefill
+    plan = scheduler.schedule()
+    assert (letter(plan), prefill.budgets[-1] if plan.kind is StepKind.PREFILL else None) == expected

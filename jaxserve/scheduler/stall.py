@@ -1,7 +1,8 @@
 """`--max-decode-stall-ms T`: prefill keeps priority, but a runnable decode never waits longer than T.
 
-A pure object with an injected clock. It predicts the next prefill step's cost from measured per-token
-prefill cost (an exponential moving average that adapts as it runs) and counts the step already in flight.
+A pure object with an injected clock. It predicts the next prefill step's cost from the prefill steps measured so
+far, as a fixed cost plus a cost per token (`PrefillCost`: a least-squares fit in which older steps weigh less, so it
+adapts as it runs), and counts the step already in flight.
 When the next prefill step would break the budget it either shrinks that step (adaptive chunking: the largest
 page-aligned token count that still fits, if at least `min_chunk_tokens`) or asks for a decode step.
 
@@ -16,6 +17,53 @@ from collections.abc import Callable
 
 from jaxserve.request.step import ForcedBy, StepPlan
 from jaxserve.scheduler.policy import StepPolicy
+
+
+class PrefillCost:
+    """A prefill step's seconds as `fixed + per_token * tokens`, fitted by least squares over the steps observed,
+    each older step weighing `1 - forgetting` times less. A step has a fixed cost (weights read once, launch), so
+    seconds per token measured on a short prompt's step would make a long prompt's chunk look many times dearer than
+    it is. Until the steps seen differ enough in size to tell the two costs apart, the fit has no fixed part (seconds
+    per token, through the origin), which overestimates long steps after short ones: the safe side of a stall budget.
+    """
+
+    def __init__(self, forgetting: float):
+        self.forgetting = forgetting
+        # Weighted sums of 1, n, n^2, t and n*t over the observed steps (n tokens, t seconds).
+        self.w = self.n = self.nn = self.t = self.nt = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.nn > 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        keep = 1 - self.forgetting
+        self.w = keep * self.w + 1
+        self.n = keep * self.n + num_tokens
+        self.nn = keep * self.nn + num_tokens * num_tokens
+        self.t = keep * self.t + seconds
+        self.nt = keep * self.nt + num_tokens * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token); (0, 0) before any observation."""
+        if not self.known:
+            return 0.0, 0.0
+        spread = self.w * self.nn - self.n * self.n  # the sizes' weighted variance, times w^2
+        if spread > 0.01 * self.w * self.nn:  # sizes differ by more than ~10% (std/rms): both costs are identifiable
+            per_token = (self.w * self.nt - self.n * self.t) / spread
+            fixed = (self.t - per_token * self.n) / self.w
+            if per_token > 0 and fixed >= 0:
+                return fixed, per_token
+        return 0.0, self.nt / self.nn
+
+    def seconds(self, num_tokens: int) -> float:
+        fixed, per_token = self.fit()
+        return fixed + per_token * num_tokens
+
+    def tokens_within(self, seconds: float) -> int:
+        """The most tokens one step may carry to take at most `seconds` (0 when not even the fixed cost fits)."""
+        fixed, per_token = self.fit()
+        return int((seconds - fixed) / per_token) if seconds > fixed and per_token > 0 else 0
 
 
 class DecodeStallPolicy(StepPolicy):
@@ -39,7 +87,7 @@ class DecodeStallPolicy(StepPolicy):
         self.adaptive_chunks = adaptive_chunks
         self.clock = clock
         self.smoothing = smoothing
-        self.prefill_s_per_token: float | None = None  # learned
+        self.prefill_cost = PrefillCost(forgetting=smoothing)  # learned
         self.decode_step_s: float = 0.0  # learned
         self.waiting_since: float | None = None  # oldest latest-token time among runnable decodes
         self.inflight_until: float | None = None  # predicted end of a step already dispatched
@@ -77,7 +125,7 @@ class DecodeStallPolicy(StepPolicy):
     # ---- observations --------------------------------------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
-            self.prefill_s_per_token = self._smooth(self.prefill_s_per_token, seconds / num_tokens)
+            self.prefill_cost.observe(num_tokens, seconds)
 
     def observe_decode(self, seconds: float) -> None:
         self.decode_step_s = self._smooth(self.decode_step_s or None, seconds)
@@ -102,9 +150,7 @@ class DecodeStallPolicy(StepPolicy):
 
     def predicted_seconds(self, num_tokens: int, prefill: bool) -> float:
         """What a step is expected to take, from what was measured so far (0 before anything was)."""
-        if prefill:
-            return num_tokens * (self.prefill_s_per_token or 0.0)
-        return self.decode_step_s
+        return self.prefill_cost.seconds(num_tokens) if prefill else self.decode_step_s
 
     def note_inflight(self, predicted_end: float | None, decodes: bool = False) -> None:
         """A step is dispatched and will end around `predicted_end` (None: nothing in flight); `decodes`: it carries
@@ -116,14 +162,14 @@ class DecodeStallPolicy(StepPolicy):
     def prefill_token_limit(self, budget_tokens: int) -> int:
         """How many prefill tokens the next step may carry: `budget_tokens` when nobody waits or nothing is
         known yet, fewer to fit the stall budget, or 0 when a decode must come first."""
-        if self.waiting_since is None or self.prefill_s_per_token is None:
+        if self.waiting_since is None or not self.prefill_cost.known:
             return budget_tokens
         now = self.clock()
         start = max(now, self.inflight_until or now)  # the next step starts after the one in flight
         # A step in flight that decodes ends every wait at its end: the next step's budget starts there.
         wait_from = start if self.inflight_decodes else self.waiting_since
         slack = wait_from + self.budget_s - start - self.decode_step_s
-        fits = int(slack / self.prefill_s_per_token) if slack > 0 else 0
+        fits = self.prefill_cost.tokens_within(slack)
         if fits >= budget_tokens:
             return budget_tokens
         aligned = fits - fits % self.page_size
