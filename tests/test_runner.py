@@ -142,3 +142,30 @@ def test_step_limits_grow_with_the_compiled_shapes():
     assert not step_limits(compiled, buckets).mixed  # (1, 64) has no mixed form yet
     compiled |= {mixed(1, 56, 8)}
     assert step_limits(compiled, buckets) == StepLimits(64, 2, 4, mixed_decode_rows=8)
+
+
+def test_a_top_k_row_takes_the_sampler_that_sorts_and_a_batch_without_cuts_the_one_that_does_not(weights, prompts):
+    """Only a batch with a top-k or top-p row sorts the vocabulary (a sampler compiled apart, both at warm-up): at
+    temperature 10, a top_k=1 row still gives the greedy tokens, which it would not through the sampler that skips
+    the cut; a temperature-10 row without a cut spreads over the vocabulary."""
+    counter = CompileCounter()
+    geometry = CacheGeometry(num_slots=2, num_pages=12, page_size=8, max_pages_per_seq=6)
+    runner = ModelRunner(CFG, weights, geometry, make_mesh(1, 1), Buckets((1,), (32,), (2,)))
+    runner.warmup()
+    before = counter.count
+    hot = dict(temperature=10.0, seed=5)
+    kinds = {"greedy": SamplingParams(temperature=0.0), "top_k": SamplingParams(top_k=1, **hot)}
+    kinds["hot"] = SamplingParams(**hot)
+    tokens = {}
+    for name, params in kinds.items():
+        request = Request(name, prompts[0][:20].tolist(), params, slot=0, pages=list(range(6)))
+        row = StepRow.chunk(request, 0, 20)
+        tokens[name] = [runner.run(StepPlan(prefill=(row,))).prefill[0].token_id]
+        request.num_sampled += 1
+        for _ in range(5):
+            request.output_ids.append(tokens[name][-1])
+            tokens[name].append(runner.run(StepPlan.decode_of([request])).decode[0].token_id)
+            request.num_sampled += 1
+    assert counter.count == before, "a call after warm-up compiled"
+    assert tokens["top_k"] == tokens["greedy"]
+    assert tokens["hot"] != tokens["greedy"]

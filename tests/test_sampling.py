@@ -93,6 +93,10 @@ def test_a_row_draws_the_same_token_whatever_its_batch_mates_filter():
         _params(65, temperature=[1.5] * 64 + [1.0], top_k=[-1] * 64 + [3], position=list(range(64)) + [0]),
     )
     np.testing.assert_array_equal(with_filtering_mate[:64], plain)
+    # The runner samples a batch with no cut through the sampler that does not sort: the same tokens.
+    uncut = _params(64, temperature=1.5, position=list(range(64)))
+    assert not uncut.cuts() and _params(65, top_k=[-1] * 64 + [3]).cuts() and _params(2, top_p=[1.0, 0.9]).cuts()
+    np.testing.assert_array_equal(jax.jit(sample, static_argnames="cuts")(logits, uncut, cuts=False), plain)
     greedy_rows = sample_jit(logits, _params(64, temperature=0.0))
     with_sampling_mate = sample_jit(np.concatenate([logits, logits[:1]]), _params(65, temperature=[0.0] * 64 + [1.0]))
     np.testing.assert_array_equal(with_sampling_mate[:64], greedy_rows)

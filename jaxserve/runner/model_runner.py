@@ -206,10 +206,9 @@ class _Group:
 
 @dataclass(frozen=True)
 class _Executables:
-    """One step shape's compiled forward and the compiled sampler of its groups' rows."""
+    """One step shape's compiled forward (its samplers are kept by their groups' rows: ModelRunner._samplers)."""
 
     forward: jax.stages.Compiled  # a verify step's whole step with drafting on (it samples inside)
-    sampler: jax.stages.Compiled | None
     # A verify step's variant for batches whose every row is greedy: no sampling filter, only argmaxes.
     greedy: jax.stages.Compiled | None = None
 
@@ -301,7 +300,7 @@ class ModelRunner:
             donate_argnames=("cache",),
             out_shardings=(self._replicated, self._replicated, self._cache_shardings),
         )
-        self._sampler = jax.jit(self._sampler_fn, out_shardings=self._replicated)
+        self._sampler = jax.jit(self._sampler_fn, static_argnames=("cuts",), out_shardings=self._replicated)
         self._speculate = jax.jit(
             self._speculate_fn,
             static_argnames=("sampled",),
@@ -315,7 +314,8 @@ class ModelRunner:
         self._executables: dict[StepShape, _Executables] = {}
         self._compiled: dict[StepShape, _Executables] = {}
         self._compiling = threading.Lock()
-        self._samplers: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the rows of each group
+        # By the rows of each group and whether some row cuts by top-k / top-p (the sampler that sorts).
+        self._samplers: dict[tuple[tuple[int, ...], bool], jax.stages.Compiled] = {}
         self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
         # limits() of the first _limits_for compiled shapes
         self._limits: StepLimits | None = None
@@ -397,12 +397,13 @@ class ModelRunner:
         penalized: tuple[jax.Array, ...],
         samplings: tuple[SamplingArrays, ...],
         routes: tuple[TokenRoutes, ...],
+        cuts: bool,
     ):
         """Samples from `penalized` (a group's logits after its penalties, or the logits themselves); the logprobs
-        are the raw `logits`'."""
+        are the raw `logits`'. `cuts`: some row has a top-k or top-p cut (see `sample`)."""
         tokens, sampled = [], []
         for group_logits, to_sample, sampling, route in zip(logits, penalized, samplings, routes):
-            group_tokens = sample(to_sample, sampling)
+            group_tokens = sample(to_sample, sampling, cuts)
             slot_tokens = slot_tokens.at[route.store_slot].set(group_tokens, mode="drop")
             tokens.append(group_tokens)
             sampled.append(sampled_logprobs(group_logits, group_tokens))
@@ -471,13 +472,15 @@ class ModelRunner:
         )
         return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
 
-    def _abstract_sampler_args(self, shape: StepShape) -> tuple:
+    def _abstract_sampler_args(self, shape: StepShape, cuts: bool = True) -> tuple:
+        """The sampler's arguments for `shape`'s groups; `cuts` (static): the sampler that sorts, by default (the
+        one that needs more memory)."""
         rows = [group.rows for group, _ in shape.groups]
         slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
         logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
         samplings = tuple(self._abstract_sampling(r) for r in rows)
         routes = tuple(self._abstract_group(group.rows, group.chunk, decode)[1] for group, decode in shape.groups)
-        return slot_tokens, logits, logits, samplings, routes
+        return slot_tokens, logits, logits, samplings, routes, cuts
 
     def _executables_for(self, shape: StepShape) -> _Executables:
         """`shape`'s executables, compiled now unless they are (one compile at a time; a compiled shape never
@@ -512,14 +515,14 @@ class ModelRunner:
                 args = self._abstract_verify_args(shape.decode.rows)
                 return _Executables(
                     self._speculate.lower(*args).compile(),
-                    None,
                     greedy=self._speculate.lower(*args, sampled=False).compile(),
                 )
             forward = self._forward.lower(*self._abstract_forward_args(shape)).compile()
-            sampler = self._samplers.get(rows)
-            if sampler is None:
-                sampler = self._samplers[rows] = self._sampler.lower(*self._abstract_sampler_args(shape)).compile()
-        return _Executables(forward, sampler)
+            for cuts in (False, True):
+                if (rows, cuts) not in self._samplers:
+                    sampler = self._sampler.lower(*self._abstract_sampler_args(shape, cuts)).compile()
+                    self._samplers[rows, cuts] = sampler
+        return _Executables(forward)
 
     def warmup(
         self,
@@ -612,9 +615,9 @@ class ModelRunner:
         if self._verifies(shape):
             raise RuntimeError("device_seconds times plain steps; a verify step's tokens depend on its drafts")
         compiled = self._compiled[shape]
-        assert compiled.sampler is not None  # a plain step's
         inputs, routes, asked, drafting = self._host_inputs(groups)
         samplings = self._sampling_arrays(groups)
+        sampler = self._sampler_for(tuple(group.shape.rows for group in groups), samplings)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -622,7 +625,7 @@ class ModelRunner:
                 logits, _, self.cache = compiled.forward(
                     self.weights, self.cache, self.slot_tokens, inputs, routes, asked, drafting
                 )
-                outputs = compiled.sampler(self.slot_tokens, logits, logits, samplings, routes)
+                outputs = sampler(self.slot_tokens, logits, logits, samplings, routes)
                 self.slot_tokens = outputs[2]
             jax.block_until_ready(outputs)
             times.append((time.perf_counter() - started) / back_to_back)
@@ -704,7 +707,7 @@ class ModelRunner:
         return self._run_sampler(number, logits, routes, samplings, penalties)
 
     def _run_sampler(self, number: int, logits, routes, samplings: tuple[SamplingArrays, ...], penalties):
-        sampler = self._samplers[tuple(group_logits.shape[0] for group_logits in logits)]
+        sampler = self._sampler_for(tuple(group_logits.shape[0] for group_logits in logits), samplings)
         with self._launching:
             if self.mirror is not None:
                 # A group that allows every token sends no mask (None): each process keeps that one on its devices.
@@ -718,6 +721,10 @@ class ModelRunner:
             )
             tokens, sampled, self.slot_tokens = sampler(self.slot_tokens, logits, penalized, samplings, routes)
         return tokens, sampled
+
+    def _sampler_for(self, rows: tuple[int, ...], samplings: tuple[SamplingArrays, ...]) -> jax.stages.Compiled:
+        """The compiled sampler of groups of `rows`: the one that sorts only when some row cuts by top-k / top-p."""
+        return self._samplers[rows, any(s.cuts() for s in samplings)]
 
     def replay(self, call: Call) -> None:
         """Run process 0's `call` on this process's devices (a follower's; jaxserve.runner.mirror)."""

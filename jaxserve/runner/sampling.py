@@ -67,6 +67,10 @@ class SamplingArrays:
         )
         return SamplingArrays(**host)
 
+    def cuts(self) -> bool:
+        """Whether some row has a top-k or top-p cut (host arrays, as `for_rows` makes them): the batch must sort."""
+        return bool(np.any(np.asarray(self.top_k) > 0) or np.any(np.asarray(self.top_p) < 1))
+
 
 def _token_masks(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> Any:
     constrained = [
@@ -161,9 +165,10 @@ def _filter_row(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def processed_logits(logits: jax.Array, params: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+def processed_logits(logits: jax.Array, params: SamplingArrays, cuts: bool = True) -> tuple[jax.Array, jax.Array]:
     """(each row's greedy token [b], its logits as the row samples from them [b, V]: biased, masked, scaled by its
-    temperature, cut by its min-p, top-k and top-p, -inf outside); logits [b, V]."""
+    temperature, cut by its min-p, top-k and top-p, -inf outside); logits [b, V]. `cuts` False (static): no row has
+    a top-k or top-p cut, and the vocabulary is not sorted."""
     logits = logits.astype(F32)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, params.bias_ids].add(params.bias, mode="drop")
@@ -175,7 +180,7 @@ def processed_logits(logits: jax.Array, params: SamplingArrays) -> tuple[jax.Arr
     # min-p: a token whose probability is below min_p times the best one's is out (log 0 = -inf keeps them all).
     best = jnp.max(scaled, axis=-1, keepdims=True)
     scaled = jnp.where(scaled >= best + jnp.log(params.min_p)[:, None], scaled, -jnp.inf)
-    return greedy, jax.vmap(_filter_row)(scaled, params.top_k, params.top_p)
+    return greedy, jax.vmap(_filter_row)(scaled, params.top_k, params.top_p) if cuts else scaled
 
 
 def sampling_keys(params: SamplingArrays) -> jax.Array:
@@ -185,13 +190,15 @@ def sampling_keys(params: SamplingArrays) -> jax.Array:
     )
 
 
-def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingArrays, cuts: bool = True) -> jax.Array:
     """logits [b, V] float32 -> token ids [b] int32.
 
     Every row goes through every path (greedy, the top-k / top-p filter, the draw) and keeps its own: a branch on
-    the batch's contents (`lax.cond`) would make a GPU copy its predicate to the host and wait, every step. A row
-    that filters nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token
-    still does not depend on its batch."""
-    greedy, filtered = processed_logits(logits, params)
+    the batch's contents (`lax.cond`) would make a GPU copy its predicate to the host and wait, every step. Only the
+    filter, which sorts the vocabulary of every row, is left out when the host, which holds the batch's parameters,
+    knows that no row cuts (`cuts` False: a separately compiled sampler, `SamplingArrays.cuts`). A row that filters
+    nothing comes out of the filter unchanged, and a greedy row keeps its argmax, so each row's token still does not
+    depend on its batch."""
+    greedy, filtered = processed_logits(logits, params, cuts)
     sampled = jax.vmap(jax.random.categorical)(sampling_keys(params), filtered).astype(jnp.int32)
     return jnp.where(params.temperature > 0, sampled, greedy)
