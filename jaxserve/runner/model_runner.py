@@ -227,15 +227,18 @@ class PendingStep:
         prompt: tuple[Logprobs | None, ...],
         routes: tuple[TokenRoutes, ...],
         asked: tuple[LogprobInputs, ...],
+        sort: bool = False,
     ):
         self._runner, self._number, self._groups = runner, number, groups
         self._logits, self._prompt, self._routes, self._asked = logits, prompt, routes, asked
+        self._sort = sort
         self._outputs: tuple[GroupOutput, ...] | None = None
 
     def sample(self) -> None:
         if self._outputs is not None:
             return
-        tokens, sampled = self._runner._launch_sampler(self._number, self._groups, self._logits, self._routes)
+        runner = self._runner
+        tokens, sampled = runner._launch_sampler(self._number, self._groups, self._logits, self._routes, self._sort)
         for out in tokens:
             out.copy_to_host_async()  # the copy runs while the host prepares the next step
         self._outputs = tuple(GroupOutput(*out) for out in zip(tokens, sampled, self._prompt))
@@ -545,6 +548,8 @@ class ModelRunner:
             # happens now rather than as a latency spike in the middle of serving.
             padding = [_Group((), group, decode) for group, decode in shape.groups]
             self._launch(shape, padding).result()
+            if not self._verifies(shape):  # and the sampler that sorts, for a batch with a top-k / top-p row
+                self._launch(shape, padding, sort=True).result()
             for group, _ in shape.groups:  # and the penalties' first bucket for its groups
                 self._warm_penalties(group.rows)
             self._compiled[shape] = compiled  # now the engine may use it (a dict store is atomic)
@@ -667,13 +672,14 @@ class ModelRunner:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         return shape
 
-    def _launch(self, shape: StepShape, groups: list[_Group]) -> PendingStep | PendingVerify:
+    def _launch(self, shape: StepShape, groups: list[_Group], sort: bool = False) -> PendingStep | PendingVerify:
+        """`sort`: the warm-up's padding rows sample through the sampler that sorts (see _launch_sampler)."""
         if self._verifies(shape):
             (group,) = groups
             return self._launch_verify(shape, group)
         inputs, routes, asked, drafting = self._host_inputs(groups)
         number, logits, prompt = self._run_forward(shape, inputs, routes, asked, drafting)
-        return PendingStep(self, number, groups, logits, prompt, routes, asked)
+        return PendingStep(self, number, groups, logits, prompt, routes, asked, sort)
 
     def _launch_verify(self, shape: StepShape, group: _Group) -> PendingVerify:
         inputs = self._verify_arrays(group)
@@ -700,9 +706,12 @@ class ModelRunner:
             )
         return number, logits, prompt
 
-    def _launch_sampler(self, number: int, groups: list[_Group], logits, routes):
+    def _launch_sampler(self, number: int, groups: list[_Group], logits, routes, sort: bool = False):
         # Asks the rows' grammars and token counts: after the tokens before these landed.
         samplings = self._sampling_arrays(groups)
+        if sort:  # padding rows (their tokens are dropped) given a top-k, so the sorting sampler runs, here and
+            # in every process that replays the call
+            samplings = tuple(dataclasses.replace(s, top_k=np.ones_like(s.top_k)) for s in samplings)
         penalties = tuple(PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups)
         return self._run_sampler(number, logits, routes, samplings, penalties)
 
