@@ -31,6 +31,7 @@ class PrefillCost:
         self.forgetting = forgetting
         # Weighted sums of 1, n, n^2, t and n*t over the observed steps (n tokens, t seconds).
         self.w = self.n = self.nn = self.t = self.nt = 0.0
+        self.fixed_s = self.per_token_s = 0.0  # the fit, refitted at each observation
 
     @property
     def known(self) -> bool:
@@ -43,11 +44,10 @@ class PrefillCost:
         self.nn = keep * self.nn + num_tokens * num_tokens
         self.t = keep * self.t + seconds
         self.nt = keep * self.nt + num_tokens * seconds
+        self.fixed_s, self.per_token_s = self._fit()
 
-    def fit(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token); (0, 0) before any observation."""
-        if not self.known:
-            return 0.0, 0.0
+    def _fit(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token) from the sums."""
         spread = self.w * self.nn - self.n * self.n  # the sizes' weighted variance, times w^2
         if spread > 0.01 * self.w * self.nn:  # sizes differ by more than ~10% (std/rms): both costs are identifiable
             per_token = (self.w * self.nt - self.n * self.t) / spread
@@ -57,13 +57,14 @@ class PrefillCost:
         return 0.0, self.nt / self.nn
 
     def seconds(self, num_tokens: int) -> float:
-        fixed, per_token = self.fit()
-        return fixed + per_token * num_tokens
+        """0 before any observation."""
+        return self.fixed_s + self.per_token_s * num_tokens
 
     def tokens_within(self, seconds: float) -> int:
         """The most tokens one step may carry to take at most `seconds` (0 when not even the fixed cost fits)."""
-        fixed, per_token = self.fit()
-        return int((seconds - fixed) / per_token) if seconds > fixed and per_token > 0 else 0
+        if seconds <= self.fixed_s or self.per_token_s <= 0:
+            return 0
+        return int((seconds - self.fixed_s) / self.per_token_s)
 
 
 class DecodeStallPolicy(StepPolicy):
