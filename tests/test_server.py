@@ -725,7 +725,7 @@ def test_the_access_log_counts_each_prompt_of_a_batch_once(http, caplog):
     with caplog.at_level("INFO", logger="jaxserve.access"):
         assert http.post("/v1/completions", json=body).status_code == 200
         # the server writes the line after the response's last byte went out: the client can read it first
-        wait_for(lambda: lines(), SETTLE_S, "the access log's line")
+        wait_for(lines, SETTLE_S, "the access log's line")
     (line,) = lines()
     assert "prompt_tokens=8 completion_tokens=12 " in line, line
 
