@@ -711,7 +711,9 @@ class ModelRunner:
         samplings = self._sampling_arrays(groups)
         if sort:  # padding rows (their tokens are dropped) given a top-k, so the sorting sampler runs, here and
             # in every process that replays the call
-            samplings = tuple(dataclasses.replace(s, top_k=np.ones_like(s.top_k)) for s in samplings)
+            # (a host array, as for_rows makes them: hence Any)
+            top_ks: Any = [np.ones_like(s.top_k) for s in samplings]
+            samplings = tuple(dataclasses.replace(s, top_k=top_k) for s, top_k in zip(samplings, top_ks))
         penalties = tuple(PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups)
         return self._run_sampler(number, logits, routes, samplings, penalties)
 
