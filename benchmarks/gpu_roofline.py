@@ -427,8 +427,7 @@ def compiled_text(runner: ModelRunner, shape) -> str:
     """The optimized HLO of one compiled step shape, its forward's and then its samplers' (the one that sorts for
     top-k / top-p and the one that does not; it names the trace's ops). jaxserve has no public accessor for its
     executables, so this reads ModelRunner._compiled and ModelRunner._samplers."""
-    rows = tuple(group.rows for group, _ in shape.groups)
-    samplers = [runner._samplers[rows, cuts].as_text() for cuts in (False, True)]
+    samplers = [runner._samplers[shape.group_rows, cuts].as_text() for cuts in (False, True)]
     return "\n".join([runner._compiled[shape].forward.as_text(), *samplers])
 
 

@@ -206,6 +206,11 @@ class StepShape:
             (group, decode) for group, decode in ((self.prefill, False), (self.decode, True)) if group is not None
         )
 
+    @property
+    def group_rows(self) -> tuple[int, ...]:
+        """Each group's rows, prefill first: what the step's samplers are compiled for."""
+        return tuple(group.rows for group, _ in self.groups)
+
     def __str__(self) -> str:
         return " + ".join(f"{'decode' if decode else 'prefill'} {group}" for group, decode in self.groups)
 

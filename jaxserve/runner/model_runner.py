@@ -478,7 +478,7 @@ class ModelRunner:
     def _abstract_sampler_args(self, shape: StepShape, cuts: bool = True) -> tuple:
         """The sampler's arguments for `shape`'s groups; `cuts` (static): the sampler that sorts, by default (the
         one that needs more memory)."""
-        rows = [group.rows for group, _ in shape.groups]
+        rows = shape.group_rows
         slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
         logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
         samplings = tuple(self._abstract_sampling(r) for r in rows)
@@ -511,7 +511,6 @@ class ModelRunner:
         return bool(self.draft_tokens) and shape.kind is StepKind.DECODE
 
     def _compile(self, shape: StepShape) -> _Executables:
-        rows = tuple(group.rows for group, _ in shape.groups)
         with jax.set_mesh(self.mesh):
             if self._verifies(shape):
                 assert shape.decode is not None  # a decode shape
@@ -522,9 +521,9 @@ class ModelRunner:
                 )
             forward = self._forward.lower(*self._abstract_forward_args(shape)).compile()
             for cuts in (False, True):
-                if (rows, cuts) not in self._samplers:
+                if (shape.group_rows, cuts) not in self._samplers:
                     sampler = self._sampler.lower(*self._abstract_sampler_args(shape, cuts)).compile()
-                    self._samplers[rows, cuts] = sampler
+                    self._samplers[shape.group_rows, cuts] = sampler
         return _Executables(forward)
 
     def warmup(
