@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from . import attention, indexer, moe, quant
+from . import attention, indexer, mhc, moe, quant
 
 log = logging.getLogger("jaxserve.kernels")
 
@@ -37,6 +37,7 @@ class Kernels:
     einsum: Callable  # kernels.quant.einsum: an activation times a weight that may be block-scaled FP8 / FP4
     sink_attention: Callable  # kernels.attention.sink_attention: shared + selected keys, per-head sinks
     indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
+    sinkhorn: Callable  # kernels.mhc.sinkhorn: mHC's residual-mixing matrices made doubly stochastic
     implementations: tuple[tuple[str, str], ...] = ()  # (operation, "reference" or "pallas"), for logs and reports
 
     def describe(self) -> str:
@@ -50,18 +51,28 @@ REFERENCES: dict[str, Callable] = {
     "einsum": quant.einsum,
     "sink_attention": attention.sink_attention,
     "indexer_topk": indexer.indexer_topk,
+    "sinkhorn": mhc.sinkhorn,
 }
 
 
 def _pallas_kernels() -> dict[str, Callable]:
     """The operations that have a Pallas kernel (imported on first use: Pallas is only loaded when asked for)."""
-    from .pallas import block_scaled_matmul, grouped_matmul, sparse_attention
+    from .pallas import block_scaled_matmul, grouped_matmul, sinkhorn, sparse_attention
 
     return {
         "grouped_matmul": grouped_matmul.grouped_matmul,
         "einsum": block_scaled_matmul.einsum,
         "sink_attention": sparse_attention.sink_attention,
+        "sinkhorn": sinkhorn.sinkhorn,
     }
+
+
+def pallas_hbm_bytes() -> dict[str, Callable]:
+    """Pallas kernels that read less than their whole operands, by kernel name: each one's own statement of the HBM
+    bytes a call moves, from its operands' shapes and bytes as compiled (for static profiles of compiled steps)."""
+    from .pallas import grouped_matmul
+
+    return {"grouped_matmul": grouped_matmul.hbm_bytes}
 
 
 def check_choice(choice: str) -> None:

@@ -10,6 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# GPU compiles here are deviceless (jaxserve.runner.targets) and read XLA's cost models: the flag must precede JAX.
+if "--xla_gpu_collect_cost_model_stats" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_gpu_collect_cost_model_stats=true"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

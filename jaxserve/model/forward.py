@@ -41,14 +41,14 @@ def block(
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
-            x, post, comb = hc_pre(h, w.attn_hc, cfg)
+            x, post, comb = hc_pre(h, w.attn_hc, cfg, kernels)
             out, cache = attention_block(
                 rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs, cfg, kind, kernels
             )
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
-        pres = [hc_pre(h, w.ffn_hc, cfg) for h in hs]
+        pres = [hc_pre(h, w.ffn_hc, cfg, kernels) for h in hs]
         flat = jnp.concatenate(
             [rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1]) for x, _, _ in pres], axis=1
         )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SWA, ModelConfig
+from jaxserve.kernels.table import Kernels
 from jaxserve.model.weights import HyperConnection
 
 F32 = jnp.float32
@@ -78,21 +79,9 @@ def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return jnp.einsum("btx,xm->btm", flat, fn.astype(F32)) * inv_rms
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
-    """Row softmax, then alternate column/row normalisation towards a doubly-stochastic matrix."""
-
-    def normalise_columns(m):
-        return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
-
-    def row_then_column(_, m):
-        return normalise_columns(m / (jnp.sum(m, axis=-1, keepdims=True) + eps))
-
-    comb = normalise_columns(jax.nn.softmax(logits, axis=-1) + eps)
-    # A loop, not unrolled: 20 unrolled iterations per hyper-connection dominated XLA compile time.
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, comb)
-
-
-def hc_pre(h: jax.Array, hc: HyperConnection, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def hc_pre(
+    h: jax.Array, hc: HyperConnection, cfg: ModelConfig, kernels: Kernels
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Collapse the streams into one block input; return it with the post weights and the comb matrix."""
     n = cfg.hc_mult
     with jax.named_scope("hc_pre"):
@@ -102,7 +91,7 @@ def hc_pre(h: jax.Array, hc: HyperConnection, cfg: ModelConfig) -> tuple[jax.Arr
         pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
         post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
         comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
-        comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        comb = kernels.sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         x = jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)
     return x, post, comb
 

@@ -140,6 +140,27 @@ def grouped_matmul(
     )(*inputs)
 
 
+def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
+    """The most HBM bytes one call moves, from its operands as compiled (metadata, x, weights, the aliased zeros):
+    each work item reads its expert's codes and scales once (each f tile its own slice), and there are at most
+    min(items, rows) items that meet a row; x is read and the output written once. The expert stack itself, n
+    experts of every layer, is never read whole: only the experts the rows use (this is what "only the experts the
+    step touches are read" means above, bounded for any routing)."""
+    items, rows = operand_shapes[1][0], operand_shapes[-1][0]
+    n_weights = {8: 1, 9: 2, 10: 2}[len(operand_shapes)]  # plain w; FP8 codes + scales; FP4 (two x) codes + scales
+    weights = slice(len(operand_shapes) - 1 - n_weights, len(operand_shapes) - 1)
+    stack = operand_shapes[weights][0][0]
+    per_expert = sum(operand_bytes[weights]) / stack
+    x = sum(operand_bytes[5 : weights.start])
+    return experts_read_at_most(items, rows, stack) * per_expert + x + out_bytes + sum(operand_bytes[:5])
+
+
+def experts_read_at_most(items: int, rows: int, stack: int) -> int:
+    """Expert loads of one call with `items` work-item slots over `rows` sorted rows and a stack of `stack`
+    experts, for any group sizes: one per used work item, and a used item holds at least one row."""
+    return min(items, rows, stack)
+
+
 def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout, tuple, tuple]:
     """Checks the tiles against the format; returns the layout, the x operand(s) and the weight operand(s)."""
     m, d = x.shape
@@ -181,7 +202,8 @@ def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int,
     items_end = jnp.cumsum(tiles_of_group)  # items of group g: [items_end[g] - tiles_of_group[g], items_end[g])
     item = jnp.arange(n_tiles + e, dtype=I32)
     used = item < items_end[-1]
-    group = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), e - 1).astype(I32)
+    # compare_all: one fused kernel on a GPU (the default binary search is a loop of a few kernels a step).
+    group = jnp.minimum(jnp.searchsorted(items_end, item, side="right", method="compare_all"), e - 1).astype(I32)
     tile = starts[group] // bm + item - (items_end[group] - tiles_of_group[group])
     per_item = (tile, expert_offset + group, starts[group], ends[group])
     return (items_end[-1:], *(jnp.where(used, a, 0).astype(I32) for a in per_item))
