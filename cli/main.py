@@ -54,13 +54,18 @@ from jaxserve.runner import ModelRunner, build_runner
 from jaxserve.runner.group import CompiledEverywhere, GroupLost, ProcessGroup, join
 from jaxserve.runner.mirror import CallLog, Follower
 from jaxserve.runner.plan import (
+    Plan,
+    StepCompileError,
     give_the_allocator,
     make_plan,
     memory_share,
     node_layout,
     plan_devices,
+    prepare_for_target,
     usable_memory,
 )
+from jaxserve.runner.targets import TARGETS, TargetError, target_devices
+from jaxserve.runner.targets import target as gpu_target
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
 from jaxserve.text.generation import Generation
 
@@ -612,8 +617,14 @@ def plan(args: argparse.Namespace) -> int:
 
     from jaxserve.presets import preset
 
+    gpu = None
+    if args.target is not None:
+        # Before anything here starts JAX's backend (the CLI's imports start none): the CPU platform, the cost
+        # model's statistics and no persistent cache (prepare_for_target).
+        prepare_for_target()
+        gpu = gpu_target(args.target)
     cfg = engine_config(args)
-    memory = cfg.device_memory
+    memory = cfg.device_memory if cfg.device_memory is not None or gpu is None else gpu.memory_bytes
     if memory is None:
         print("jaxserve plan: --device-memory is required (e.g. 80GiB)", file=sys.stderr)
         return EXIT_USAGE
@@ -634,7 +645,7 @@ def plan(args: argparse.Namespace) -> int:
         needed = args.num_nodes * args.devices_per_node
     else:
         needed = cfg.tensor_parallel_size * cfg.expert_parallel_size
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if gpu is None and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Fake CPU devices, one per device of the mesh: nothing is allocated, only compiled. Works while no
         # backend has started yet (this command touches none before here).
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={needed}"
@@ -650,12 +661,26 @@ def plan(args: argparse.Namespace) -> int:
             cfg, tensor_parallel_size=layout.tensor_parallel_size, expert_parallel_size=layout.expert_parallel_size
         )
     share, source = memory_share(cfg.gpu_memory_utilization)
-    the_plan = make_plan(
-        model_cfg,
-        cfg,
-        make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, plan_devices(needed)),
-        usable_memory(memory, cfg.gpu_memory_utilization),
-    )
+    try:
+        devices = plan_devices(needed) if args.target is None else target_devices(args.target, needed)
+    except TargetError as missing:
+        print(
+            f"jaxserve plan: error: {missing} (with --target the command sets JAX_PLATFORMS=cpu itself; where JAX "
+            "started earlier, set JAX_PLATFORMS=cpu before it starts)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        the_plan = make_plan(
+            model_cfg,
+            cfg,
+            make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size, devices),
+            usable_memory(memory, cfg.gpu_memory_utilization),
+            target=args.target,
+        )
+    except StepCompileError as failed:
+        print(f"jaxserve plan: error: {failed}", file=sys.stderr)
+        return EXIT_FAILED
     if args.json:
         report = the_plan.to_json()
         print(json.dumps(report if layout is None else {**report, "layout": dataclasses.asdict(layout)}, indent=2))
@@ -671,8 +696,9 @@ def plan(args: argparse.Namespace) -> int:
                     for key, value in layout.candidates.items()
                 )
             )
+        what = "device(s)" if gpu is None else f"{gpu.name} ({args.target}, {gpu.bandwidth / 1e12:.2f} TB/s)"
         print(
-            f"{needed} device(s) of {memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
+            f"{needed} {what} of {memory / gb:.1f} GB, {the_plan.device_memory / gb:.1f} GB of each "
             f"usable ({share:g}: {source}), tensor x expert = {cfg.tensor_parallel_size} x "
             f"{cfg.expert_parallel_size}"
         )
@@ -681,7 +707,9 @@ def plan(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} {v / gb:.2f}" for k, v in the_plan.weights_bytes_by_format.items())
             + f"); whole model {the_plan.weights_bytes_total / gb:.1f} GB"
         )
-        if the_plan.temp_bytes_per_device is not None:
+        if the_plan.temp_bytes_per_device is not None and gpu is not None:
+            print_target_steps(the_plan, args.target)
+        elif the_plan.temp_bytes_per_device is not None:
             print(
                 f"step temporaries per device: {the_plan.temp_bytes_per_device / gb:.2f} GB "
                 f"(compiled {', '.join(the_plan.compiled_steps)} in {the_plan.compile_s:.1f} s)"
@@ -692,6 +720,32 @@ def plan(args: argparse.Namespace) -> int:
         )
         print(f"fits: {'yes' if the_plan.fits else 'no'}: {the_plan.reason}")
     return 0 if the_plan.fits else EXIT_FAILED
+
+
+def print_target_steps(the_plan: Plan, name: str) -> None:
+    """The lines of a --target plan's compiles: the temporaries, each step shape's, and the largest decode step's
+    static estimate against its bound."""
+    mb, temp = 1e6, the_plan.temp_bytes_per_device or 0
+    print(
+        f"step temporaries per device: {temp / 1e9:.2f} GB, the largest of "
+        f"{len(the_plan.steps)} step shapes compiled for {name} in {the_plan.compile_s:.1f} s (kernels: "
+        f"{the_plan.kernels}):"
+    )
+    width = max(len(step.shape) for step in the_plan.steps)
+    for step in the_plan.steps:
+        print(
+            f"  {step.shape:{width}s}  temporaries {step.temp_bytes / mb:10.2f} MB  compiled in {step.compile_s:.1f} s"
+        )
+    estimate = the_plan.decode_estimate
+    if estimate is not None:
+        cost_model = "" if estimate.model_s else "; no cost-model times: JAX started without the flag"
+        print(
+            f"{estimate.shape} on {name}, static estimate (model figures, nothing ran): "
+            f"{estimate.estimate_s * 1e3:.4g} ms, {estimate.launches} kernel launches, "
+            f"{estimate.bytes / mb:.4g} MB moved{cost_model}; bound per device at {estimate.rows} row(s) x "
+            f"{estimate.context} tokens: {estimate.bound_s * 1e3:.4g} ms ({estimate.bound_bytes / mb:.4g} MB read at "
+            f"least): {estimate.estimate_s / estimate.bound_s:.1f}x the bound"
+        )
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
@@ -771,7 +825,8 @@ def plan_parser() -> argparse.ArgumentParser:
         "on abstract weights over fake CPU devices (nothing is allocated) and reports "
         "per device: weights by format, step temporaries, KV bytes per token (as "
         "--kv-cache-dtype stores them), KV tokens that fit and requests of "
-        "max_model_len at once. Exit status 0 when it fits, 1 when not.",
+        "max_model_len at once. With --target, every step shape is compiled for that GPU instead (deviceless). "
+        "Exit status 0 when it fits, 1 when not.",
     )
     parser.add_argument(
         "--preset",
@@ -781,6 +836,16 @@ def plan_parser() -> argparse.ArgumentParser:
         "geometry in the same formats)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument(
+        "--target",
+        choices=sorted(TARGETS),
+        help="compile for this GPU without one (JAX's deviceless ahead-of-time compile: jaxlib's CUDA plugin and "
+        "ptxas, no driver; the command runs JAX on the CPU platform): every step shape of the buckets, as the "
+        "engine compiles it, over deviceless devices of the mesh's count; --device-memory defaults to the GPU's "
+        "memory and --kernels auto means the Pallas kernels. The report adds each shape's temporaries and compile "
+        "time and the largest decode step's static estimate and kernel launches against the least it must read "
+        "(the HBM bound). A shape that fails to compile is an error naming it (exit status 1)",
+    )
     nodes = parser.add_argument_group(
         "several nodes",
         "Plan N nodes of D devices each instead of --tensor-parallel-size x --expert-parallel-size (give both "

@@ -5,13 +5,22 @@ weights as codes plus scales), the step temporaries from XLA's memory analysis o
 largest prefill step (on abstract weights and cache, so fake CPU devices will do), the per-sequence state (window
 rings, compressor state) of max_num_seqs slots, and what remains for the paged KV pools: tokens that fit, and
 requests of max_model_len that fit at once. The KV sizes follow kv_cache_dtype.
+
+For a GPU target (`make_plan(..., target="h200")`, `jaxserve plan --target`: jaxserve.runner.targets), the mesh is
+one of deviceless GPU devices and every step shape of the buckets is compiled as the engine compiles it, by XLA's
+GPU pipeline (Pallas kernels through Triton): the temporaries are the largest of those compiles', and the largest
+decode step is profiled statically (jaxserve.runner.hlo_profile) against the least it must read (decode_read_bytes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,14 +30,18 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 from jaxlib import xla_client
 
-from jaxserve.config import ConfigError, EngineConfig, ModelConfig, check_memory_fraction
+import jaxserve.kernels
+from jaxserve.config import CSA, ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
+from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import GroupShape, StepShape
-from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.runner import Buckets, ModelRunner, targets
+from jaxserve.runner.hlo_profile import StaticProfile, static_profile
 from jaxserve.runner.speculative import abstract_runner_cache
+from jaxserve.runner.targets import COST_MODEL_FLAG, GpuTarget
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
@@ -40,6 +53,35 @@ ACCELERATOR_LIKE: dict[str, str | bool] = {"xla_disable_hlo_passes": "while-loop
 MEMORY_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
 LEGACY_MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_MEMORY_FRACTION = 0.75  # what JAX's allocator takes when neither says otherwise
+
+
+@dataclass
+class StepCompile:
+    """One step shape compiled for a GPU target."""
+
+    shape: str
+    temp_bytes: int  # XLA's temporaries per device: the forward's plus its larger sampler's (verify: larger variant)
+    compile_s: float
+
+
+@dataclass
+class DecodeEstimate:
+    """The largest decode step on a GPU target: its static profile (model figures from the optimized HLO, nothing
+    run) against the least one device must read in it (decode_read_bytes), the HBM bound."""
+
+    shape: str
+    rows: int
+    context: int  # the position the bound's KV read is counted at: max_model_len, what the page tables cover
+    launches: int  # kernel launches of the forward and its sampler (a verify step: the whole step), loops unrolled
+    bytes: float  # what those kernels read and write, as hlo_profile counts them
+    model_s: float  # XLA's cost-model time of the kernels it prices (0: compiled without COST_MODEL_FLAG)
+    estimate_s: float  # StaticProfile.estimate at the target's bandwidth
+    bound_bytes: int  # decode_read_bytes: a lower bound
+    bound_s: float  # bound_bytes / the target's bandwidth
+
+
+# Plan's fields that only a GPU target fills; without one its JSON leaves them out (as before targets existed).
+TARGET_FIELDS = ("target", "kernels", "steps", "decode_estimate")
 
 
 @dataclass
@@ -60,9 +102,61 @@ class Plan:
     reason: str
     compile_s: float = 0.0
     compiled_steps: list[str] = field(default_factory=list)
+    target: str | None = None  # the GPU the steps were compiled for (jaxserve.runner.targets); None: CPU devices
+    kernels: str | None = None  # a target's implementations of the kernel-worthy operations (Kernels.describe)
+    steps: list[StepCompile] = field(default_factory=list)  # a target's: every step shape of the buckets
+    decode_estimate: DecodeEstimate | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        report = asdict(self)
+        if self.target is None:
+            for key in TARGET_FIELDS:
+                del report[key]
+        return report
+
+
+class StepCompileError(RuntimeError):
+    """A step shape failed to compile for a GPU target (a Pallas kernel's lowering, Triton, ptxas or XLA): which
+    shape, where (kernel_scope), and the compiler's message."""
+
+    def __init__(self, shape: StepShape, gpu: str, failed: BaseException):
+        self.shape, self.scope = shape, kernel_scope(failed)
+        lines = str(failed).strip().splitlines() or [""]
+        message = "\n".join(lines[:ERROR_LINES]) + (
+            f"\n... ({len(lines) - ERROR_LINES} more lines)" if len(lines) > ERROR_LINES else ""
+        )
+        where = f" in {self.scope}" if self.scope else ""
+        super().__init__(f"compiling step {shape} for {gpu} failed{where}: {type(failed).__name__}: {message}")
+
+
+ERROR_LINES = 20  # of a compiler's message (XLA's may carry a whole HLO module)
+_KERNELS_DIR = Path(jaxserve.kernels.__file__).resolve().parent
+_MODEL_DIR = Path(__file__).resolve().parents[1] / "model"
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+_PALLAS_NAME = re.compile(r"pallas_call\b[^\n]*?\bname=\"?([\w.\-]+)")
+
+
+def kernel_scope(failed: BaseException) -> str | None:
+    """Where a compile failed, when it says: the named scope of the HLO instruction its message quotes (`op_name`),
+    the Pallas call it names, else the innermost frame of jaxserve's kernels (else its model) in the traceback, or
+    in the trace of the operation that failed to lower, which JAX attaches as the cause."""
+    text = str(failed)
+    found = _OP_NAME.search(text) or _PALLAS_NAME.search(text)
+    if found:
+        return found.group(1)
+    frames: list[traceback.FrameSummary] = []
+    seen: set[int] = set()
+    error: BaseException | None = failed
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        frames += traceback.extract_tb(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    for folder in (_KERNELS_DIR, _MODEL_DIR):
+        inside = [f for f in frames if Path(f.filename).resolve().is_relative_to(folder)]
+        if inside:
+            frame = inside[-1]
+            return f"{folder.name}/{Path(frame.filename).resolve().relative_to(folder)}:{frame.lineno} ({frame.name})"
+    return None
 
 
 def memory_share(gpu_memory_utilization: float | None = None) -> tuple[float, str]:
@@ -114,25 +208,62 @@ def plan_devices(count: int) -> list:
     return _COMPILE_ONLY_CPUS[count]
 
 
-def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
-    """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
-    sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it."""
+def _stored_arrays(cfg: ModelConfig, mesh: Mesh) -> Iterator[tuple[str, str, Any, int, int]]:
+    """(weight name, storage format, its array's info, its bytes on one device, its bytes whole) of every array the
+    weights `cfg` describes are stored as (a quantized weight: its codes and its scales), sharded over `mesh`
+    (ShardingError when they cannot be), the vocabulary padded as `mesh` holds it."""
     abstract = abstract_weights(for_mesh(cfg, mesh))
     shardings = shardings_for(abstract, mesh)
-    by_format: dict[str, int] = {}
-    total = 0
     weights = flatten_with_names(abstract, is_weight)
-    for (_, weight), (_, sharding) in zip(weights, flatten_with_names(shardings, lambda x: isinstance(x, Quantized))):
+    for (name, weight), (_, sharding) in zip(
+        weights, flatten_with_names(shardings, lambda x: isinstance(x, Quantized))
+    ):
         parts = (
             [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)]
             if isinstance(weight, Quantized)
             else [(None, weight, sharding)]
         )
         for part, info, part_sharding in parts:
-            name = jnp.dtype(info.dtype).name if part is None else (weight.format if part == "codes" else "scales")
-            by_format[name] = by_format.get(name, 0) + nbytes(info, part_sharding.shard_shape(info.shape))
-            total += nbytes(info)
+            kind = jnp.dtype(info.dtype).name if part is None else (weight.format if part == "codes" else "scales")
+            yield name, kind, info, nbytes(info, part_sharding.shard_shape(info.shape)), nbytes(info)
+
+
+def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
+    """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
+    sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it."""
+    by_format: dict[str, int] = {}
+    total = 0
+    for _, kind, _, per_device, whole in _stored_arrays(cfg, mesh):
+        by_format[kind] = by_format.get(kind, 0) + per_device
+        total += whole
     return sum(by_format.values()), by_format, total
+
+
+def decode_read_bytes(
+    cfg: ModelConfig, mesh: Mesh, rows: int, context: int, kv_cache_dtype: str = "auto", tokens_per_row: int = 1
+) -> int:
+    """A lower bound on the bytes one device of `mesh` must read in a decode step of `rows` rows at position
+    `context`, each of `tokens_per_row` tokens (a verify step's: its drafts + 1), each array at its storage size (FP8 /
+    FP4 codes plus scales, the KV cache as kv_cache_dtype stores it):
+    - the weights it holds (the MTP block's too, when `cfg` has one), read once whatever the rows, except the routed
+      experts, of which only min(n_routed_experts, tokens x num_experts_per_tok) of every n_routed_experts (the most
+      the step's tokens can pick; spread over the devices that hold experts, the average share, which the busiest
+      device reads at least), and the embedding and hash-routing tables, of which a step reads one row per token (not
+      counted);
+    - per row, the compressed KV (bytes_per_token; every device holds every token's entries) of min(context,
+      index_topk x csa_rate) tokens: a CSA layer's attention reads every entry while there are at most index_topk,
+      and the indexer keys and HCA entries are read whatever the context.
+    Not counted: the window rings and compressor state, activations, anything written. So a decode step takes at
+    least this over the HBM bandwidth."""
+    cfg = for_mesh(cfg, mesh)
+    experts = min(cfg.n_routed_experts, rows * tokens_per_row * cfg.num_experts_per_tok)
+    weights = 0.0
+    for name, _, info, per_device, _ in _stored_arrays(cfg, mesh):
+        if name == "embed" or name.endswith("tid2eid"):
+            continue
+        weights += per_device * experts / cfg.n_routed_experts if "experts" in info.axes else per_device
+    tokens = min(context, cfg.index_topk * cfg.csa_rate) if CSA in cfg.layer_kinds else context
+    return int(weights + rows * tokens * bytes_per_token(cfg, kv_cache_dtype))
 
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -204,6 +335,10 @@ class AbstractRunner(ModelRunner):
             (self.geometry.num_slots,), jnp.int32, sharding=self._replicated
         )
 
+    def _all_tokens_allowed(self, rows: int) -> jax.Array:
+        # Abstract too: the devices may be deviceless (a GPU target), where nothing can be placed.
+        return self._abstract((rows, mask_words(self.cfg.vocab_size)), jnp.int32)
+
     def jaxprs(self, shape) -> tuple[ClosedJaxpr, ClosedJaxpr]:
         """The step of `shape` as traced, before XLA sees it: its forward and its sampler."""
         with jax.set_mesh(self.mesh):
@@ -211,6 +346,21 @@ class AbstractRunner(ModelRunner):
                 self._forward.trace(*self._abstract_forward_args(shape)).jaxpr,
                 self._sampler.trace(*self._abstract_sampler_args(shape)).jaxpr,
             )
+
+    def compile_stages(self, shape: StepShape, gpu: str) -> list[list[jax.stages.Compiled]]:
+        """`shape` compiled as the engine compiles it (`_compile`, with no compiler options: for a GPU target), as the
+        executables a step runs one after the other, each the list of its variants of which a step runs one:
+        [[forward], [sampler, sorting sampler]], or a verify step's [[sampled, greedy]]. StepCompileError naming the
+        shape, `gpu` and the kernel when compiling fails."""
+        try:
+            executables = self._compile(shape)
+        except Exception as failed:  # noqa: BLE001 - Pallas lowering, Triton, ptxas and XLA raise their own kinds
+            raise StepCompileError(shape, gpu, failed) from failed
+        if self._verifies(shape):
+            assert executables.greedy is not None  # _compile's verify steps have both variants
+            return [[executables.forward, executables.greedy]]
+        samplers = [self._samplers[shape.group_rows, cuts] for cuts in (False, True)]
+        return [[executables.forward], samplers]
 
     def temp_bytes(self, shape) -> int:
         """XLA's temporaries of the compiled step of `shape` (per device): its forward's and its sampler's."""
@@ -240,9 +390,15 @@ def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
     return sum(nbytes(info, s.shard_shape(info.shape)) for info, s in leaves if "pages" not in info.axes)
 
 
-def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int) -> Plan:
+def make_plan(
+    cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_memory: int, target: str | None = None
+) -> Plan:
     """The plan for serving `cfg` with these engine knobs on `mesh`, `device_memory` usable bytes on each device
-    (the vocabulary padded as the loader pads it, `sharding.for_mesh`)."""
+    (the vocabulary padded as the loader pads it, `sharding.for_mesh`). Without `target` the temporaries are those of
+    the largest decode and prefill steps compiled for the mesh's CPU devices (ACCELERATOR_LIKE); with `target` (a
+    jaxserve.runner.targets name, `mesh` over its `target_devices`) every step shape of the buckets is compiled for
+    that GPU (compile_every_step), StepCompileError when one fails."""
+    gpu = None if target is None else targets.target(target)
     cfg = for_mesh(cfg, mesh)
     per_device, by_format, total = weight_bytes(cfg, mesh)
     geometry = kv_geometry(engine_cfg, cfg)
@@ -265,6 +421,7 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
         max_concurrent_requests=0,
         fits=False,
         reason="",
+        target=target,
     )
     if per_device >= device_memory:
         plan.reason = (
@@ -277,12 +434,16 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
         cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets, kernels=engine_cfg.kernels
     )
     started = time.perf_counter()
-    for shape in (
-        StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
-        StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks))),
-    ):
-        temp = max(temp, runner.temp_bytes(shape))
-        plan.compiled_steps.append(str(shape))
+    if gpu is not None:
+        compile_every_step(plan, runner, gpu, cfg, mesh, max_len)
+        temp = max(step.temp_bytes for step in plan.steps)
+    else:
+        for shape in (
+            StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
+            StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks))),
+        ):
+            temp = max(temp, runner.temp_bytes(shape))
+            plan.compiled_steps.append(str(shape))
     plan.compile_s = time.perf_counter() - started
     plan.temp_bytes_per_device = temp
     left = device_memory - per_device - temp - state
@@ -306,3 +467,67 @@ def make_plan(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, device_mem
             f"{plan.max_concurrent_requests} requests of {max_len} tokens at once"
         )
     return plan
+
+
+def compile_every_step(
+    plan: Plan, runner: AbstractRunner, gpu: GpuTarget, cfg: ModelConfig, mesh: Mesh, context: int
+) -> None:
+    """Compile every step shape of `runner`'s buckets for `gpu` (runner over its deviceless devices) into `plan`: a
+    StepCompile per shape (XLA's temporaries, the seconds its compile took) and, for the largest decode shape, its
+    DecodeEstimate at `context`. The estimate has the cost model's times only when JAX started with COST_MODEL_FLAG
+    in XLA_FLAGS (prepare_for_target); without them its model_s is 0 and every kernel is priced at bandwidth."""
+    plan.kernels = runner.kernels.describe()
+    rows = max(runner.buckets.decode_rows)
+    largest = StepShape(decode=GroupShape(rows, 1))
+    profiled: list[jax.stages.Compiled] = []
+    for shape in runner.buckets.shapes():
+        started = time.perf_counter()
+        with targets.persistent_cache_off():
+            stages = runner.compile_stages(shape, gpu.name)
+        seconds = time.perf_counter() - started
+        temp = 0
+        for variants in stages:
+            temps = []
+            for compiled in variants:
+                analysis = compiled.memory_analysis()
+                if analysis is None:
+                    raise RuntimeError(f"XLA has no memory analysis of step {shape} compiled for {gpu.name}")
+                temps.append(int(analysis.temp_size_in_bytes))
+            temp += max(temps)
+        plan.steps.append(StepCompile(str(shape), temp, seconds))
+        plan.compiled_steps.append(str(shape))
+        if shape == largest:
+            profiled = [variants[0] for variants in stages]  # the forward and its sampler, or the sampled verify
+    profile = StaticProfile()
+    for compiled in profiled:
+        text = compiled.as_text()
+        if text is None:
+            raise RuntimeError(f"XLA gives no optimized HLO of step {largest} compiled for {gpu.name}")
+        profile.kernels += static_profile(text).kernels
+    tokens_per_row = runner.draft_tokens + 1 if runner._verifies(largest) else 1
+    bound = decode_read_bytes(cfg, mesh, rows, context, runner.geometry.kv_cache_dtype, tokens_per_row)
+    plan.decode_estimate = DecodeEstimate(
+        shape=str(largest),
+        rows=rows,
+        context=context,
+        launches=profile.launches,
+        bytes=profile.bytes,
+        model_s=profile.model_seconds(),
+        estimate_s=profile.estimate(gpu.bandwidth),
+        bound_bytes=bound,
+        bound_s=bound / gpu.bandwidth,
+    )
+
+
+def prepare_for_target() -> None:
+    """Before JAX starts a backend, for compiling for a GPU target in this process: the CPU platform (the CUDA plugin
+    then compiles without a driver or a GPU), XLA's cost-model statistics (COST_MODEL_FLAG, read from XLA_FLAGS when
+    the first backend starts) and no persistent compilation cache (it cannot read a deviceless executable back).
+    Importing JAX starts no backend; once one has started, JAX_PLATFORMS and XLA_FLAGS are read and these come too
+    late: set JAX_PLATFORMS=cpu and the flag in the environment before the process starts instead."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if COST_MODEL_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
+    jax.config.update("jax_enable_compilation_cache", False)
