@@ -11,12 +11,13 @@ g output groups, j heads within a group, o o-lora rank.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
-from jaxserve.kernels.quant import dense
+from jaxserve.kernels.quant import Quantized, dense
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import LayerCache, decode, encode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
@@ -161,10 +162,7 @@ def attention_block(
         o = apply_rope(o, qpos[:, :, None], freqs, inverse=True)
 
     with jax.named_scope("output_projection"):
-        g = cfg.o_groups
-        grouped = o.reshape(b, t, g, cfg.heads_per_group, cfg.head_dim)
-        wo_a = dense(w.wo_a, grouped.dtype).reshape(g, cfg.heads_per_group, cfg.head_dim, -1)
-        r = jnp.einsum("btgjk,gjko->btgo", grouped, wo_a).reshape(b, t, -1)
+        r = _grouped_output(o, w.wo_a, cfg, kernels)
         out = kernels.einsum("btx,xd->btd", r, w.wo_b)
 
     with jax.named_scope("window_write"):
@@ -185,3 +183,28 @@ def attention_block(
                 ring = scatter(ring, (layer, inputs.snapshot_rows[:, j]), snapshot)
         cache = dataclasses.replace(cache, window=ring)
     return out, cache
+
+
+def _grouped_output(o: jax.Array, wo_a: Any, cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+    """wo_a's grouped projection [b, t, H, k] -> [b, t, g * o_lora]: each group of heads times its own matrix.
+    Through `kernels.einsum` per group (vmapped), so an FP8 wo_a is decoded inside the matmul, never written out
+    decoded; a group's matrix is wo_a's rows of its heads, [j * k, o_lora], whose scale blocks are whole K blocks
+    when a block spans one head or whole heads (the release's layout: 1 x 128 x 128). Otherwise decoded whole."""
+    b, t = o.shape[:2]
+    g, j, k = cfg.o_groups, cfg.heads_per_group, cfg.head_dim
+    grouped = o.reshape(b * t, g, j * k)
+    if isinstance(wo_a, Quantized):
+        heads, dims, lora = wo_a.blocks
+        if (heads == 1 or dims == k) and j % heads == 0:
+            per_group = Quantized(
+                wo_a.codes.reshape(g, j * k, -1),
+                wo_a.scales.reshape(g, (j // heads) * (k // dims), -1),
+                wo_a.format,
+                (heads * dims, lora),
+            )
+            out = jax.vmap(lambda x, w: kernels.einsum("mx,xo->mo", x, w), in_axes=(1, 0), out_axes=1)(
+                grouped, per_group
+            )
+            return out.reshape(b, t, -1)
+    dense_wo_a = dense(wo_a, o.dtype).reshape(g, j * k, -1)
+    return jnp.einsum("mgx,gxo->mgo", grouped, dense_wo_a).reshape(b, t, -1)
