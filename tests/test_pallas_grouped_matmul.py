@@ -3,8 +3,8 @@ and jax.lax.ragged_dot on the dequantized stack: every storage format (float32, 
 empty groups, all rows on one expert, the first and last experts, expert offsets into a stack of two layers'
 experts (as the model passes them), rows past the last group (zero), 1, 8 and an odd
 number of rows, d and f that are not multiples of the tiles, several k / f / row tiles, every FP8 byte and every
-FP4 nibble in both nibble positions, and the scale bytes 0, 1, 127, 254 and 255 (NaN); and that lowering it for
-CUDA passes Pallas' Triton rules.
+FP4 nibble in both nibble positions, and the scale bytes 0, 1, 127, 254 and 255 (NaN); and that it compiles for an
+H200 (deviceless: Triton and ptxas, no GPU), alone and under expert parallelism.
 
 Shapes are shared between tests so that the interpret-mode kernels compile once per configuration."""
 
@@ -16,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.moe import grouped_matmul
 from jaxserve.kernels.pallas.grouped_matmul import grouped_matmul as kernel
 from jaxserve.kernels.quant import FP4, FP8, Quantized, dequantize, quantize
+from jaxserve.runner.targets import compile_for_target, target_devices
 
 M, E = 37, 6  # an odd row count: 3 row tiles of 16 (the auto block_m for 37 rows over 6 groups), the last partial
 N = 2 * E  # experts in a stack: two layers of E, group g of the second layer uses expert E + g
@@ -258,15 +261,32 @@ def test_scale_extremes(fmt, x_dtype):
 @pytest.mark.parametrize(
     "fmt,x_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), (FP8, jnp.bfloat16), (FP4, jnp.bfloat16)]
 )
-def test_lowers_to_triton(fmt, x_dtype):
-    """Lowered for CUDA (no GPU needed), the kernel passes Pallas' Triton lowering rules and becomes a Triton call.
-    Only that: Triton's own compiler and a GPU run are not exercised here."""
+def test_compiles_for_an_h200_alone_and_under_expert_parallelism(fmt, x_dtype):
+    """Compiled for a deviceless H200 (Pallas' Triton lowering, Triton, ptxas: jaxserve.runner.targets), on one GPU
+    and inside shard_map over 4, the experts split as the MoE splits them (the result varies over the mesh axes, which
+    the kernel's output type must say). No GPU runs it."""
     rng = np.random.default_rng(8)
     d = D_FP4 if fmt == FP4 else D
     x, w = _rows(rng, M, d, x_dtype), _stack(fmt, rng, d)
     sizes, offset = jnp.asarray(LAYOUTS["ragged, empty groups"], jnp.int32), jnp.asarray(E, jnp.int32)
-    lowered = kernel.trace(x, w, sizes, offset).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    one = Mesh(target_devices("h200", 1), ("x",))
+    alone = compile_for_target(jax.jit(kernel), *jax.tree.map(lambda a: _on(one, a, P()), (x, w, sizes, offset)))
+    assert "__gpu$xla.gpu.triton" in alone.as_text()
+
+    four = Mesh(np.array(target_devices("h200", 4)).reshape(2, 2), ("expert", "tensor"))
+    experts = P(("expert", "tensor"))
+
+    def per_device(x, w, sizes):  # each device: its quarter of the stack, its local groups
+        return jax.lax.psum(kernel(x, w, sizes), ("expert", "tensor"))
+
+    split = jax.shard_map(per_device, mesh=four, in_specs=(P(), experts, P()), out_specs=P())
+    local_sizes = sizes[: N // 4]
+    args = (_on(four, x, P()), jax.tree.map(lambda a: _on(four, a, experts), w), _on(four, local_sizes, P()))
+    assert "__gpu$xla.gpu.triton" in compile_for_target(jax.jit(split), *args).as_text()
+
+
+def _on(mesh: Mesh, a: jax.Array, spec: P) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
 
 
 def test_bad_blocks_rejected():

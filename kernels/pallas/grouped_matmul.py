@@ -127,11 +127,13 @@ def grouped_matmul(
     layout, x_operands, w_operands = _operands(x, w, bm, block_k, block_f)
     n_tiles = pl.cdiv(m, bm)
     metadata = _work_items(group_sizes.astype(I32), expert_offset, bm, n_tiles)
+    # Under shard_map (expert parallelism) the result varies over the mesh axes the expert stack does.
+    varying = jax.typeof(w_operands[0]).manual_axis_type
     zeros = jnp.zeros((m, f), F32)
     inputs = (*metadata, *x_operands, *w_operands, zeros)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, n_x=len(x_operands)),
-        out_shape=jax.ShapeDtypeStruct((m, f), F32),
+        out_shape=jax.ShapeDtypeStruct((m, f), F32, manual_axis_type=varying),
         grid=(n_tiles + e, pl.cdiv(f, layout.bf)),
         input_output_aliases={len(inputs) - 1: 0},
         interpret=interpret,
