@@ -91,6 +91,8 @@ from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
+from jaxserve.runner.hlo_profile import StaticProfile, static_profile
+from jaxserve.runner.targets import COST_MODEL_FLAG
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
@@ -423,12 +425,30 @@ def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
     return StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),))
 
 
-def compiled_text(runner: ModelRunner, shape) -> str:
-    """The optimized HLO of one compiled step shape, its forward's and then its samplers' (the one that sorts for
-    top-k / top-p and the one that does not; it names the trace's ops). jaxserve has no public accessor for its
-    executables, so this reads ModelRunner._compiled and ModelRunner._samplers."""
+def compiled_modules(runner: ModelRunner, shape) -> list[str]:
+    """The optimized HLO of one compiled step shape: its forward's, then its samplers' (the one that does not sort
+    for top-k / top-p, then the one that does). jaxserve has no public accessor for its executables, so this reads
+    ModelRunner._compiled and ModelRunner._samplers."""
     samplers = [runner._samplers[shape.group_rows, cuts].as_text() for cuts in (False, True)]
-    return "\n".join([runner._compiled[shape].forward.as_text(), *samplers])
+    return [runner._compiled[shape].forward.as_text(), *samplers]
+
+
+def compiled_text(runner: ModelRunner, shape) -> str:
+    """compiled_modules as one text (every module's metadata names the trace's ops)."""
+    return "\n".join(compiled_modules(runner, shape))
+
+
+def static_estimate(runner: ModelRunner, shape, bandwidth: float) -> dict:
+    """What benchmarks/gpu_static.py estimates for the step of `shape` without a GPU, here from this GPU's own
+    compile: the forward's and its plain sampler's kernels (jaxserve.runner.hlo_profile), so the model's error
+    shows beside the measured time. The cost model's times need COST_MODEL_FLAG (configure sets it)."""
+    forward, sampler, _ = compiled_modules(runner, shape)
+    profile = StaticProfile(static_profile(forward).kernels + static_profile(sampler).kernels)
+    return {
+        "static_estimate_s": profile.estimate(bandwidth),
+        "static_launches": profile.launches,
+        "static_model_s": profile.model_seconds(),
+    }
 
 
 # ---- profiles -----------------------------------------------------------------------------------------------------
@@ -730,6 +750,7 @@ def measure_decode(
                 "bound_s": total / bandwidth,
                 "fraction_of_bound": (total / bandwidth) / pace,
                 "method": "device_seconds",
+                **static_estimate(runner, StepShape(decode=GroupShape(batch, 1)), bandwidth),
             }
         )
         profile = profiles[batch] = profile_steps(
@@ -746,7 +767,13 @@ def measure_decode(
 
 
 def measure_prefill(
-    runner: ModelRunner, choice: str, plan: Plan, costs: list[LayerCost], cfg: ModelConfig, peak: float
+    runner: ModelRunner,
+    choice: str,
+    plan: Plan,
+    costs: list[LayerCost],
+    cfg: ModelConfig,
+    peak: float,
+    bandwidth: float,
 ) -> dict:
     chunk = prefill_chunk(runner.geometry, cfg, plan)
     start = chunk.prefill[0].start
@@ -762,6 +789,7 @@ def measure_prefill(
         "flops": flops,
         "bound_s": bound,
         "fraction_of_peak": bound / seconds,
+        **static_estimate(runner, StepShape(prefill=GroupShape(1, plan.chunk)), bandwidth),
     }
 
 
@@ -784,7 +812,7 @@ def measure_implementation(
     compile_s = {"wall": time.perf_counter() - started, **{str(k): v for k, v in runner.times.compile_s.items()}}
     log(f"{choice}: compiled {len(buckets.shapes())} step shapes in {compile_s['wall']:.1f} s")
     rows, profiles = measure_decode(runner, choice, plan, costs, cfg, args.bandwidth)
-    prefill = measure_prefill(runner, choice, plan, costs, cfg, args.peak_bf16)
+    prefill = measure_prefill(runner, choice, plan, costs, cfg, args.peak_bf16, args.bandwidth)
     return {"rows": rows, "profiles": profiles, "prefill": prefill, "compile_s": compile_s}
 
 
@@ -956,6 +984,7 @@ def md_decode(report: dict) -> list[str]:
             ms(r["step_s"]),
             ms(r.get("latency_s")),
             ms(r.get("kernel_s")),
+            ms(r.get("static_estimate_s")),
             ms(r["bound_s"]),
             fraction(r["fraction_of_bound"]),
             f"{r['bytes'] / 1e6:,.2f}",
@@ -974,6 +1003,7 @@ def md_decode(report: dict) -> list[str]:
                 "step ms",
                 "latency ms",
                 "kernel ms",
+                "static estimate ms",
                 "bound ms",
                 "fraction of bound",
                 "bytes read (MB)",
@@ -981,7 +1011,9 @@ def md_decode(report: dict) -> list[str]:
             rows,
         ),
         "",
-        "layer_step: the whole step; the other parts: per layer of that kind (outside_layers: once per step).",
+        "layer_step: the whole step; the other parts: per layer of that kind (outside_layers: once per step). "
+        "static estimate: what benchmarks/gpu_static.py's model says of the same step (XLA's cost model and the "
+        "kernels' bytes, from this compile's HLO), beside the measurement so the model's error shows.",
     ]
 
 
@@ -992,6 +1024,7 @@ def md_prefill(report: dict) -> list[str]:
             p["tokens"],
             p["start"],
             ms(p["step_s"]),
+            ms(p.get("static_estimate_s")),
             f"{p['flops']['total'] / 1e12:.4f}",
             ms(p["bound_s"]),
             fraction(p["fraction_of_peak"]),
@@ -1002,7 +1035,17 @@ def md_prefill(report: dict) -> list[str]:
         "## Prefill chunk against the bf16 compute bound",
         "",
         markdown_table(
-            ["implementation", "tokens", "first position", "step ms", "TFLOP", "bound ms", "fraction of peak"], rows
+            [
+                "implementation",
+                "tokens",
+                "first position",
+                "step ms",
+                "static estimate ms",
+                "TFLOP",
+                "bound ms",
+                "fraction of peak",
+            ],
+            rows,
         ),
     ]
 
@@ -1128,6 +1171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def configure(plan: Plan) -> None:
     """XLA flags and the persistent compile cache, before anything touches a device."""
     flags = os.environ.get("XLA_FLAGS", "")
+    if COST_MODEL_FLAG not in flags:  # the static estimate beside each measured row reads the cost model's times
+        flags = os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
     if plan.smoke:  # on CPU unless JAX_PLATFORMS says otherwise (tiny shapes on a GPU: a quick first check there)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if SMOKE_XLA_FLAGS not in flags:  # a child inherits them from its parent
