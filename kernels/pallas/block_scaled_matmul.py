@@ -23,6 +23,12 @@ Operands whose sizes are not multiples of the tiles are zero-padded outside the 
 weight whose K and N are multiples of the tiles (DeepSeek-V4's are multiples of 128) only the activations get padded;
 any other weight is copied, padded, on every call.
 
+Which kernel. `einsum` hands a weight whose scale blocks flatten to equal runs of columns (2-D weights with the
+release's 128 x 128 blocks, wq_b's one-head-wide blocks, ...) to the grouped expert kernel as a stack of one expert
+(`_one_expert_stack`): it masks the edges and decodes the block scales in registers, so the call needs no padded
+copy of its activations and no per-column spread of its scales, two kernels fewer a projection on a GPU. The kernel
+below takes the rest.
+
 Verified here: the CPU `interpret=True` runs against `jaxserve.kernels.quant.einsum` (tests/
 test_pallas_block_scaled_matmul.py). Unverified without a GPU: that the Triton lowering accepts the float8_e4m3fn
 ref loads and their cast to float32 (jax allows it from compute capability 8.9, so H100/H200), the uint8 scale loads
@@ -34,6 +40,7 @@ CPU flushes denormals, so the tests cannot tell); also the speed of the default 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from typing import Any
 
@@ -44,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..quant import FP8, Quantized, _expand
 from ..quant import einsum as reference_einsum
+from .grouped_matmul import grouped_matmul
 
 F32 = jnp.float32
 MIN_TILE = 16  # Triton's dot wants every operand dimension >= 16
@@ -192,8 +200,47 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     if not _takes_kernel(spec, x, w, kwargs):
         return reference_einsum(spec, x, w, **kwargs)
     k = w.shape[0]
+    dtype = kwargs.get("preferred_element_type") or x.dtype
+    stack = _one_expert_stack(w)
+    if stack is not None:
+        rows = x.reshape(-1, k)
+        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+        out = grouped_matmul(rows, stack, sizes, interpret=interpret)
+        return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)
     out = fp8_matmul(
         x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret
     )
-    dtype = kwargs.get("preferred_element_type") or x.dtype
     return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)
+
+
+def _one_expert_stack(w: Quantized) -> Quantized | None:
+    """w [K, ...] as a stack of one expert [1, K, N] with (1, block_k, block_n) blocks, or None where its blocks do
+    not flatten so (fp8_matmul takes it). The grouped expert kernel reads such a stack with masks at the edges and
+    decodes its scales in registers, where fp8_matmul needs its activations padded to the tiles and its scales spread
+    over every column first: two more kernels a call.
+
+    The columns' blocks flatten to equal runs when, past the first trailing axis whose block spans more than one
+    element, every axis is whole, and that axis's blocks divide it (or nothing lies outside it). A block that spans
+    a whole axis is as good as any larger one: it is made the power of two >= 16 above it, which the kernel's tiles
+    divide or are divided by; other blocks must be such powers of two themselves."""
+    k, trailing = w.shape[0], w.shape[1:]
+    spans = [min(b, n) for b, n in zip(_full_blocks(w)[1:], trailing)]
+    first = next((i for i, b in enumerate(spans) if b > 1), len(spans) - 1)
+    if any(b != n for b, n in zip(spans[first + 1 :], trailing[first + 1 :])):
+        return None
+    if trailing[first] % spans[first] and math.prod(trailing[:first]) > 1:
+        return None
+    columns = math.prod(trailing)
+    block_n = spans[first] * math.prod(trailing[first + 1 :])
+    block_k, block_columns = _kernel_block(min(_full_blocks(w)[0], k), k), _kernel_block(block_n, columns)
+    if block_k is None or block_columns is None:
+        return None
+    codes = w.codes.reshape(1, k, columns)
+    return Quantized(codes, w.scales.reshape(1, w.scales.shape[0], -1), w.format, (1, block_k, block_columns))
+
+
+def _kernel_block(block: int, size: int) -> int | None:
+    """A scale block of `block` elements along an axis of `size` as the grouped kernel's tiles can take it."""
+    if block >= size:
+        return max(MIN_TILE, _pow2_at_least(size))
+    return block if block >= MIN_TILE and not block & (block - 1) else None
