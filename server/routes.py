@@ -358,6 +358,6 @@ async def _chunks(generations: list[Generation], fmt, include_usage: bool, conti
                 raise APIError(500, f"generation failed: {delta.error}")
             fmt.note_cached(index, delta.cached_tokens)
             chunk = fmt.chunk(index, delta)
-            yield fmt.with_usage(chunk, generations[index].num_generated) if continuous else chunk
+            yield fmt.with_usage(chunk, delta.num_generated) if continuous else chunk
     if include_usage:
         yield fmt.usage_chunk(sum(g.num_generated for g in generations))

@@ -29,6 +29,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first delta, when the request asked
     cached_tokens: int = 0  # prompt tokens the prefix cache had
+    num_generated: int = 0  # the output's tokens with this delta's (a consumer may read it after later ones came)
 
 
 class Observer(Protocol):
@@ -142,4 +143,5 @@ class Generation:
             event.logprobs,
             event.prompt_logprobs,
             event.cached_tokens,
+            self.num_generated,
         )
