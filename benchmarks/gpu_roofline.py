@@ -91,8 +91,8 @@ from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
-from jaxserve.runner.hlo_profile import StaticProfile, static_profile
-from jaxserve.runner.targets import COST_MODEL_FLAG
+from jaxserve.runner.hlo_profile import step_profile
+from jaxserve.runner.targets import ask_for_cost_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
@@ -425,25 +425,24 @@ def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
     return StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),))
 
 
-def compiled_modules(runner: ModelRunner, shape) -> list[str]:
-    """The optimized HLO of one compiled step shape: its forward's, then its samplers' (the one that does not sort
-    for top-k / top-p, then the one that does). jaxserve has no public accessor for its executables, so this reads
+def step_executables(runner: ModelRunner, shape) -> list:
+    """One compiled step shape's executables: its forward, then its samplers (the one that does not sort for top-k /
+    top-p, then the one that does). jaxserve has no public accessor for its executables, so this reads
     ModelRunner._compiled and ModelRunner._samplers."""
-    samplers = [runner._samplers[shape.group_rows, cuts].as_text() for cuts in (False, True)]
-    return [runner._compiled[shape].forward.as_text(), *samplers]
+    samplers = [runner._samplers[shape.group_rows, cuts] for cuts in (False, True)]
+    return [runner._compiled[shape].forward, *samplers]
 
 
 def compiled_text(runner: ModelRunner, shape) -> str:
-    """compiled_modules as one text (every module's metadata names the trace's ops)."""
-    return "\n".join(compiled_modules(runner, shape))
+    """The optimized HLO of step_executables as one text (every module's metadata names the trace's ops)."""
+    return "\n".join(compiled.as_text() for compiled in step_executables(runner, shape))
 
 
 def static_estimate(runner: ModelRunner, shape, bandwidth: float) -> dict:
     """What benchmarks/gpu_static.py estimates for the step of `shape` without a GPU, here from this GPU's own
     compile: the forward's and its plain sampler's kernels (jaxserve.runner.hlo_profile), so the model's error
-    shows beside the measured time. The cost model's times need COST_MODEL_FLAG (configure sets it)."""
-    forward, sampler, _ = compiled_modules(runner, shape)
-    profile = StaticProfile(static_profile(forward).kernels + static_profile(sampler).kernels)
+    shows beside the measured time. The cost model's times need targets.COST_MODEL_FLAG (configure asks for it)."""
+    profile = step_profile(step_executables(runner, shape)[:2])
     return {
         "static_estimate_s": profile.estimate(bandwidth),
         "static_launches": profile.launches,
@@ -1171,8 +1170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def configure(plan: Plan) -> None:
     """XLA flags and the persistent compile cache, before anything touches a device."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if COST_MODEL_FLAG not in flags:  # the static estimate beside each measured row reads the cost model's times
-        flags = os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
+    ask_for_cost_model()  # the static estimate beside each measured row reads the cost model's times
+    flags = os.environ["XLA_FLAGS"]
     if plan.smoke:  # on CPU unless JAX_PLATFORMS says otherwise (tiny shapes on a GPU: a quick first check there)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if SMOKE_XLA_FLAGS not in flags:  # a child inherits them from its parent

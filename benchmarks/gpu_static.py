@@ -39,7 +39,7 @@ from jaxserve.model.weights import abstract_weights
 from jaxserve.presets import preset
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets
-from jaxserve.runner.hlo_profile import StaticProfile, static_profile
+from jaxserve.runner.hlo_profile import StaticProfile, step_profile
 from jaxserve.runner.plan import AbstractRunner, prepare_for_target
 from jaxserve.runner.targets import persistent_cache_off, target, target_devices
 
@@ -114,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                 # The forward and the sampler a step of this shape runs (the one that does not sort: no top-k/top-p).
                 executables = [variants[0] for variants in runner.compile_stages(shape, gpu.name)]
             compile_s = time.perf_counter() - t0
-            profile = StaticProfile()
-            for number, compiled in enumerate(executables):
-                text = compiled.as_text()
-                if args.hlo_dir is not None:
-                    args.hlo_dir.mkdir(parents=True, exist_ok=True)
-                    (args.hlo_dir / f"{choice}_{name.replace(' ', '_').replace('=', '')}_{number}.hlo").write_text(text)
-                profile.kernels += static_profile(text).kernels
+            profile = step_profile(executables)
+            if args.hlo_dir is not None:
+                args.hlo_dir.mkdir(parents=True, exist_ok=True)
+                for number, compiled in enumerate(executables):
+                    stem = f"{choice}_{name.replace(' ', '_').replace('=', '')}_{number}"
+                    (args.hlo_dir / f"{stem}.hlo").write_text(compiled.as_text())
             compiled = executables[0]
             if shape.decode is not None:
                 bound = sum(decode_bytes(costs, cfg, shape.decode.rows, args.context).values()) / gpu.bandwidth

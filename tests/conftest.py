@@ -10,12 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-# GPU compiles here are deviceless (jaxserve.runner.targets) and read XLA's cost models: the flag must precede JAX.
-if "--xla_gpu_collect_cost_model_stats" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_gpu_collect_cost_model_stats=true"
-
-import jax  # noqa: E402
+import jax  # noqa: E402  (imported, its backend not started: XLA_FLAGS is read when the first one starts)
 import pytest  # noqa: E402
+
+from jaxserve.runner.targets import ask_for_cost_model  # noqa: E402
+
+# GPU compiles here are deviceless (jaxserve.runner.targets) and read XLA's cost models.
+ask_for_cost_model()
 
 # The suite's workers (pytest-xdist, pyproject.toml) share the cache: an entry read while another worker still writes
 # it fails to decompress, and jax then compiles it (a warning), so the sharing costs at most a compile.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.kernels.table import pallas_hbm_bytes
 
@@ -271,6 +272,15 @@ def _model_us(instruction: Instruction, kind: str) -> float | None:
         if cost.get("name", "") == model:
             return float(cost.get("exec_time_us", 0.0))
     return None
+
+
+def step_profile(executables: Any) -> StaticProfile:
+    """The static profile of a step that runs `executables` (compiled, for a GPU) one after the other: its forward
+    and its sampler, say."""
+    profile = StaticProfile()
+    for compiled in executables:
+        profile.kernels += static_profile(compiled.as_text()).kernels
+    return profile
 
 
 def _moved(kernels: dict[str, Kernel]) -> float:

@@ -769,11 +769,15 @@ class ModelRunner:
             for group in groups
         )
 
+    def _mask_shape(self, rows: int) -> tuple[int, int]:
+        """A group's token masks: a bit per vocabulary id (sampling.SamplingArrays.allowed)."""
+        return rows, mask_words(self.cfg.vocab_size)
+
     def _all_tokens_allowed(self, rows: int) -> jax.Array:
         mask = self._everything_allowed.get(rows)
         if mask is None:
-            words = mask_words(self.cfg.vocab_size)
-            mask = self._everything_allowed[rows] = jnp.full((rows, words), -1, jnp.int32, device=self._replicated)
+            mask = jnp.full(self._mask_shape(rows), -1, jnp.int32, device=self._replicated)
+            self._everything_allowed[rows] = mask
         return mask
 
     def _host_inputs(self, groups: list[_Group]):

@@ -36,12 +36,11 @@ from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
-from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, ModelRunner, targets
-from jaxserve.runner.hlo_profile import StaticProfile, static_profile
+from jaxserve.runner.hlo_profile import step_profile
 from jaxserve.runner.speculative import abstract_runner_cache
-from jaxserve.runner.targets import COST_MODEL_FLAG, GpuTarget
+from jaxserve.runner.targets import GpuTarget
 
 GB = 1e9
 # XLA:CPU computes bf16 dots in f32, and loop-invariant code motion hoists the weights' conversion out of the
@@ -337,7 +336,7 @@ class AbstractRunner(ModelRunner):
 
     def _all_tokens_allowed(self, rows: int) -> jax.Array:
         # Abstract too: the devices may be deviceless (a GPU target), where nothing can be placed.
-        return self._abstract((rows, mask_words(self.cfg.vocab_size)), jnp.int32)
+        return self._abstract(self._mask_shape(rows), jnp.int32)
 
     def jaxprs(self, shape) -> tuple[ClosedJaxpr, ClosedJaxpr]:
         """The step of `shape` as traced, before XLA sees it: its forward and its sampler."""
@@ -498,12 +497,7 @@ def compile_every_step(
         plan.compiled_steps.append(str(shape))
         if shape == largest:
             profiled = [variants[0] for variants in stages]  # the forward and its sampler, or the sampled verify
-    profile = StaticProfile()
-    for compiled in profiled:
-        text = compiled.as_text()
-        if text is None:
-            raise RuntimeError(f"XLA gives no optimized HLO of step {largest} compiled for {gpu.name}")
-        profile.kernels += static_profile(text).kernels
+    profile = step_profile(profiled)
     tokens_per_row = runner.draft_tokens + 1 if runner._verifies(largest) else 1
     bound = decode_read_bytes(cfg, mesh, rows, context, runner.geometry.kv_cache_dtype, tokens_per_row)
     plan.decode_estimate = DecodeEstimate(
@@ -521,13 +515,10 @@ def compile_every_step(
 
 def prepare_for_target() -> None:
     """Before JAX starts a backend, for compiling for a GPU target in this process: the CPU platform (the CUDA plugin
-    then compiles without a driver or a GPU), XLA's cost-model statistics (COST_MODEL_FLAG, read from XLA_FLAGS when
-    the first backend starts) and no persistent compilation cache (it cannot read a deviceless executable back).
-    Importing JAX starts no backend; once one has started, JAX_PLATFORMS and XLA_FLAGS are read and these come too
-    late: set JAX_PLATFORMS=cpu and the flag in the environment before the process starts instead."""
+    then compiles without a driver or a GPU) and XLA's cost-model statistics (targets.ask_for_cost_model); the
+    compiles themselves skip the persistent cache (targets.persistent_cache_off). Importing JAX starts no backend;
+    once one has started, JAX_PLATFORMS and XLA_FLAGS are read and these come too late: set JAX_PLATFORMS=cpu and
+    the flag in the environment before the process starts instead."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if COST_MODEL_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
-    jax.config.update("jax_enable_compilation_cache", False)
+    targets.ask_for_cost_model()

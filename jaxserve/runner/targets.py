@@ -154,6 +154,13 @@ TARGETS: dict[str, GpuTarget] = {
 COST_MODEL_FLAG = "--xla_gpu_collect_cost_model_stats=true"
 
 
+def ask_for_cost_model() -> None:
+    """Add COST_MODEL_FLAG to XLA_FLAGS, where it is not yet: effective only before JAX starts its first backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if COST_MODEL_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
+
+
 class TargetError(RuntimeError):
     """Compiling for a GPU target cannot start here: what is missing and how to get it."""
 
