@@ -71,7 +71,7 @@ def codes_dtype(fmt: str):
     return jnp.float8_e4m3fn if fmt == FP8 else jnp.uint8
 
 
-def _expand(scales: jax.Array, blocks: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+def expand_scales(scales: jax.Array, blocks: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
     """One scale per block -> one per element of `shape` (partial last blocks cut off)."""
     lead = len(shape) - len(blocks)
     for i, b in enumerate(blocks):
@@ -97,7 +97,7 @@ def dequantize(w: Quantized, dtype: Any) -> jax.Array:
         values = jnp.stack([low, high], axis=-2).reshape(w.shape)  # [.., k, 2, out]: element 2k, then 2k+1
     else:
         values = w.codes.astype(F32)
-    return (values * _expand(scale_values(w.scales), w.blocks, w.shape)).astype(dtype)
+    return (values * expand_scales(scale_values(w.scales), w.blocks, w.shape)).astype(dtype)
 
 
 def dense(w: Any, dtype: Any) -> jax.Array:
@@ -190,7 +190,7 @@ def quantize(w: jax.Array, fmt: str, blocks: tuple[int, ...]) -> Quantized:
     exponent = jnp.clip(
         _pow2_exponent_at_least(jnp.maximum(_block_amax(w, blocks), floor) / top), -SCALE_BIAS, SCALE_BIAS
     )
-    scaled = w.astype(F32) / _expand(jnp.ldexp(jnp.ones((), F32), exponent), blocks, tuple(w.shape))
+    scaled = w.astype(F32) / expand_scales(jnp.ldexp(jnp.ones((), F32), exponent), blocks, tuple(w.shape))
     scales = (exponent + SCALE_BIAS).astype(jnp.uint8)
     if fmt == FP8:
         return Quantized(scaled.astype(jnp.float8_e4m3fn), scales, fmt, tuple(blocks))

@@ -88,6 +88,8 @@ def kernels_for(choice: str, platform: str) -> Kernels:
     native = platform in PALLAS_PLATFORMS
     use_pallas = choice == PALLAS or (choice == "auto" and native)
     chosen = dict(REFERENCES)
+    if native:  # XLA fuses the expert gather and decode into the reduction that consumes them (kernels.moe)
+        chosen["grouped_matmul"] = functools.partial(moe.grouped_matmul, fused_decode=True)
     implementations = {op: REFERENCE for op in OPERATIONS}
     if use_pallas:
         for op, kernel in _pallas_kernels().items():

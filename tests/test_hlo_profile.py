@@ -48,6 +48,14 @@ def test_a_sliced_operand_counts_the_slice(mesh):
     assert 0 < profile.bytes < 1e6  # 8 rows read, 8 written: 64 KiB, not the 16 MiB operand
 
 
+def test_an_operand_gathered_through_a_free_reshape_counts_the_gathered_rows(mesh):
+    stack = jnp.zeros((2, 64, 64, 256), jnp.float32)  # 8 MiB: two layers' stacks of 64 matrices
+    rows = jnp.zeros((3,), jnp.int32)
+    flat = lambda s, r: (s.reshape(128, 64, 256)[r + 64] * 2.0).sum(axis=1)  # noqa: E731 (a layer's experts in place)
+    profile = _profile(mesh, flat, stack, rows)
+    assert 0 < profile.bytes < 3 * 64 * 256 * 4 * 1.5  # three matrices read (192 KiB), not the whole stack
+
+
 @pytest.mark.parametrize(
     "update, rows, where",
     [
@@ -115,3 +123,25 @@ def test_the_grouped_matmul_statement_bounds_the_experts_its_grid_loads(mesh, m,
     assert max(reads) <= stated  # the statement bounds what the grid loads, for any routing
     if m <= e:
         assert reads[0] == stated  # one row per expert: every bound is reached
+
+
+@pytest.mark.parametrize("m", [6, 48])  # decode rows: one token's top-6, eight tokens' (the gathered form)
+def test_the_reference_expert_matmul_on_a_gpu_reads_each_rows_expert_once_and_writes_nothing_decoded(mesh, m):
+    """The reference as the kernel table picks it for a GPU: the rows' expert codes are read once, decoded inside
+    the reduction; no kernel writes a decoded expert matrix (before: a gather, a convert writing the decoded rows,
+    a dot reading them, in passes)."""
+    from jaxserve.kernels.table import kernels_for
+
+    e, d, f = 64, 2048, 1024  # the rows' decoded matrices pass DECODE_PASS_BYTES, as Flash's do
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    codes = jax.ShapeDtypeStruct((2 * e, d // 2, f), jnp.uint8)  # two layers' stacks, as the model passes them
+    scales = jax.ShapeDtypeStruct((2 * e, d // 32, f), jnp.uint8)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    reference = kernels_for("reference", "cuda").grouped_matmul
+    profile = _profile(mesh, lambda x, c, s, g: reference(x, Quantized(c, s, FP4, (1, 32, 1)), g, e), x, codes,
+                       scales, sizes)  # fmt: skip
+    touched_codes, touched_scales = m * d // 2 * f, m * d // 32 * f
+    assert max(k.bytes for k in profile.kernels) < touched_codes + touched_scales + m * d * f // 2  # none decoded
+    # Read once: the codes and scales once, the scales at most once more (a compact gathered copy), x and the out.
+    assert profile.bytes < touched_codes + 3 * touched_scales + m * d * 2 + 2 * m * f * 4 + 64 * 1024
+    assert profile.launches <= 16

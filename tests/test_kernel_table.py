@@ -4,6 +4,7 @@ decoded whole (XLA's memory analysis of a Flash-shaped layer's compiled step).""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import subprocess
 from pathlib import Path
@@ -33,7 +34,11 @@ def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():
         attention.sink_attention,
         indexer.indexer_topk,
     )
-    assert kernels_for("reference", "gpu") == cpu
+    reference_gpu = kernels_for("reference", "gpu")
+    # On a GPU the reference expert matmul decodes inside XLA's reduction (kernels.moe's fused_decode form).
+    assert reference_gpu.grouped_matmul.func is moe.grouped_matmul
+    assert reference_gpu.grouped_matmul.keywords == {"fused_decode": True}
+    assert dataclasses.replace(reference_gpu, grouped_matmul=moe.grouped_matmul) == cpu
     gpu = dict(kernels_for("auto", "gpu").implementations)
     assert all(gpu[op] == "pallas" for op in PALLAS_OPS) and gpu["indexer_topk"] == "reference"
     assert kernels_for("pallas", "gpu") == kernels_for("auto", "gpu")

@@ -24,16 +24,20 @@ def test_cpu_forms_equal_ragged_dot(seed):
     sizes = jnp.asarray(rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(e, 0.3))), jnp.int32)
     expected = np.asarray(jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32))
     grouped = np.asarray(grouped_matmul(x, w, sizes))
-    for got in (grouped, gathered_matmul(x, w, sizes), tiled_matmul(x, w, sizes, tile=int(rng.choice([1, 3, 8, 32])))):
+    tiled = tiled_matmul(x, w, sizes, tile=int(rng.choice([1, 3, 8, 32])))
+    for got in (grouped, gathered_matmul(x, w, sizes), gathered_matmul(x, w, sizes, fused_decode=True), tiled):
         np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4, rtol=1e-5)
     assert not grouped[int(sizes.sum()) :].any()
 
 
 @pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("pass_bytes", [64 << 20, 4 * 48 * 4, 1])
-def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_of_layers(fmt, pass_bytes, monkeypatch):
+@pytest.mark.parametrize("fused_decode", [False, True])
+def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_of_layers(
+    fmt, pass_bytes, fused_decode, monkeypatch
+):
     # pass_bytes: the whole weight in one pass; passes of a few input rows (gathered form) or items (tiled form);
-    # one row / one item per pass.
+    # one row / one item per pass. fused_decode: the GPU's gathered form (the codes decoded inside the sum).
     monkeypatch.setattr(quant, "DECODE_PASS_BYTES", pass_bytes)
     rng = np.random.default_rng(7)
     layers, e, d, f = 3, 5, 256, 48
@@ -47,7 +51,7 @@ def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_
             expected = jax.lax.ragged_dot(
                 x, decoded[layer * e : (layer + 1) * e], sizes, preferred_element_type=jnp.float32
             )
-            got = grouped_matmul(x, w, sizes, expert_offset=jnp.int32(layer * e))
+            got = grouped_matmul(x, w, sizes, expert_offset=jnp.int32(layer * e), fused_decode=fused_decode)
             np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-4, rtol=1e-5)
 
 

@@ -246,12 +246,29 @@ def _fusion_bytes(instruction: Instruction, fused: list[Instruction], shapes: di
             continue
         if in_place is not None and param.name == in_place[0]:
             continue  # only the update is read-modified-written
-        uses = users.get(param.name, [])
-        if uses and all(u.opcode in _SLICERS and u.operands and u.operands[0] == param.name for u in uses):
-            read += min(whole, sum(array_bytes(u.shape) for u in uses))
-        else:
-            read += whole
+        slices = _slices_of(param.name, users)
+        read += whole if slices is None else min(whole, sum(array_bytes(s.shape) for s in slices))
     return read + written
+
+
+def _slices_of(name: str, users: dict[str, list[Instruction]]) -> list[Instruction] | None:
+    """The slicing instructions that are all a fused value's uses, through bitcasts (a reshape XLA made free: a
+    stack of layers' experts viewed as one run of experts, say); None when any use reads it otherwise."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    slices: list[Instruction] = []
+    for use in uses:
+        if use.opcode == "bitcast":
+            through = _slices_of(use.name, users)
+            if through is None:
+                return None
+            slices += through
+        elif use.opcode in _SLICERS and use.operands and use.operands[0] == name:
+            slices.append(use)
+        else:
+            return None
+    return slices
 
 
 def _kind(instruction: Instruction) -> str:

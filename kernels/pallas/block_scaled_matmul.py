@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..quant import FP8, Quantized, _expand
+from ..quant import FP8, Quantized, expand_scales
 from ..quant import einsum as reference_einsum
 from .grouped_matmul import grouped_matmul
 
@@ -179,7 +179,7 @@ def _full_blocks(w: Quantized) -> tuple[int, ...]:
 def _column_scales(w: Quantized) -> jax.Array:
     """[ceil(K / block_k), N]: each K block's scale byte repeated over every column (of w's flattened trailing axes)
     that its block covers."""
-    per_column = _expand(w.scales, (1, *_full_blocks(w)[1:]), (w.scales.shape[0], *w.shape[1:]))
+    per_column = expand_scales(w.scales, (1, *_full_blocks(w)[1:]), (w.scales.shape[0], *w.shape[1:]))
     return per_column.reshape(per_column.shape[0], -1)
 
 
