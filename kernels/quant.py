@@ -46,6 +46,23 @@ class Quantized:
         return logical_shape(self.format, tuple(self.codes.shape))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerOf:
+    """Layer `layer` of a stack of one weight's layers (`stack` [layers, ...]), not sliced out of it: a kernel that
+    can reads that layer in place (kernels.pallas.block_scaled_matmul, as the expert kernel reads a layer's
+    experts), where slicing it out first would copy the layer's weight on every step; anything else takes the slice
+    (`one_layer`)."""
+
+    stack: Any  # Quantized [layers, ...] (Any: vmap's in_axes give a LayerOf of axes)
+    layer: Any  # int32 scalar
+
+
+def one_layer(w: Any) -> Any:
+    """A weight as one layer's: a LayerOf sliced out of its stack, anything else as it is."""
+    return take(w.stack, w.layer) if isinstance(w, LayerOf) else w
+
+
 def logical_shape(fmt: str, codes_shape: tuple[int, ...]) -> tuple[int, ...]:
     if fmt == FP4:
         return (*codes_shape[:-2], 2 * codes_shape[-2], codes_shape[-1])
@@ -133,7 +150,8 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
 
     An FP8 weight whose decoded form would pass DECODE_PASS_BYTES (Flash's wider projections) and whose first axis
     the spec contracts with x's last is decoded a slice of whole scale blocks of that axis at a time, the partial
-    products summed in float32: never as a whole tensor."""
+    products summed in float32: never as a whole tensor. A `LayerOf` is sliced out of its stack first."""
+    w = one_layer(w)
     if not isinstance(w, Quantized):
         return jnp.einsum(spec, x, w, **kwargs)
     n = w.shape[0]

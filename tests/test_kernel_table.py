@@ -9,6 +9,7 @@ import functools
 import subprocess
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from jax.extend.core import jaxprs_in_params
 
@@ -143,3 +144,32 @@ def test_a_flash_layer_decode_step_never_materialises_a_dequantized_expert_stack
     runner = _abstract_runner(cfg, rows=8, kernels="auto")
     temp = runner.temp_bytes(StepShape(decode=GroupShape(8, 1)))
     assert temp < 0.1 * expert_stack_bf16, f"{temp / 1e9:.2f} GB of temporaries"
+
+
+def _fp8_reads(jaxpr, sliced: list, kernel_operands: list) -> None:
+    """The float8 arrays a jaxpr slices out (`sliced`) and those its Pallas calls take (`kernel_operands`), nested
+    jaxprs included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            kernel_operands += [v.aval.shape for v in eqn.invars if v.aval.dtype == jnp.float8_e4m3fn]
+            continue
+        if eqn.primitive.name in ("dynamic_slice", "slice", "gather"):
+            sliced += [v.aval.shape for v in eqn.outvars if v.aval.dtype == jnp.float8_e4m3fn]
+        for sub in jaxprs_in_params(eqn.params):
+            _fp8_reads(sub, sliced, kernel_operands)
+
+
+def test_on_one_device_the_kernels_read_each_layers_fp8_projections_in_place():
+    # Flash's first 4 layers: the two SWA layers are one segment scanned over 2 repeats. Sliced out of their stacks,
+    # the projections would be copied every step on a GPU (a Pallas call's operand must exist whole): 12 copies a
+    # layer, 126 MB of Flash's weights read and written again.
+    cfg = preset("flash", dtype="bfloat16", num_hidden_layers=4)
+    reads = {}
+    for kernels in ("pallas", "reference"):
+        sliced: list = []
+        operands: list = []
+        for jaxpr in _abstract_runner(cfg, rows=8, kernels=kernels).jaxprs(StepShape(decode=GroupShape(8, 1))):
+            _fp8_reads(jaxpr.jaxpr, sliced, operands)
+        reads[kernels] = sliced, operands
+    assert reads["pallas"][0] == [] and reads["reference"][0]  # the reference slices them (XLA fuses that in)
+    assert any(shape[0] == 2 for shape in reads["pallas"][1])  # the scanned segment's stacks, whole

@@ -44,7 +44,7 @@ def test_every_pass_size_and_storage_form_reads_the_groups_experts_from_a_stack_
     stack = jnp.asarray(rng.normal(size=(layers * e, d, f)), jnp.float32)
     w = stack if fmt is None else quantize(stack, fmt, (1, 128, 128) if fmt == FP8 else (1, 32, 1))
     decoded = stack if fmt is None else dequantize(w, jnp.float32)
-    for m in (4, 61):  # gathered (m <= e... per layer: 4 rows), tiled (61 rows)
+    for m in (4, 12, 61):  # gathered (4 rows <= e); 12 rows: gathered with fused_decode, else tiled; tiled
         x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
         sizes = jnp.asarray(rng.multinomial(m - 1, np.full(e, 1 / e)), jnp.int32)  # the last row in no group
         for layer in range(layers):

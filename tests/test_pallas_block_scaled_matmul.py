@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from jaxserve.kernels.pallas.block_scaled_matmul import _ue8m0_to_f32, einsum, fp8_matmul
-from jaxserve.kernels.quant import FP4, FP8, Quantized, dequantize, quantize, scale_values, scales_shape
+from jaxserve.kernels.quant import FP4, FP8, LayerOf, Quantized, dequantize, quantize, scale_values, scales_shape
 from jaxserve.kernels.quant import einsum as reference
 
 ALL_BYTES = np.arange(256, dtype=np.uint8)
@@ -88,6 +89,37 @@ def test_matches_reference(spec, x_shape, w_shape, blocks, dtype):
     rng = np.random.default_rng(len(CASES) * len(spec) + sum(x_shape))
     x, w = _x(rng, x_shape, dtype), _weight(rng, w_shape, blocks)
     _assert_close(spec, einsum(spec, x, w, interpret=True), x, w)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape, blocks, dtype", CASES[::2])
+def test_a_layer_of_a_stack_is_read_in_place(spec, x_shape, w_shape, blocks, dtype):
+    """A LayerOf (how a scanned layer's projections reach the kernel on one device) gives the sliced layer's result,
+    through the reference too; where the grouped kernel takes the weight, its call reads the whole stack (the layer
+    picked inside the kernel, no slice of it copied out first)."""
+    rng = np.random.default_rng(sum(w_shape))
+    layers = [_weight(rng, w_shape, blocks) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = _x(rng, x_shape, dtype)
+    view = LayerOf(stack, jnp.int32(2))
+    run = jax.jit(lambda x, w: einsum(spec, x, w, interpret=True))
+    _assert_close(spec, run(x, view), x, layers[2])
+    np.testing.assert_array_equal(np.asarray(reference(spec, x, view)), np.asarray(reference(spec, x, layers[2])))
+    (call,) = _pallas_calls(jax.make_jaxpr(run)(x, view).jaxpr)
+    (codes,) = [v.aval.shape for v in call.invars if v.aval.dtype == jnp.float8_e4m3fn]
+    if call.params["name"] == "grouped_matmul":
+        assert codes[0] == 3  # the stack itself
+    else:  # fp8_matmul's weights (its blocks do not flatten to runs of columns): the layer, sliced
+        assert len(codes) == 2  # [K, N] (padded to the tiles), one layer
+
+
+def _pallas_calls(jaxpr) -> list:
+    calls = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            calls += _pallas_calls(sub)
+    return calls
 
 
 def test_under_jit_and_with_preferred_element_type():

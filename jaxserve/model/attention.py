@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
-from jaxserve.kernels.quant import Quantized, dense
+from jaxserve.kernels.quant import LayerOf, Quantized, dense, one_layer
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import LayerCache, decode, encode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
@@ -193,18 +193,24 @@ def _grouped_output(o: jax.Array, wo_a: Any, cfg: ModelConfig, kernels: Kernels)
     b, t = o.shape[:2]
     g, j, k = cfg.o_groups, cfg.heads_per_group, cfg.head_dim
     grouped = o.reshape(b * t, g, j * k)
-    if isinstance(wo_a, Quantized):
-        heads, dims, lora = wo_a.blocks
+    stack = wo_a.stack if isinstance(wo_a, LayerOf) else wo_a
+    if isinstance(stack, Quantized):
+        heads, dims, lora = stack.blocks
         if (heads == 1 or dims == k) and j % heads == 0:
+            lead = stack.codes.shape[:-3]  # (layers,) for a LayerOf's stack
             per_group = Quantized(
-                wo_a.codes.reshape(g, j * k, -1),
-                wo_a.scales.reshape(g, (j // heads) * (k // dims), -1),
-                wo_a.format,
+                stack.codes.reshape(*lead, g, j * k, -1),
+                stack.scales.reshape(*lead, g, (j // heads) * (k // dims), -1),
+                stack.format,
                 (heads * dims, lora),
             )
-            out = jax.vmap(lambda x, w: kernels.einsum("mx,xo->mo", x, w), in_axes=(1, 0), out_axes=1)(
-                grouped, per_group
+            weights: Any = per_group
+            groups_axis: Any = len(lead)
+            if isinstance(wo_a, LayerOf):  # each group's matrices stay in their stack, read in place
+                weights, groups_axis = LayerOf(per_group, wo_a.layer), LayerOf(groups_axis, None)
+            out = jax.vmap(lambda x, w: kernels.einsum("mx,xo->mo", x, w), in_axes=(1, groups_axis), out_axes=1)(
+                grouped, weights
             )
             return out.reshape(b, t, -1)
-    dense_wo_a = dense(wo_a, o.dtype).reshape(g, j * k, -1)
+    dense_wo_a = dense(one_layer(wo_a), o.dtype).reshape(g, j * k, -1)
     return jnp.einsum("mgx,gxo->mgo", grouped, dense_wo_a).reshape(b, t, -1)

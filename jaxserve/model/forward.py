@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.kernels.quant import LayerOf, Quantized
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
@@ -71,25 +72,38 @@ def run_segment(
     cfg: ModelConfig,
     kernels: Kernels,
 ):
-    """A segment's layers: one traced body per position of its pattern, scanned over the repeats. The stacked
-    weights are sliced per repeat, but for the routed experts, which each layer reads in place by its index (sliced,
-    every layer's experts would be copied every step: most of a decode step's bytes); the stacked cache rides in
-    the carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache
-    every step)."""
-    sliced, experts = zip(*(RoutedExperts.split(w) for w in weights))
+    """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights
+    are its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced,
+    every layer's experts would be copied every step: most of a decode step's bytes), and, on one device, the
+    quantized projections, which reach their kernels as `LayerOf` views (a Pallas kernel reads the layer in place;
+    sliced, each projection would be copied every step). Under a mesh that splits weights, a kernel call outside
+    shard_map gets its operands gathered whole, so the projections are sliced there. The stacked cache rides in the
+    carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache every
+    step)."""
+    stacks, experts = zip(*(RoutedExperts.split(w) for w in weights))
+    mesh = jax.sharding.get_abstract_mesh()
+    in_place = mesh.empty or mesh.size == 1
 
-    def one_repeat(carry, xs):
+    def one_layer_of(stack: Layer, index: jax.Array) -> Layer:
+        def leaf(a):
+            if in_place and isinstance(a, Quantized):
+                return LayerOf(a, index)
+            return jax.tree.map(lambda x: x[index], a)
+
+        return jax.tree.map(leaf, stack, is_leaf=lambda a: isinstance(a, Quantized))
+
+    def one_repeat(carry, index):
         hs, cache = carry
-        layers, index = xs
         cache = list(cache)
-        for p, (kind, w) in enumerate(zip(segment.pattern, layers)):
+        for p, (kind, stack) in enumerate(zip(segment.pattern, stacks)):
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
+                w = one_layer_of(stack, index)
                 hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
         return (hs, cache), None
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped.
-    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (list(sliced), indices), unroll=segment.repeats == 1)
+    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), indices, unroll=segment.repeats == 1)
     return hs, cache
 
 

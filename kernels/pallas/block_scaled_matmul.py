@@ -25,7 +25,7 @@ any other weight is copied, padded, on every call.
 
 Which kernel. `einsum` hands a weight whose scale blocks flatten to equal runs of columns (2-D weights with the
 release's 128 x 128 blocks, wq_b's one-head-wide blocks, ...) to the grouped expert kernel as a stack of one expert
-(`_one_expert_stack`): it masks the edges and decodes the block scales in registers, so the call needs no padded
+(`_expert_stack`): it masks the edges and decodes the block scales in registers, so the call needs no padded
 copy of its activations and no per-column spread of its scales, two kernels fewer a projection on a GPU. The kernel
 below takes the rest.
 
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..quant import FP8, Quantized, expand_scales
+from ..quant import FP8, LayerOf, Quantized, expand_scales, one_layer
 from ..quant import einsum as reference_einsum
 from .grouped_matmul import grouped_matmul
 
@@ -196,35 +196,46 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     """`jaxserve.kernels.quant.einsum` with the FP8 kernel behind it where it applies: an FP8 weight contracted on its
     first axis with x's last, the output being x's other axes then w's, x float32, bfloat16 or float16. Everything
     else (a plain or FP4 weight, other specs or x dtypes, einsum options besides `preferred_element_type`, empty
-    operands, K blocks no dot-sized tile fits in) is the reference's own result."""
-    if not _takes_kernel(spec, x, w, kwargs):
+    operands, K blocks no dot-sized tile fits in) is the reference's own result. A `LayerOf` whose blocks suit the
+    grouped kernel is read in place from its stack (the stack's layers are its experts); otherwise it is sliced."""
+    stack, layer = (w.stack, w.layer) if isinstance(w, LayerOf) else (w, 0)
+    one = _layer_of(stack) if isinstance(w, LayerOf) else w
+    if not _takes_kernel(spec, x, one, kwargs):
         return reference_einsum(spec, x, w, **kwargs)
-    k = w.shape[0]
+    k = one.shape[0]
     dtype = kwargs.get("preferred_element_type") or x.dtype
-    stack = _one_expert_stack(w)
-    if stack is not None:
+    experts = _expert_stack(stack, one)
+    if experts is not None:
         rows = x.reshape(-1, k)
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul(rows, stack, sizes, interpret=interpret)
-        return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)
+        out = grouped_matmul(rows, experts, sizes, layer, interpret=interpret)
+        return out.reshape(*x.shape[:-1], *one.shape[1:]).astype(dtype)
+    w = one_layer(w)
     out = fp8_matmul(
         x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret
     )
     return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)
 
 
-def _one_expert_stack(w: Quantized) -> Quantized | None:
-    """w [K, ...] as a stack of one expert [1, K, N] with (1, block_k, block_n) blocks, or None where its blocks do
-    not flatten so (fp8_matmul takes it). The grouped expert kernel reads such a stack with masks at the edges and
-    decodes its scales in registers, where fp8_matmul needs its activations padded to the tiles and its scales spread
-    over every column first: two more kernels a call.
+def _layer_of(stack: Quantized) -> Quantized:
+    """One layer of a stack [layers, ...] as shapes only (what the kernel's choice looks at)."""
+    codes, scales = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (stack.codes, stack.scales))
+    return Quantized(codes, scales, stack.format, stack.blocks)
+
+
+def _expert_stack(stack: Quantized, one: Quantized) -> Quantized | None:
+    """`stack` (one weight `one` [K, ...], or a stack of its layers [layers, K, ...]) as a stack of experts
+    [n, K, N] with (1, block_k, block_n) blocks, or None where one's blocks do not flatten so (fp8_matmul takes it).
+    The grouped expert kernel reads such a stack with masks at the edges and decodes its scales in registers, where
+    fp8_matmul needs its activations padded to the tiles and its scales spread over every column first: two more
+    kernels a call; and it reads one layer of a stack in place, where slicing it out would copy it.
 
     The columns' blocks flatten to equal runs when, past the first trailing axis whose block spans more than one
     element, every axis is whole, and that axis's blocks divide it (or nothing lies outside it). A block that spans
     a whole axis is as good as any larger one: it is made the power of two >= 16 above it, which the kernel's tiles
     divide or are divided by; other blocks must be such powers of two themselves."""
-    k, trailing = w.shape[0], w.shape[1:]
-    spans = [min(b, n) for b, n in zip(_full_blocks(w)[1:], trailing)]
+    k, trailing = one.shape[0], one.shape[1:]
+    spans = [min(b, n) for b, n in zip(_full_blocks(one)[1:], trailing)]
     first = next((i for i, b in enumerate(spans) if b > 1), len(spans) - 1)
     if any(b != n for b, n in zip(spans[first + 1 :], trailing[first + 1 :])):
         return None
@@ -232,11 +243,13 @@ def _one_expert_stack(w: Quantized) -> Quantized | None:
         return None
     columns = math.prod(trailing)
     block_n = spans[first] * math.prod(trailing[first + 1 :])
-    block_k, block_columns = _kernel_block(min(_full_blocks(w)[0], k), k), _kernel_block(block_n, columns)
+    block_k, block_columns = _kernel_block(min(_full_blocks(one)[0], k), k), _kernel_block(block_n, columns)
     if block_k is None or block_columns is None:
         return None
-    codes = w.codes.reshape(1, k, columns)
-    return Quantized(codes, w.scales.reshape(1, w.scales.shape[0], -1), w.format, (1, block_k, block_columns))
+    layers = stack.codes.shape[0] if stack is not one else 1
+    codes = stack.codes.reshape(layers, k, columns)
+    scales = stack.scales.reshape(layers, one.scales.shape[0], -1)
+    return Quantized(codes, scales, stack.format, (1, block_k, block_columns))
 
 
 def _kernel_block(block: int, size: int) -> int | None:
