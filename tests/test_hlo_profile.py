@@ -5,6 +5,8 @@ checked here against the work items its grid loads for concrete group sizes)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +147,25 @@ def test_the_reference_expert_matmul_on_a_gpu_reads_each_rows_expert_once_and_wr
     # Read once: the codes and scales once, the scales at most once more (a compact gathered copy), x and the out.
     assert profile.bytes < touched_codes + 3 * touched_scales + m * d * 2 + 2 * m * f * 4 + 64 * 1024
     assert profile.launches <= 16
+
+
+def _fp4_grouped_matmul(x, codes, scales, sizes, every_row_grouped):
+    return gmm.grouped_matmul(x, Quantized(codes, scales, FP4, (1, 32, 1)), sizes, every_row_grouped=every_row_grouped)
+
+
+def test_the_grouped_matmul_statement_reads_its_operands_with_or_without_the_zeros(mesh):
+    m, e, d, f = 48, 4, 64, 32
+    x = jnp.zeros((m, d), jnp.bfloat16)
+    codes, scales = jnp.zeros((e, d // 2, f), jnp.uint8), jnp.zeros((e, d // 32, f), jnp.uint8)
+    sizes = jnp.zeros((e,), jnp.int32)
+    calls = []
+    for every_row_grouped in (False, True):
+        profile = _profile(
+            mesh,
+            functools.partial(_fp4_grouped_matmul, every_row_grouped=every_row_grouped),
+            x, codes, scales, sizes,
+        )  # fmt: skip
+        (call,) = [k for k in profile.kernels if k.pallas]
+        calls.append(call)
+    assert calls[0].bytes == calls[1].bytes  # the aliased zeros are written, never read: the same statement
+    assert calls[1].bytes >= codes.nbytes + scales.nbytes + x.nbytes + m * f * 4

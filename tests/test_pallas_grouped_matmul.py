@@ -116,6 +116,21 @@ def test_few_rows(m, fmt, x_dtype):
         _check(x, w, [3, 0, 0, 4, 0, 0], E)  # a row past the last group
 
 
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+def test_every_row_grouped_and_the_output_dtype(fmt):
+    """A caller whose groups hold every row (a projection as one expert) gets the same sums without the zeros, and an
+    output dtype gets the float32 sums rounded once."""
+    rng = np.random.default_rng(4)
+    d = D_FP4 if fmt == FP4 else D
+    x, w = _rows(rng, M, d, jnp.bfloat16), _stack(fmt, rng, d)
+    sizes, offset = jnp.asarray([10, 0, 15, 0, 3, 9], jnp.int32), jnp.int32(E)  # all 37 rows
+    whole = _check(x, w, sizes, E)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = kernel(x, w, sizes, offset, interpret=True, out_dtype=out_dtype, every_row_grouped=True)
+        assert got.dtype == out_dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(whole.astype(out_dtype), np.float32))
+
+
 @pytest.mark.parametrize(
     "fmt,x_dtype,d,f,blocks",
     [

@@ -208,8 +208,8 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     if experts is not None:
         rows = x.reshape(-1, k)
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul(rows, experts, sizes, layer, interpret=interpret)
-        return out.reshape(*x.shape[:-1], *one.shape[1:]).astype(dtype)
+        out = grouped_matmul(rows, experts, sizes, layer, interpret=interpret, out_dtype=dtype, every_row_grouped=True)
+        return out.reshape(*x.shape[:-1], *one.shape[1:])
     w = one_layer(w)
     out = fp8_matmul(
         x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret

@@ -24,7 +24,8 @@ accumulator. Each step loads the x tile [bm, bk], the expert's code tile and the
 with integer and float ops in registers (FP8 codes are bitcast to uint8 once loaded; no dtype cast from a float8
 or float4 type: Hopper has no FP4 convert) and adds one dot (FP4: two, see below). The program then stores only
 the rows of its tile that lie in its group; items of one tile write disjoint rows, so the programs never race,
-and the output starts as zeros (an aliased input) so rows in no group stay zero.
+and the output starts as zeros (an aliased input) so rows in no group stay zero (unless the caller says every row
+is in a group: then every row is written and no zeros are made). The sums are rounded once to the output's dtype.
 
 FP4 packing: the nibbles of one byte are inputs 2k and 2k+1, so instead of interleaving decoded rows the kernel
 splits x into its even and odd columns (two [m, d/2] arrays, made outside the kernel: activations are small next to
@@ -102,7 +103,12 @@ class _Layout:
         return max(1, self.bkc // self.scale_block[0]), max(1, self.bf // self.scale_block[1])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "block_f", "num_warps", "num_stages"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "interpret", "block_m", "block_k", "block_f", "num_warps", "num_stages", "out_dtype", "every_row_grouped"
+    ),
+)  # fmt: skip
 def grouped_matmul(
     x: jax.Array,
     w: jax.Array | Quantized,
@@ -115,10 +121,14 @@ def grouped_matmul(
     block_f: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
+    out_dtype: Any = F32,
+    every_row_grouped: bool = False,
 ) -> jax.Array:
     """x [m, d] (rows sorted by group), w [n, d, f] (an array or an FP8 / FP4 Quantized stack), group_sizes [e]
-    (sum <= m) -> [m, f] float32; group g's rows times expert w[expert_offset + g]; rows past sum(group_sizes) are
-    zero.
+    (sum <= m) -> [m, f] in `out_dtype` (the float32 sums, rounded once); group g's rows times expert
+    w[expert_offset + g]; rows past sum(group_sizes) are zero. `every_row_grouped`: the caller's promise that the
+    groups hold all m rows (a projection as a stack of one expert), so the output needs no zeros first: one kernel
+    fewer a call.
 
     block_m defaults to the rows per group rounded up to a power of two, within [16, 128]; block_k counts inputs
     of x (FP4: two per code byte)."""
@@ -129,13 +139,15 @@ def grouped_matmul(
     metadata = _work_items(group_sizes.astype(I32), expert_offset, bm, n_tiles)
     # Under shard_map (expert parallelism) the result varies over the mesh axes the expert stack does.
     varying = jax.typeof(w_operands[0]).manual_axis_type
-    zeros = jnp.zeros((m, f), F32)
-    inputs = (*metadata, *x_operands, *w_operands, zeros)
+    inputs = (*metadata, *x_operands, *w_operands)
+    aliases = {}
+    if not every_row_grouped:  # rows in no group keep these zeros
+        inputs, aliases = (*inputs, jnp.zeros((m, f), out_dtype)), {len(inputs): 0}
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, n_x=len(x_operands)),
-        out_shape=jax.ShapeDtypeStruct((m, f), F32, manual_axis_type=varying),
+        functools.partial(_kernel, layout=layout, n_x=len(x_operands), n_w=len(w_operands)),
+        out_shape=jax.ShapeDtypeStruct((m, f), out_dtype, manual_axis_type=varying),
         grid=(n_tiles + e, pl.cdiv(f, layout.bf)),
-        input_output_aliases={len(inputs) - 1: 0},
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="grouped_matmul",
@@ -143,17 +155,16 @@ def grouped_matmul(
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled (metadata, x, weights, the aliased zeros):
-    each work item reads its expert's codes and scales once (each f tile its own slice), and there are at most
-    min(items, rows) items that meet a row; x is read and the output written once. The expert stack itself, n
-    experts of every layer, is never read whole: only the experts the rows use (this is what "only the experts the
-    step touches are read" means above, bounded for any routing)."""
-    items, rows = operand_shapes[1][0], operand_shapes[-1][0]
-    n_weights = {8: 1, 9: 2, 10: 2}[len(operand_shapes)]  # plain w; FP8 codes + scales; FP4 (two x) codes + scales
-    weights = slice(len(operand_shapes) - 1 - n_weights, len(operand_shapes) - 1)
-    stack = operand_shapes[weights][0][0]
-    per_expert = sum(operand_bytes[weights]) / stack
-    x = sum(operand_bytes[5 : weights.start])
+    """The most HBM bytes one call moves, from its operands as compiled (5 metadata arrays, x (FP4: its even and odd
+    columns), the weights (3-D: a plain stack, or codes and scales), any zeros aliased to the output): each work
+    item reads its expert's codes and scales once (each f tile its own slice), and there are at most min(items,
+    rows) items that meet a row; x is read and the output written once. The expert stack itself, n experts of every
+    layer, is never read whole: only the experts the rows use (this is what "only the experts the step touches are
+    read" means above, bounded for any routing)."""
+    weights = [i for i, shape in enumerate(operand_shapes) if len(shape) == 3]
+    items, rows, stack = operand_shapes[1][0], operand_shapes[5][0], operand_shapes[weights[0]][0]
+    per_expert = sum(operand_bytes[i] for i in weights) / stack
+    x = sum(operand_bytes[5 : weights[0]])
     return experts_read_at_most(items, rows, stack) * per_expert + x + out_bytes + sum(operand_bytes[:5])
 
 
@@ -211,9 +222,9 @@ def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int,
     return (items_end[-1:], *(jnp.where(used, a, 0).astype(I32) for a in per_item))
 
 
-def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: _Layout, n_x: int):
+def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: _Layout, n_x: int, n_w: int):
     """Program (item, f tile): out[tile rows in the group, f tile] = x[tile rows] @ W[expert][:, f tile]."""
-    x_refs, w_refs, out_ref = refs[:n_x], refs[n_x:-2], refs[-1]  # refs[-2]: the zeros aliased to out_ref
+    x_refs, w_refs, out_ref = refs[:n_x], refs[n_x : n_x + n_w], refs[-1]  # any ref between: zeros aliased to out
     item, f_tile = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode can't lower it inside
     lo = layout
 
@@ -238,7 +249,7 @@ def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: 
 
         acc = lax.fori_loop(0, lo.k_steps, k_step, jnp.zeros((lo.bm, lo.bf), F32))
         mine = (rows >= start_ref[item]) & (rows < end_ref[item]) & (cols < lo.f)
-        plgpu.store(out_ref.at[pl.ds(row0, lo.bm), pl.ds(col0, lo.bf)], acc, mask=mine)
+        plgpu.store(out_ref.at[pl.ds(row0, lo.bm), pl.ds(col0, lo.bf)], acc.astype(out_ref.dtype), mask=mine)
 
 
 def _weight_tiles(w_refs, expert, k0, col0, mask, lo: _Layout) -> list[jax.Array]:
