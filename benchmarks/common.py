@@ -154,7 +154,8 @@ def op_time_by_scope(events: list[dict[str, Any]], hlo_text: str, calls: int, de
 
 def geometry(cfg, slots: int, max_tokens: int, spare_pages: int = 1):
     """Pages of lcm(compress rates) tokens; room for `max_tokens` per slot, every slot's pages disjoint."""
-    from jaxserve.model.cache import CacheGeometry, pages_needed
+    from jaxserve.model.cache import CacheGeometry
+    from jaxserve.paging import pages_needed
 
     rates = [cfg.compress_rate(i) for i in cfg.compressed_layers] or [1]
     page_size = math.lcm(*rates)

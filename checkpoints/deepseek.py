@@ -29,7 +29,7 @@ from jaxserve.kernels.quant import FP4, Quantized
 from jaxserve.kernels.quant import FP8 as FP8_E4M3
 from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.model.weights import FP4_BLOCK, FP8_BLOCK, ArrayInfo, Weights, release_leaves
-from jaxserve.runner.progress import progress
+from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
 

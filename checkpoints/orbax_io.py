@@ -32,7 +32,7 @@ from jaxserve.kernels.quant import Quantized
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
-from jaxserve.runner.progress import progress
+from jaxserve.progress import progress
 
 MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1

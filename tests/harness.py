@@ -8,11 +8,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache, pages_needed
+from jaxserve.model.cache import CacheGeometry, abstract_cache, init_cache
 from jaxserve.model.forward import logits_all
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.model.weights import init_weights
+from jaxserve.paging import pages_needed
 
 forward_all = jax.jit(logits_all, static_argnames=("cfg",), donate_argnames=("cache",))
 

@@ -14,13 +14,16 @@ REPO = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "kernels": ("jaxserve",),  # pure-JAX primitives: nothing of ours
     "jaxserve": ("jaxserve.server", "jaxserve.checkpoints", "jaxserve.cli"),  # the core
-    "checkpoints": ("jaxserve.server", "jaxserve.cli"),
+    # Checkpoints build the model's weights from files: the device runner is not theirs to reach.
+    "checkpoints": ("jaxserve.server", "jaxserve.cli", "jaxserve.runner", "jaxserve.engine", "jaxserve.scheduler"),
     "server": ("jaxserve.checkpoints", "jaxserve.cli"),
     "training": ("jaxserve.server", "jaxserve.cli"),  # a tool beside the layers: the core and checkpoints only
     # Inside the core, the rooms along a request's way (text -> engine -> scheduler, runner -> model -> kernels, all
     # passing the records of jaxserve/request): none imports a room before it on the way.
     "jaxserve/engine": ("jaxserve.text",),
-    "jaxserve/scheduler": ("jaxserve.text", "jaxserve.engine", "jaxserve.runner"),
+    # The host scheduler keeps its accounts on the host: nothing of the device model (KV page arithmetic is
+    # jaxserve.paging's, shared).
+    "jaxserve/scheduler": ("jaxserve.text", "jaxserve.engine", "jaxserve.runner", "jaxserve.model"),
     "jaxserve/runner": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler"),
     "jaxserve/model": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler", "jaxserve.runner", "jaxserve.request"),
     "jaxserve/request": ("jaxserve.text", "jaxserve.engine", "jaxserve.scheduler", "jaxserve.runner", "jaxserve.model"),

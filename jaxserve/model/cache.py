@@ -43,6 +43,7 @@ from jaxserve.config import CSA, HCA, SWA, ConfigError, EngineConfig, ModelConfi
 from jaxserve.kernels.kv_quant import Fp8KV, decode, encode
 from jaxserve.model.segments import layer_segments
 from jaxserve.model.weights import ArrayInfo, is_info, map_infos, nbytes, stack_infos, weights_nbytes
+from jaxserve.paging import pages_needed
 
 F32 = jnp.float32
 FP8_KV = "fp8"  # the --kv-cache-dtype value (kernels.quant.FP8 names the e4m3 storage format)
@@ -98,10 +99,6 @@ class CacheGeometry:
                     f"page_size={self.page_size}: must be a multiple of {multiple} "
                     f"(every compress rate in the model: {sorted(rates)})"
                 )
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def resolve_max_model_len(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:

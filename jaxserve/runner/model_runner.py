@@ -35,6 +35,7 @@ from jaxserve.model.cache import CacheGeometry, kv_geometry, zeros_of
 from jaxserve.model.forward import final_norm, hidden_streams, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
+from jaxserve.progress import progress
 from jaxserve.request import TokenLogprob
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import (
@@ -50,7 +51,6 @@ from jaxserve.request.step import (
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.runner.mirror import Call, CallLog, CompileSync, ForwardCall, ResetCall, SampleCall
-from jaxserve.runner.progress import progress
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
 from jaxserve.runner.speculative import (
     DraftInputs,

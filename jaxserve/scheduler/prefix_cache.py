@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.model.cache import pages_needed
+from jaxserve.paging import pages_needed
 from jaxserve.request import Request
 from jaxserve.request.step import StepRow
 from jaxserve.scheduler.allocator import IdAllocator
