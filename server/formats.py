@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxserve.request import TokenLogprob
+from jaxserve.request import FinishReason, TokenLogprob
 from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
 from jaxserve.text.chat.encoding import THINK_END
 from jaxserve.text.generation import Delta, Output
@@ -409,6 +409,6 @@ class ChatFormat(_Format):
         return message
 
     @staticmethod
-    def _finish_reason(reason: str | None, called: bool) -> str | None:
+    def _finish_reason(reason: FinishReason | None, called: bool) -> str | None:
         # A turn that ends after calling tools finishes with "tool_calls", as OpenAI's does; "length" stays.
-        return "tool_calls" if reason == "stop" and called else reason
+        return "tool_calls" if reason is FinishReason.STOP and called else reason

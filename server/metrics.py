@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine import Engine, EngineStats
-from jaxserve.request import Request
+from jaxserve.request import FinishReason, Request
 from jaxserve.request.step import ForcedBy
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
@@ -213,7 +213,7 @@ class RequestTimer:
             self._metrics.itl.observe((now - self._last) / count)
         self._last = now
 
-    def on_finish(self, reason: str, now: float) -> None:
+    def on_finish(self, reason: FinishReason, now: float) -> None:
         self._metrics.e2e.observe(now - self._arrival)
 
 

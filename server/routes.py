@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
-from jaxserve.request import InvalidRequest
+from jaxserve.request import FinishReason, InvalidRequest
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
@@ -240,7 +240,7 @@ async def _generate(
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     for output in outputs:
-        if output.finish_reason == "error":
+        if output.finish_reason is FinishReason.ERROR:
             raise APIError(500, f"generation failed: {output.error}")
     if params.best_of == params.n:
         return JSONResponse(fmt.response(outputs))
@@ -354,7 +354,7 @@ async def _chunks(generations: list[Generation], fmt, include_usage: bool, conti
         yield fmt.with_usage(chunk, 0) if continuous else chunk
     async with aclosing(_interleaved(generations)) as deltas:
         async for index, delta in deltas:
-            if delta.finish_reason == "error":
+            if delta.finish_reason is FinishReason.ERROR:
                 raise APIError(500, f"generation failed: {delta.error}")
             fmt.note_cached(index, delta.cached_tokens)
             chunk = fmt.chunk(index, delta)

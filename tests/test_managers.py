@@ -1,12 +1,14 @@
 """Request records, the id allocator (pages and slots), PrefillManager and DecodeManager, and the hand-off
 between them through the real Scheduler."""
 
+import json
 import random
 
 import pytest
 
 from jaxserve.request import (
     LEGAL_TRANSITIONS,
+    FinishReason,
     IllegalTransition,
     InvalidRequest,
     Request,
@@ -189,6 +191,20 @@ def test_finishing_frees_pages_and_slot_of_waiting_and_in_progress_requests_once
     with pytest.raises(IllegalTransition, match="aborted -> aborted"):
         scheduler.finish(a, "abort")  # again: a bug, refused before anything is freed twice
     assert pool.num_free == 20 and scheduler.schedule() is None and not pm.has_work
+
+
+def test_finish_reasons_are_the_api_words_and_an_unknown_one_is_refused_before_any_move():
+    assert [reason.value for reason in FinishReason] == ["stop", "length", "abort", "error"]
+    assert json.dumps({"finish_reason": FinishReason.LENGTH}) == '{"finish_reason": "length"}'
+    pm, _ = manager()
+    scheduler = Scheduler(pm, DecodeManager(2))
+    a = req("a", 4)
+    scheduler.add_request(a)
+    with pytest.raises(ValueError, match="'done' is not a valid FinishReason"):
+        scheduler.finish(a, "done")  # type: ignore[arg-type]
+    assert a.status is RequestStatus.WAITING and not a.finished
+    scheduler.finish(a, FinishReason.STOP)
+    assert a.status is RequestStatus.FINISHED and a.finish_reason is FinishReason.STOP
 
 
 # --- decode manager ------------------------------------------------------------------------------------------

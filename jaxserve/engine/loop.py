@@ -20,11 +20,11 @@ import zlib
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
-from jaxserve.request import InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.request import FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
@@ -49,7 +49,7 @@ class TokenEvent:
     first event carries `prompt_logprobs`, one entry for each prompt token after the first."""
 
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
@@ -59,6 +59,38 @@ class TokenEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class Finished(NamedTuple):
+    """A finished request, as RequestHandle.wait() returns it."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason
+    error: str | None
+
+
+@dataclass(frozen=True)
+class _Submit:
+    """Into the engine's inbox: schedule this request."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Into the engine's inbox: finish this request (if still live) with `reason`."""
+
+    request_id: str
+    reason: FinishReason
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class _Live:
+    """A submitted, unfinished request and the caller's handle to it."""
+
+    request: Request
+    handle: RequestHandle
 
 
 class RequestHandle:
@@ -73,7 +105,7 @@ class RequestHandle:
         except RuntimeError:
             self._loop = self._async_queue = None
         self._sync_queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.last_event: TokenEvent | None = None
 
     def _push(self, event: TokenEvent) -> None:  # engine thread
@@ -95,14 +127,14 @@ class RequestHandle:
                 self.finish_reason = event.finish_reason
                 return
 
-    def wait(self, timeout: float | None = None) -> tuple[list[int], str | None, str | None]:
-        """Block until the request finishes: (all generated token ids, finish reason, error or None); the last
-        event, with the stop reason, is `last_event`."""
+    def wait(self, timeout: float | None = None) -> Finished:
+        """Block until the request finishes: its generated token ids, finish reason and error; the last event, with
+        the stop reason, is `last_event`."""
         tokens: list[int] = []
         for event in self.sync_events(timeout):
             tokens.extend(event.token_ids)
-        assert self.last_event is not None  # the last event finished the request
-        return tokens, self.last_event.finish_reason, self.last_event.error
+        assert self.last_event is not None and self.last_event.finish_reason is not None  # the last event finished it
+        return Finished(tokens, self.last_event.finish_reason, self.last_event.error)
 
     def sync_events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """The request's events from a plain thread, blocking up to `timeout` for each, until it finishes."""
@@ -314,7 +346,7 @@ class Engine:
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
         self.listeners: list[EngineListener] = []  # added before start()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -323,7 +355,7 @@ class Engine:
         # Every submitted, unfinished request with its handle: the one record of liveness. Submitting threads
         # add, the loop thread removes; both under this condition, which drain() waits on.
         self._admission = threading.Condition()
-        self._live: dict[str, tuple[Request, RequestHandle]] = {}
+        self._live: dict[str, _Live] = {}
         self._draining = False
         # Loop thread only: dispatched, unfinished steps per request, and when the device is done with the last one.
         self._inflight: collections.Counter[str] = collections.Counter()
@@ -385,8 +417,8 @@ class Engine:
         self._stop.set()
         self._wake.set()
         log.error("engine stopped: %s; %d unfinished requests end with this error", reason, len(live))
-        for _, handle in live:
-            handle._push(TokenEvent((), finish_reason="error", error=reason))
+        for entry in live:
+            entry.handle._push(TokenEvent((), finish_reason=FinishReason.ERROR, error=reason))
 
     @property
     def is_draining(self) -> bool:
@@ -473,20 +505,20 @@ class Engine:
                 raise EngineDraining("the engine is shutting down and admits no new requests")
             if request_id in self._live:
                 raise InvalidRequest("request_id", f"request_id: {request_id!r} is already running")
-            queued = sum(r.status is RequestStatus.WAITING for r, _ in self._live.values())
+            queued = sum(entry.request.status is RequestStatus.WAITING for entry in self._live.values())
             if queued >= self.config.max_queued_requests:
                 raise QueueFull(
                     f"{queued} requests are already waiting (max_queued_requests={self.config.max_queued_requests})"
                 )
-            self._live[request_id] = (request, handle)
-            self._inbox.put(("submit", request, None, None))
+            self._live[request_id] = _Live(request, handle)
+            self._inbox.put(_Submit(request))
         self._wake.set()
         return handle
 
-    def abort(self, request_id: str, reason: str = "abort", stop_reason: str | None = None) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: str | None = None) -> None:
         """Finish a request at the next step boundary and return its pages; unknown or finished ids are ignored.
-        `reason` is what it finishes with: a caller that matched a stop string says "stop" and which string."""
-        self._inbox.put(("abort", request_id, reason, stop_reason))
+        `reason` is what it finishes with: a caller that matched a stop string says STOP and which string."""
+        self._inbox.put(_Abort(request_id, FinishReason(reason), stop_reason))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -551,15 +583,15 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item, reason, stop_reason = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":  # an abort of it is behind it in the inbox
-                self.scheduler.add_request(item)
+            if isinstance(message, _Submit):  # an abort of it is behind it in the inbox
+                self.scheduler.add_request(message.request)
                 continue
-            live = self._live.get(item)
+            live = self._live.get(message.request_id)
             if live is not None:
-                self._finish(live[0], reason, stop_reason)
+                self._finish(live.request, message.reason, message.stop_reason)
 
     def _dispatch(self, plan: StepPlan) -> _InFlight:
         dispatched = time.perf_counter()
@@ -607,7 +639,7 @@ class Engine:
             if not row.samples_output:
                 continue
             if request.sampling.max_tokens == 0:  # prefill only: the token after the prompt is unused
-                self._finish(request, "length", prompt_logprobs=self._prompt_logprobs(request))
+                self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
                 continue
             if row.decode and self.config.draft_tokens:  # a verify row: its accepted drafts, then one sampled token
                 self.scheduler.note_accepted(request, len(out.accepted))
@@ -645,17 +677,17 @@ class Engine:
             broken = request.grammar.accept(token)
             if broken is not None:  # the mask allowed only what the grammar accepts: a bug, not the client's
                 log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
-                self._finish(request, "error", error=f"structured output: {broken}")
+                self._finish(request, FinishReason.ERROR, error=f"structured output: {broken}")
                 return
             if reason is None and request.grammar.finished:  # the text is complete; nothing may follow
-                reason = "stop"
+                reason = FinishReason.STOP
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:
             live = self._live.get(request.request_id)
             if live is None:  # fail() already ended it
                 return
-            live[1]._push(
+            live.handle._push(
                 TokenEvent(
                     (token,),
                     logprobs=logprobs,
@@ -676,7 +708,7 @@ class Engine:
     def _finish(
         self,
         request: Request,
-        reason: str,
+        reason: FinishReason,
         stop_reason: int | str | None = None,
         final_tokens: tuple[int, ...] = (),
         error: str | None = None,
@@ -693,7 +725,7 @@ class Engine:
             self._admission.notify_all()
         if live is None:  # fail() already ended it
             return
-        live[1]._push(
+        live.handle._push(
             TokenEvent(
                 final_tokens,
                 finish_reason=reason,
@@ -715,9 +747,9 @@ class Engine:
         if self.runner.cache_lost():
             # The donated cache went with the failed call: every sequence's KV state is gone, not only the step's.
             self.runner.reset_cache()
-            failed = [r for r, _ in self._live.values() if not r.finished]
+            failed = [entry.request for entry in self._live.values() if not entry.request.finished]
         for request in failed:
-            self._finish(request, "error", error=f"{type(error).__name__}: {error}")
+            self._finish(request, FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
 
     def _log_step(self, plan: StepPlan, seconds: float) -> None:
         st = self._stats

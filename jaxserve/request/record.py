@@ -152,16 +152,16 @@ class SamplingParams:
         engine asks for tokens, the text side for stop strings; max_tokens always ends it)."""
         return num_generated >= self.min_tokens
 
-    def stop_reason(self, token: int, num_generated: int) -> tuple[str | None, int | None]:
+    def stop_reason(self, token: int, num_generated: int) -> tuple[FinishReason | None, int | None]:
         """(finish reason, stop token) once `token` made `num_generated` output tokens, or (None, None) to go on. EOS
         is reported without a stop token, as vLLM does."""
         if self.may_stop(num_generated):
             if not self.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
+                return FinishReason.STOP, None
             if token in self.stop_token_ids:
-                return "stop", token
+                return FinishReason.STOP, token
         if num_generated >= self.max_tokens:  # admission kept prompt + max_tokens within the context
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
     def logit_bias_at(self, num_generated: int) -> tuple[tuple[int, float], ...]:
@@ -202,6 +202,15 @@ class TokenOccurrences:
         return self._ids[:size], self._counts[:size]
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended: the words OpenAI's and vLLM's APIs use (a str, so it is written into JSON as is)."""
+
+    STOP = "stop"  # EOS, a stop token, a stop string, or a structured output complete
+    LENGTH = "length"  # max_tokens (or a prefill-only request's prompt done)
+    ABORT = "abort"  # the client went away or asked
+    ERROR = "error"  # a step failed, or the engine stopped
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages or slot
     PREFILLING = "prefilling"  # admitted: pages and slot reserved, prompt partly scheduled into the KV cache
@@ -240,7 +249,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first under --scheduling-policy priority
     status: RequestStatus = RequestStatus.WAITING  # changed only by move_to(), along LEGAL_TRANSITIONS
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
     # With sampling.prompt_logprobs: the logprobs of prompt tokens 1.. as their chunks run, delivered with the
     # request's first event.
@@ -311,7 +320,8 @@ class Request:
         """Seconds from submission to admission (vLLM's queued interval); None if it was never admitted."""
         return None if self.admitted_time is None else self.admitted_time - self.arrival_time
 
-    def mark_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self.move_to(RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED)
+    def mark_finished(self, reason: FinishReason | str, stop_reason: int | str | None = None) -> None:
+        reason = FinishReason(reason)  # a plain word is checked here (ValueError naming it), never compared as text
+        self.move_to(RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED)
         self.finish_reason = reason
         self.stop_reason = stop_reason

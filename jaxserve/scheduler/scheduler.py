@@ -17,7 +17,7 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from jaxserve.request import Request
+from jaxserve.request import FinishReason, Request
 from jaxserve.request.step import MIXED_PREFILL_ROWS, ForcedBy, StepKind, StepLimits, StepPlan
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policy import StepPolicy
@@ -156,7 +156,9 @@ class Scheduler:
         for policy in self.policies:
             policy.on_step_done(plan, seconds, self.decode_manager.has_work)
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None, release: bool = True) -> None:
+    def finish(
+        self, request: Request, reason: FinishReason, stop_reason: int | str | None = None, release: bool = True
+    ) -> None:
         """End `request` in any state (an abort: reason "abort"): it is never scheduled again. Its pages and slot
         are freed now, or with release() once no dispatched step still writes them (`release=False`)."""
         self.decode_manager.remove(request)

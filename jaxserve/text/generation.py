@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxserve.engine import Engine, TokenEvent
-from jaxserve.request import SamplingParams, TokenLogprob
+from jaxserve.request import FinishReason, SamplingParams, TokenLogprob
 from jaxserve.text.stop_strings import StopStrings
 
 
@@ -23,7 +23,7 @@ from jaxserve.text.stop_strings import StopStrings
 class Delta:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the output (vLLM's field)
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
@@ -37,7 +37,7 @@ class Observer(Protocol):
 
     def on_tokens(self, count: int, now: float) -> None: ...
 
-    def on_finish(self, reason: str, now: float) -> None: ...
+    def on_finish(self, reason: FinishReason, now: float) -> None: ...
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Output:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
@@ -87,7 +87,7 @@ class Generation:
         self._detokenizer = tokenizer.detokenizer(keep_markup=keep_markup)
         self._stops = StopStrings(stop, include_stop)
         self._observer = observer
-        self._finish_reason: str | None = None
+        self._finish_reason: FinishReason | None = None
         self._stop_string: str | None = None
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
@@ -106,9 +106,9 @@ class Generation:
                         return
         finally:
             if not engine_done:  # a stop string (the engine records it as the stop reason), or the consumer left
-                self._engine.abort(self.handle.request_id, self._finish_reason or "abort", self._stop_string)
+                self._engine.abort(self.handle.request_id, self._finish_reason or FinishReason.ABORT, self._stop_string)
             if self._observer is not None:
-                self._observer.on_finish(self._finish_reason or "abort", time.monotonic())
+                self._observer.on_finish(self._finish_reason or FinishReason.ABORT, time.monotonic())
 
     async def output(self) -> Output:
         """The whole output, once finished."""
@@ -125,10 +125,10 @@ class Generation:
             text += self._detokenizer.flush()
         # Stop strings are looked for only once the request may stop (min_tokens).
         text, stop = self._stops.feed(text) if self._sampling.may_stop(self.num_generated) else (text, None)
-        finish_reason: str | None
+        finish_reason: FinishReason | None
         stop_reason: int | str | None
         if stop is not None:
-            finish_reason, stop_reason, self._stop_string = "stop", stop, stop
+            finish_reason, stop_reason, self._stop_string = FinishReason.STOP, stop, stop
         else:
             finish_reason, stop_reason = event.finish_reason, event.stop_reason
             if event.finished:
