@@ -73,3 +73,30 @@ def test_missing_field_and_file(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match=f"^{tmp_path / 'nope'}: no such checkpoint folder$"):
         load_config(tmp_path / "nope")
+
+
+def test_a_queue_order_is_one_registration_the_flag_and_the_scheduler_follow(monkeypatch):
+    """A new --scheduling-policy is its QueueOrder class registering itself: the flag's choices, EngineConfig's check
+    and build_scheduler all read that one registry (jaxserve.config.registry)."""
+    from jaxserve.config import SCHEDULING_POLICIES, EngineConfig
+    from jaxserve.scheduler import IdAllocator, PrefixCache, QueueOrder, build_scheduler
+
+    assert SCHEDULING_POLICIES.names() == ("fcfs", "priority")
+    with pytest.raises(ConfigError, match=r"scheduling_policy='newest': must be one of \('fcfs', 'priority'\)"):
+        EngineConfig(scheduling_policy="newest")
+    monkeypatch.setattr(SCHEDULING_POLICIES, "_entries", dict(SCHEDULING_POLICIES._entries))  # undone after
+
+    @SCHEDULING_POLICIES.register("newest")
+    class NewestFirst(QueueOrder):
+        def key(self, request):
+            return (-request.arrival_time,)
+
+        def check_priority(self, priority: int) -> None:
+            """Any integer (ignored)."""
+
+    cfg = EngineConfig(scheduling_policy="newest")
+    scheduler = build_scheduler(cfg, PrefixCache(IdAllocator(8, "KV pages"), 16, [], b""), 16, 16)
+    assert isinstance(scheduler.prefill_manager.queue_order, NewestFirst)
+    assert "newest" in SCHEDULING_POLICIES and list(SCHEDULING_POLICIES) == ["fcfs", "newest", "priority"]
+    with pytest.raises(ValueError, match="--scheduling-policy: 'newest' is registered twice"):
+        SCHEDULING_POLICIES.register("newest")(NewestFirst)

@@ -7,13 +7,15 @@ from pathlib import Path
 
 from jaxserve.config.flags import ConfigError, check_memory_fraction, flag, parse_bytes, parse_fraction
 from jaxserve.config.model import QUANTIZATION_MODES, SUPPORTED_DTYPES
+from jaxserve.config.registry import Registry
 from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jaxserve.kernels.table import KERNEL_CHOICES, check_choice
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-# --scheduling-policy: the order waiting requests are admitted in (jaxserve.scheduler.queue_order).
-SCHEDULING_POLICIES = ("fcfs", "priority")
+# --scheduling-policy: the order waiting requests are admitted in; each order registers itself in
+# jaxserve.scheduler.queue_order.
+SCHEDULING_POLICIES: Registry = Registry("--scheduling-policy", "jaxserve.scheduler.queue_order")
 
 
 # --kv-cache-dtype (as vLLM's): how the window rings, compressed entries and indexer keys are stored; `auto` is the
@@ -172,9 +174,9 @@ class EngineConfig:
         default="fcfs",
         metadata=flag(
             str,
-            "the order waiting requests are admitted in: fcfs: first come, first served; priority: by each request's "
-            "`priority` field, lower first (first come, first served among equals; requests already running are never "
-            "preempted)",
+            "the order waiting requests are admitted in, one of %(choices)s (each registered in "
+            "jaxserve.scheduler.queue_order): fcfs, first come, first served; priority, by each request's `priority` "
+            "field, lower first, first come, first served among equals. Requests already running are never preempted",
             choices=SCHEDULING_POLICIES,
         ),
     )
@@ -249,7 +251,9 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES}")
+            raise ConfigError(
+                f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES.names()}"
+            )
         if self.speculative_config is not None and self.mixed_batches:
             raise ConfigError(
                 "mixed_batches=True with speculative_config: a verify step's rows cannot ride in a prefill step; "

@@ -3,7 +3,7 @@ fractions), and ConfigError, which every configuration refusal raises."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +63,12 @@ class Flag:
 
     type: Callable[[str], Any]
     help: str
-    choices: tuple[str, ...] | None = None
+    choices: Collection[str] | None = None  # a tuple, or a plug-in kind's Registry (config.registry)
     metavar: str | None = None
 
 
 def flag(
-    type: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None
+    type: Callable[[str], Any], help: str, choices: Collection[str] | None = None, metavar: str | None = None
 ) -> dict[str, Flag]:
     """A dataclass field's metadata declaring its flag: `jaxserve.cli` gives every such field one."""
     return {"flag": Flag(type, help, choices, metavar)}

@@ -9,12 +9,11 @@ from jaxserve.scheduler.policies import DecodeInterleavePolicy, MixedSteps, step
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.prefix_cache import PrefixCache, PrefixStats
-from jaxserve.scheduler.queue_order import QUEUE_ORDERS, FirstComeFirstServed, Priority, QueueOrder
+from jaxserve.scheduler.queue_order import FirstComeFirstServed, Priority, QueueOrder
 from jaxserve.scheduler.scheduler import Scheduler, StepCounts
 from jaxserve.scheduler.stall import DecodeStallPolicy
 
 __all__ = [
-    "QUEUE_ORDERS",
     "DecodeInterleavePolicy",
     "DecodeManager",
     "DecodeStallPolicy",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import SCHEDULING_POLICIES, EngineConfig
 from jaxserve.scheduler.allocator import IdAllocator
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policies import step_policies
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.prefix_cache import PrefixCache
-from jaxserve.scheduler.queue_order import QUEUE_ORDERS
 from jaxserve.scheduler.scheduler import Scheduler
 
 
@@ -19,7 +18,7 @@ def build_scheduler(cfg: EngineConfig, pages: PrefixCache, page_size: int, min_c
         cfg.chunked_prefill_size,
         cfg.max_prefill_rows,
         IdAllocator(cfg.max_num_seqs, "slots"),
-        QUEUE_ORDERS[cfg.scheduling_policy](),
+        SCHEDULING_POLICIES[cfg.scheduling_policy](),
     )
     return Scheduler(
         prefill, DecodeManager(cfg.max_num_seqs, cfg.draft_tokens), step_policies(cfg, page_size, min_chunk_tokens)

@@ -6,6 +6,7 @@ only: an admitted request is never preempted.
 
 from __future__ import annotations
 
+from jaxserve.config import SCHEDULING_POLICIES
 from jaxserve.request import InvalidRequest, Request
 
 
@@ -19,6 +20,7 @@ class QueueOrder:
         raise NotImplementedError
 
 
+@SCHEDULING_POLICIES.register("fcfs")
 class FirstComeFirstServed(QueueOrder):
     def check_priority(self, priority: int) -> None:
         """A request's priority is a 400 unless this order uses it: a field that silently did nothing would
@@ -32,6 +34,7 @@ class FirstComeFirstServed(QueueOrder):
             )
 
 
+@SCHEDULING_POLICIES.register("priority")
 class Priority(QueueOrder):
     """vLLM's priority scheduling: a lower `priority` is admitted first; first come, first served among equals."""
 
@@ -40,7 +43,3 @@ class Priority(QueueOrder):
 
     def check_priority(self, priority: int) -> None:
         """Any integer is a priority."""
-
-
-# config.SCHEDULING_POLICIES -> its order
-QUEUE_ORDERS: dict[str, type[QueueOrder]] = {"fcfs": FirstComeFirstServed, "priority": Priority}
