@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from jaxserve.request import FinishReason, TokenLogprob
+from jaxserve.server.protocol import GenerationParams
 from jaxserve.text.chat import ChatOptions, ChatOutputParser, ParsedDelta, parse_output
 from jaxserve.text.chat.encoding import THINK_END
 from jaxserve.text.generation import Delta, Output
@@ -42,33 +43,24 @@ class _Format:
     response_object: str
     keeps_markup = False  # whether the output text keeps the chat markup (for a parser) or drops special tokens
 
-    def __init__(
-        self,
-        model: str,
-        prompts: list[list[int]],
-        return_token_ids: bool,
-        tokenizer,
-        n: int = 1,
-        logprobs: int | None = None,
-        tokens_as_ids: bool = False,
-        prompt_logprobs: int | None = None,
-    ):
-        """`prompts`: the token ids of each prompt (chat: one), each with `n` choices: choice `index` answers
-        prompt `index // n`, as OpenAI numbers a batch's choices. `tokenizer` names the tokens in logprobs
-        (`tokens_as_ids`: by id instead); `logprobs`: the alternatives per token the request asked for (None: no
-        logprobs); `prompt_logprobs`: vLLM's, likewise for each prompt position."""
+    def __init__(self, model: str, prompts: list[list[int]], tokenizer, params: GenerationParams):
+        """`prompts`: the token ids of each prompt (chat: one), each with `params.n` choices: choice `index`
+        answers prompt `index // n`, as OpenAI numbers a batch's choices. `tokenizer` names the tokens in logprobs
+        (`params.tokens_as_ids`: by id instead); the request's own `params` say what the output carries
+        (`logprobs`: the alternatives per token, None for none; vLLM's `prompt_logprobs`, likewise for each prompt
+        position; `return_token_ids`)."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.prompts = prompts
-        self.num_choices = len(prompts) * n
-        self.return_token_ids = return_token_ids
+        self.n = params.n
+        self.num_choices = len(prompts) * self.n
+        self.return_token_ids = params.return_token_ids
         self.tokenizer = tokenizer
-        self.n = n
-        self.logprobs = logprobs is not None
-        self.top_k = logprobs or 0
-        self.tokens_as_ids = tokens_as_ids
-        self.prompt_logprobs = prompt_logprobs
+        self.logprobs = params.logprobs is not None
+        self.top_k = params.logprobs or 0
+        self.tokens_as_ids = params.tokens_as_ids
+        self.prompt_logprobs = params.prompt_logprobs
         self._cached = [0] * self.num_choices  # each choice's prompt tokens the prefix cache had
 
     def request_id(self, choice: int) -> str:
@@ -171,16 +163,13 @@ class CompletionFormat(_Format):
         self,
         model: str,
         prompts: list[list[int]],
-        return_token_ids: bool,
         tokenizer,
-        n: int = 1,
-        logprobs: int | None = None,
-        tokens_as_ids: bool = False,
-        prompt_logprobs: int | None = None,
+        params: GenerationParams,
+        *,
         echoes: list[Echo] | None = None,
     ):
         """`echoes`: each prompt as `echo` returns it, when the request asked for it."""
-        super().__init__(model, prompts, return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
+        super().__init__(model, prompts, tokenizer, params)
         self.echoes = echoes
         # text_offset indexes the text returned: each choice's output tokens are decoded again as the output text
         # was (complete characters, no special tokens), after the echo's length.
@@ -278,19 +267,17 @@ class ChatFormat(_Format):
         self,
         model: str,
         prompt_ids: list[int],
-        return_token_ids: bool,
         tokenizer,
-        n: int = 1,
-        logprobs: int | None = None,
-        tokens_as_ids: bool = False,
-        prompt_logprobs: int | None = None,
+        params: GenerationParams,
+        *,
         options: ChatOptions = ChatOptions(),
         include_reasoning: bool = True,
         echo: str = "",
     ):
         """`include_reasoning` (vLLM's): false leaves the reasoning out of the reply; `echo` (vLLM's chat echo): the
         text each reply's content starts with."""
-        super().__init__(model, [prompt_ids], return_token_ids, tokenizer, n, logprobs, tokens_as_ids, prompt_logprobs)
+        super().__init__(model, [prompt_ids], tokenizer, params)
+        n = self.n
         self.options = options
         self.include_reasoning = include_reasoning
         self.echo = echo

@@ -94,17 +94,7 @@ async def completions(request: Request) -> Response:
             else Echo(state.tokenizer.decode(ids), False)
             for sent, ids, all_ids in zip(parsed.prompts, prompts, whole)
         ]
-    fmt = CompletionFormat(
-        state.served_model_name,
-        prompts,
-        params.return_token_ids,
-        state.tokenizer,
-        params.n,
-        params.logprobs,
-        params.tokens_as_ids,
-        params.prompt_logprobs,
-        echoes,
-    )
+    fmt = CompletionFormat(state.served_model_name, prompts, state.tokenizer, params, echoes=echoes)
     return await _generate(request, state, fmt, prompts, parsed.params, "prompt", arrival)
 
 
@@ -117,15 +107,11 @@ async def chat_completions(request: Request) -> Response:
     fmt = ChatFormat(
         state.served_model_name,
         prompt_ids,
-        params.return_token_ids,
         state.tokenizer,
-        params.n,
-        params.logprobs,
-        params.tokens_as_ids,
-        params.prompt_logprobs,
-        parsed.options,
-        parsed.include_reasoning,
-        parsed.echo,
+        params,
+        options=parsed.options,
+        include_reasoning=parsed.include_reasoning,
+        echo=parsed.echo,
     )
     return await _generate(request, state, fmt, [prompt_ids], parsed.params, "messages", arrival)
 
