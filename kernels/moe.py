@@ -47,22 +47,34 @@ FUSED_GATHER_ROWS_PER_EXPERT = 4
 
 
 def grouped_matmul(
-    x: jax.Array, w: Any, group_sizes: jax.Array, expert_offset: jax.Array | int = 0, fused_decode: bool = False
+    x: jax.Array,
+    w: Any,
+    group_sizes: jax.Array,
+    expert_offset: jax.Array | int = 0,
+    fused_decode: bool = False,
+    *,
+    out_dtype: Any = F32,
+    every_row_grouped: bool = False,
 ) -> jax.Array:
-    """x [m, d] (rows sorted by group), w [n, d, f] (an array or Quantized), group_sizes [e] (sum <= m) -> [m, f];
-    float32 accumulation. Group g's rows are multiplied by expert `w[expert_offset + g]`: `w` may be a stack of
-    several layers' experts (n = layers x e), read in place (slicing one layer out would copy all its experts).
-    `fused_decode`: the backend fuses a gather and a decode into the reduction that consumes them (XLA on a GPU).
+    """x [m, d] (rows sorted by group), w [n, d, f] (an array or Quantized), group_sizes [e] (sum <= m) -> [m, f]
+    in `out_dtype`; float32 accumulation. Group g's rows are multiplied by expert `w[expert_offset + g]`: `w` may be
+    a stack of several layers' experts (n = layers x e), read in place (slicing one layer out would copy all its
+    experts). `fused_decode`: the backend fuses a gather and a decode into the reduction that consumes them (XLA on a
+    GPU). `every_row_grouped`: the caller's promise that the groups hold all m rows (the kernels may then skip
+    zeroing the others; nothing to skip here).
 
     Rows past sum(group_sizes) belong to no group and come out zero.
     """
+    del every_row_grouped  # the forms below zero the rows in no group whatever the promise: no work saved here
     group_sizes = group_sizes.astype(jnp.int32)
     m, e = x.shape[0], group_sizes.shape[0]
     if m <= e or (fused_decode and m <= FUSED_GATHER_ROWS_PER_EXPERT * e):
-        return gathered_matmul(x, w, group_sizes, expert_offset, fused_decode)
-    rows_per_expert = -(-m // e)
-    tile = min(32, max(8, 1 << (rows_per_expert - 1).bit_length()))
-    return tiled_matmul(x, w, group_sizes, tile, expert_offset)
+        out = gathered_matmul(x, w, group_sizes, expert_offset, fused_decode)
+    else:
+        rows_per_expert = -(-m // e)
+        tile = min(32, max(8, 1 << (rows_per_expert - 1).bit_length()))
+        out = tiled_matmul(x, w, group_sizes, tile, expert_offset)
+    return out.astype(out_dtype)
 
 
 def _input_slice_rows(w: Any, bytes_per_row: int) -> int:

@@ -106,3 +106,15 @@ def test_several_passes_on_each_expert_parallel_device_equal_the_unsharded_exper
     with jax.set_mesh(mesh):
         got = jax.jit(lambda *a: routed_experts(*a, cfg, kernels))(x, experts, weights, sharded, jnp.int32(1))
     np.testing.assert_allclose(np.asarray(got), np.asarray(whole), atol=1e-4, rtol=1e-5)
+
+
+def test_the_output_dtype_is_the_float32_sums_rounded_once():
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.normal(size=(9, 12)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(3, 12, 5)), jnp.bfloat16)
+    sizes = jnp.asarray([4, 0, 5], jnp.int32)  # every row in a group
+    whole = grouped_matmul(x, w, sizes)
+    assert whole.dtype == jnp.float32
+    rounded = grouped_matmul(x, w, sizes, out_dtype=jnp.bfloat16, every_row_grouped=True)
+    assert rounded.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rounded, np.float32), np.asarray(whole.astype(jnp.bfloat16), np.float32))

@@ -6,6 +6,7 @@ Letters: n tokens, d embed, e experts, f expert width, a assignments (n * top-k)
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -43,9 +44,12 @@ def _flat_layers(stack: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stack)
 
 
-def _local_experts(x, local_ids, weights, stacks: tuple, layer: jax.Array, limit: float, kernels: Kernels) -> jax.Array:
+def _local_experts(
+    x, local_ids, weights, stacks: tuple, layer: jax.Array, limit: float, kernels: Kernels, all_local: bool
+) -> jax.Array:
     """Assignments to experts [0, n_local) of layer `layer` of the given stacks ([layers, n_local, ...] each: w_gate,
-    w_up, w_down); others contribute nothing."""
+    w_up, w_down); others contribute nothing. `all_local`: every assignment is to these experts (no expert
+    parallelism), so every sorted row is in a group."""
     n, k = local_ids.shape
     n_local = stacks[0].shape[1]
     w_gate, w_up, w_down = (_flat_layers(stack) for stack in stacks)
@@ -57,10 +61,11 @@ def _local_experts(x, local_ids, weights, stacks: tuple, layer: jax.Array, limit
     token_of = order // k
     group_sizes = jnp.bincount(flat, length=n_local + 1)[:n_local]
     xs = x[token_of]
-    gate = kernels.grouped_matmul(xs, w_gate, group_sizes, offset)
-    up = kernels.grouped_matmul(xs, w_up, group_sizes, offset)
+    grouped = functools.partial(kernels.grouped_matmul, every_row_grouped=all_local)
+    gate = grouped(xs, w_gate, group_sizes, offset)
+    up = grouped(xs, w_up, group_sizes, offset)
     hidden = clamped_swiglu(gate, up, limit).astype(x.dtype)
-    out = kernels.grouped_matmul(hidden, w_down, group_sizes, offset).astype(x.dtype)
+    out = grouped(hidden, w_down, group_sizes, offset, out_dtype=x.dtype)
     scale = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = out * scale[:, None].astype(x.dtype)
     return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(out.astype(F32))
@@ -86,12 +91,14 @@ def routed_experts(
     ways = 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in axes]))
     stacked = (stacks.w_gate, stacks.w_up, stacks.w_down)
     if ways == 1 or cfg.n_routed_experts % ways:
-        out = _local_experts(x, experts, weights, stacked, layer, cfg.swiglu_limit, kernels)
+        out = _local_experts(x, experts, weights, stacked, layer, cfg.swiglu_limit, kernels, all_local=True)
         return out.astype(x.dtype)
 
     def per_device(x, experts, weights, layer, w_gate, w_up, w_down):
         first = jax.lax.axis_index(axes) * w_gate.shape[1]
-        partial = _local_experts(x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit, kernels)
+        partial = _local_experts(
+            x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit, kernels, all_local=False
+        )
         return jax.lax.psum(partial, axes)
 
     replicated = logical_spec((None, None))
