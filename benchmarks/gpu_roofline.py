@@ -425,24 +425,17 @@ def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
     return StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),))
 
 
-def step_executables(runner: ModelRunner, shape) -> list:
-    """One compiled step shape's executables: its forward, then its samplers (the one that does not sort for top-k /
-    top-p, then the one that does). jaxserve has no public accessor for its executables, so this reads
-    ModelRunner._compiled and ModelRunner._samplers."""
-    samplers = [runner._samplers[shape.group_rows, cuts] for cuts in (False, True)]
-    return [runner._compiled[shape].forward, *samplers]
-
-
 def compiled_text(runner: ModelRunner, shape) -> str:
-    """The optimized HLO of step_executables as one text (every module's metadata names the trace's ops)."""
-    return "\n".join(compiled.as_text() for compiled in step_executables(runner, shape))
+    """The optimized HLO of the shape's executables (ModelRunner.executables) as one text (every module's metadata
+    names the trace's ops)."""
+    return "\n".join(compiled.as_text() for compiled in runner.executables(shape))
 
 
 def static_estimate(runner: ModelRunner, shape, bandwidth: float) -> dict:
     """What benchmarks/gpu_static.py estimates for the step of `shape` without a GPU, here from this GPU's own
     compile: the forward's and its plain sampler's kernels (jaxserve.runner.hlo_profile), so the model's error
     shows beside the measured time. The cost model's times need targets.COST_MODEL_FLAG (configure asks for it)."""
-    profile = step_profile(step_executables(runner, shape)[:2])
+    profile = step_profile(runner.executables(shape)[:2])
     return {
         "static_estimate_s": profile.estimate(bandwidth),
         "static_launches": profile.launches,

@@ -3,6 +3,8 @@ compiles after warm-up."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -169,3 +171,8 @@ def test_a_top_k_row_takes_the_sampler_that_sorts_and_a_batch_without_cuts_the_o
     assert counter.count == before, "a call after warm-up compiled"
     assert tokens["top_k"] == tokens["greedy"]
     assert tokens["hot"] != tokens["greedy"]
+    # The public view of a shape's executables (benchmarks profile them): the forward, the sampler without the sort,
+    # the one with it.
+    forward, plain, sorting = runner.executables(StepShape(decode=GroupShape(2, 1)))
+    sorts = [len(re.findall(r"= \S+ sort\(", compiled.as_text())) for compiled in (forward, plain, sorting)]
+    assert sorts[0] == sorts[1] == 0 and sorts[2] > 0, sorts  # sort instructions in the optimized HLO

@@ -606,6 +606,15 @@ class ModelRunner:
         groups = self._groups(plan)
         return self._launch(self._usable_shape(groups), groups)
 
+    def executables(self, shape: StepShape) -> list[jax.stages.Compiled]:
+        """A compiled step shape's executables, for static profiles and benchmarks: its forward, then the samplers it
+        may run (the one that does not sort for top-k / top-p, then the one that does); a verify step's: the whole
+        step, then its all-greedy variant. KeyError for a shape not compiled yet."""
+        compiled = self._compiled[shape]
+        if compiled.greedy is not None:
+            return [compiled.forward, compiled.greedy]
+        return [compiled.forward, *(self._samplers[shape.group_rows, cuts] for cuts in (False, True))]
+
     def device_seconds(self, plan: StepPlan, repeats: int, back_to_back: int = 1) -> list[float]:
         """Seconds per call of the compiled step of `plan` on inputs built once, `repeats` times: the step's time
         without the host's share (building inputs, scheduling, delivery). Each time is `back_to_back` calls made
