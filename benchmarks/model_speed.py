@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps per round (default 4; --quick 2)")
     parser.add_argument("--profile", action="store_true", help="also print jaxserve op time by scope (decode, prefill)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    configure_jax(devices=1)  # before add_kernels_flag imports jaxserve (and with it jax)
     add_kernels_flag(parser)
     args = parser.parse_args(argv)
     prompt_len = args.prompt or (128 if args.quick else 256)
@@ -150,7 +151,6 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (2 if args.quick else 4)
     prefill_repeats = 2 if args.quick else 3
 
-    configure_jax(devices=1)
     import numpy as np
     import torch
 

@@ -84,26 +84,30 @@ def run_segment(
     mesh = jax.sharding.get_abstract_mesh()
     in_place = mesh.empty or mesh.size == 1
 
-    def one_layer_of(stack: Layer, index: jax.Array) -> Layer:
-        def leaf(a):
-            if in_place and isinstance(a, Quantized):
-                return LayerOf(a, index)
-            return jax.tree.map(lambda x: x[index], a)
+    def is_weight(a) -> bool:
+        return isinstance(a, Quantized)
 
-        return jax.tree.map(leaf, stack, is_leaf=lambda a: isinstance(a, Quantized))
+    def kept_whole(a) -> bool:
+        return in_place and isinstance(a, Quantized)
 
-    def one_repeat(carry, index):
+    # Per position: its weights as leaves (a Quantized is one), those the scan slices (the rest left None) and the
+    # structure to put a repeat's layer back together.
+    flat = [jax.tree.flatten(stack, is_leaf=is_weight) for stack in stacks]
+    sliced = [[None if kept_whole(a) else a for a in leaves] for leaves, _ in flat]
+
+    def one_repeat(carry, xs):
         hs, cache = carry
+        layers, index = xs
         cache = list(cache)
-        for p, (kind, stack) in enumerate(zip(segment.pattern, stacks)):
+        for p, (kind, (leaves, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):
+            w = jax.tree.unflatten(tree, [LayerOf(a, index) if kept_whole(a) else s for a, s in zip(leaves, slices)])
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
-                w = one_layer_of(stack, index)
                 hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
         return (hs, cache), None
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped.
-    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), indices, unroll=segment.repeats == 1)
+    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (sliced, indices), unroll=segment.repeats == 1)
     return hs, cache
 
 
