@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.kernels.quant import LayerOf, Quantized
+from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
@@ -20,7 +20,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
-from jaxserve.model.weights import MTP_KIND, Layer, MTPBlock, RoutedExperts, Weights
+from jaxserve.model.weights import MTP_KIND, Layer, MTPBlock, RoutedExperts, Weights, is_quantized
 
 F32 = jnp.float32
 
@@ -84,15 +84,12 @@ def run_segment(
     mesh = jax.sharding.get_abstract_mesh()
     in_place = mesh.empty or mesh.size == 1
 
-    def is_weight(a) -> bool:
-        return isinstance(a, Quantized)
-
     def kept_whole(a) -> bool:
-        return in_place and isinstance(a, Quantized)
+        return in_place and is_quantized(a)
 
     # Per position: its weights as leaves (a Quantized is one), those the scan slices (the rest left None) and the
     # structure to put a repeat's layer back together.
-    flat = [jax.tree.flatten(stack, is_leaf=is_weight) for stack in stacks]
+    flat = [jax.tree.flatten(stack, is_leaf=is_quantized) for stack in stacks]
     sliced = [[None if kept_whole(a) else a for a in leaves] for leaves, _ in flat]
 
     def one_repeat(carry, xs):

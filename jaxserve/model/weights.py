@@ -472,7 +472,7 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
 def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:
     """The weights un-stacked on the host, as checkpoints store them (the real vocabulary): (release name, array or
     Quantized of arrays) in `release_leaves` order."""
-    host = {path: jax.tree.map(np.asarray, leaf) for path, leaf in flatten_with_names(weights, _is_weight_value)}
+    host = {path: jax.tree.map(np.asarray, leaf) for path, leaf in flatten_with_names(weights, is_quantized)}
     return [
         (
             leaf.name,
@@ -484,7 +484,8 @@ def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def _is_weight_value(x: Any) -> bool:
+def is_quantized(x: Any) -> bool:
+    """A whole quantized weight of a tree of values (its codes and scales are one leaf to a walk that asks this)."""
     return isinstance(x, Quantized)
 
 

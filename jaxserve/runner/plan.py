@@ -35,7 +35,7 @@ from jaxserve.config import CSA, ConfigError, EngineConfig, ModelConfig, check_m
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
-from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_weight, nbytes
+from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_quantized, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, ModelRunner, targets
 from jaxserve.runner.hlo_profile import step_profile
@@ -214,9 +214,7 @@ def _stored_arrays(cfg: ModelConfig, mesh: Mesh) -> Iterator[tuple[str, str, Any
     abstract = abstract_weights(for_mesh(cfg, mesh))
     shardings = shardings_for(abstract, mesh)
     weights = flatten_with_names(abstract, is_weight)
-    for (name, weight), (_, sharding) in zip(
-        weights, flatten_with_names(shardings, lambda x: isinstance(x, Quantized))
-    ):
+    for (name, weight), (_, sharding) in zip(weights, flatten_with_names(shardings, is_quantized)):
         parts = (
             [("codes", weight.codes, sharding.codes), ("scales", weight.scales, sharding.scales)]
             if isinstance(weight, Quantized)

@@ -198,13 +198,15 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     else (a plain or FP4 weight, other specs or x dtypes, einsum options besides `preferred_element_type`, empty
     operands, K blocks no dot-sized tile fits in) is the reference's own result. A `LayerOf` whose blocks suit the
     grouped kernel is read in place from its stack (the stack's layers are its experts); otherwise it is sliced."""
-    stack, layer = (w.stack, w.layer) if isinstance(w, LayerOf) else (w, 0)
-    one = _layer_of(stack) if isinstance(w, LayerOf) else w
+    if isinstance(w, LayerOf):
+        stack, layers, layer, one = w.stack, w.stack.codes.shape[0], w.layer, _layer_of(w.stack)
+    else:
+        stack, layers, layer, one = w, 1, 0, w
     if not _takes_kernel(spec, x, one, kwargs):
         return reference_einsum(spec, x, w, **kwargs)
     k = one.shape[0]
     dtype = kwargs.get("preferred_element_type") or x.dtype
-    experts = _expert_stack(stack, one)
+    experts = _expert_stack(stack, layers, one)
     if experts is not None:
         rows = x.reshape(-1, k)
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
@@ -223,12 +225,13 @@ def _layer_of(stack: Quantized) -> Quantized:
     return Quantized(codes, scales, stack.format, stack.blocks)
 
 
-def _expert_stack(stack: Quantized, one: Quantized) -> Quantized | None:
-    """`stack` (one weight `one` [K, ...], or a stack of its layers [layers, K, ...]) as a stack of experts
-    [n, K, N] with (1, block_k, block_n) blocks, or None where one's blocks do not flatten so (fp8_matmul takes it).
-    The grouped expert kernel reads such a stack with masks at the edges and decodes its scales in registers, where
-    fp8_matmul needs its activations padded to the tiles and its scales spread over every column first: two more
-    kernels a call; and it reads one layer of a stack in place, where slicing it out would copy it.
+def _expert_stack(stack: Quantized, layers: int, one: Quantized) -> Quantized | None:
+    """`stack` (one weight `one` [K, ...] for `layers` 1, or a stack of its layers [layers, K, ...]) as a stack of
+    experts [layers, K, N] with (1, block_k, block_n) blocks, or None where one's blocks do not flatten so
+    (fp8_matmul takes it). The grouped expert kernel reads such a stack with masks at the edges and decodes its
+    scales in registers, where fp8_matmul needs its activations padded to the tiles and its scales spread over every
+    column first: two more kernels a call; and it reads one layer of a stack in place, where slicing it out would
+    copy it.
 
     The columns' blocks flatten to equal runs when, past the first trailing axis whose block spans more than one
     element, every axis is whole, and that axis's blocks divide it (or nothing lies outside it). A block that spans
@@ -246,7 +249,6 @@ def _expert_stack(stack: Quantized, one: Quantized) -> Quantized | None:
     block_k, block_columns = _kernel_block(min(_full_blocks(one)[0], k), k), _kernel_block(block_n, columns)
     if block_k is None or block_columns is None:
         return None
-    layers = stack.codes.shape[0] if stack is not one else 1
     codes = stack.codes.reshape(layers, k, columns)
     scales = stack.scales.reshape(layers, one.scales.shape[0], -1)
     return Quantized(codes, scales, stack.format, (1, block_k, block_columns))
