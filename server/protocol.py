@@ -16,6 +16,10 @@ engine request, and choice j of every prompt samples with seed `seed + j`. vLLM'
 truncate_prompt_tokens, stream_options.continuous_usage_stats (with include_usage), and for chat
 add_generation_prompt, continue_final_message and include_reasoning.
 
+Sampling: SamplingParams is the one definition. Its fields a client sends under their own names as plain JSON values
+(a boolean, an integer, a number, a list of token ids) are read as its dataclass fields say (PLAIN_SAMPLING_FIELDS),
+so a new one is served with no change here; only those whose HTTP shape differs (SHAPED_SAMPLING_FIELDS) have code.
+
 Structured outputs: OpenAI's `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, in both APIs; at most one of them per request. They become one
@@ -27,6 +31,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -73,6 +81,64 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 LABEL_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "cache_salt")
 
 
+# SamplingParams' fields whose HTTP shape is not "the same name, a plain JSON value"; each has its own code here:
+# max_tokens (each endpoint's default and names), seed (64 bits, offset per choice), top_k (<= 0 is off, as in
+# vLLM), logprobs (chat's logprobs and top_logprobs), prompt_logprobs (the device's MAX_LOGPROBS, cut here),
+# logit_bias (an object keyed by token ids as text), constraint (the structured outputs fields, tool_choice). The
+# model's eos_token_ids are the engine's to fill in, never a client's.
+SHAPED_SAMPLING_FIELDS = frozenset(
+    {"max_tokens", "seed", "top_k", "logprobs", "prompt_logprobs", "logit_bias", "constraint", "eos_token_ids"}
+)
+
+
+@dataclass(frozen=True)
+class PlainField:
+    """A SamplingParams field a client sends under its own name as a plain JSON value, read as its type says."""
+
+    name: str
+    kind: type  # bool, int, float, or tuple: a list of token ids
+    nullable: bool  # None is one of the field's values: null says it, so a list of token ids must not be empty
+
+    def read(self, fields: _Fields) -> Any:
+        """The client's value, its JSON type checked (a 400 naming the field); None when not given, so
+        SamplingParams' default stands."""
+        if self.kind is bool:
+            return fields.boolean(self.name, None)
+        if self.kind is int:
+            return fields.integer(self.name, None)
+        if self.kind is float:
+            return fields.number(self.name)
+        ids = fields.raw.get(self.name)
+        return None if ids is None else tuple(_token_ids(self.name, ids, allow_empty=not self.nullable))
+
+
+def _plain_field(field: dataclasses.Field) -> PlainField:
+    """The field as its type says a client sends it; a type with no plain JSON shape fails the import, so no new
+    field is silently left out of the API."""
+    hint = field.type
+    if isinstance(hint, str):
+        # Postponed annotations, evaluated where SamplingParams is defined as typing.get_type_hints would, but one
+        # field at a time: a shaped field's type (Constraint) is imported there only for type checking.
+        hint = eval(hint, vars(sys.modules[SamplingParams.__module__]))
+    args = typing.get_args(hint)
+    nullable = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if nullable:
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    kind = tuple if hint == tuple[int, ...] else hint
+    if kind not in (bool, int, float, tuple):
+        raise TypeError(
+            f"SamplingParams.{field.name}: {field.type} has no plain JSON shape; give it its own code in "
+            "server/protocol.py and name it in SHAPED_SAMPLING_FIELDS"
+        )
+    return PlainField(field.name, kind, nullable)
+
+
+PLAIN_SAMPLING_FIELDS = {
+    f.name: _plain_field(f) for f in dataclasses.fields(SamplingParams) if f.name not in SHAPED_SAMPLING_FIELDS
+}
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """What both endpoints share: sampling, stopping and output options."""
@@ -80,16 +146,14 @@ class GenerationParams:
     model: str | None
     max_tokens: int | None  # None: the endpoint's default (chat: the rest of the context)
     max_tokens_field: str  # the name the client used for it (chat: max_completion_tokens or max_tokens)
-    temperature: float
-    top_p: float
-    top_k: int
     seed: int | None
     stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    # SamplingParams' fields by name as the engine takes them, those the request sets (the others keep their
+    # defaults); the ones the server reads or sets per choice are this class's own fields.
+    sampling_values: Mapping[str, Any]
     n: int = 1  # choices, each its own engine request
     best_of: int = 1  # candidates per prompt (>= n), each its own engine request; the n best come back
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
@@ -97,18 +161,11 @@ class GenerationParams:
     echo: bool = False  # completions: the prompt comes back in front of the text (with its logprobs if asked)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
     priority: int = 0  # vLLM's: lower is admitted first under --scheduling-policy priority (else only 0 is valid)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's
-    min_tokens: int = 0  # vLLM's
     constraint: Constraint | None = None  # structured outputs
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and top k, in vLLM's shape
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -136,22 +193,11 @@ class GenerationParams:
         logprobs = self.logprobs if self.best_of == self.n or self.logprobs is not None else 0
         try:
             return SamplingParams(
+                **self.sampling_values,
                 max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
                 seed=seed,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
-                logit_bias=self.logit_bias,
-                min_tokens=self.min_tokens,
                 constraint=self.constraint,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
-                min_p=self.min_p,
-                allowed_token_ids=self.allowed_token_ids,
                 # Every prompt position's best MAX_LOGPROBS (what the device computes anyway): echo shows the
                 # request's k of them, prompt_logprobs its own k, and the ranks come from them.
                 prompt_logprobs=MAX_LOGPROBS if self.wants_prompt_logprobs else None,
@@ -302,7 +348,6 @@ def _generation_params(
     seed = fields.integer("seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
-    top_k = fields.integer("top_k", -1)
     n = fields.integer("n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request("n", f"n: must be in [1, {MAX_CHOICES}], got {n}")
@@ -313,23 +358,21 @@ def _generation_params(
         raise bad_request("best_of", f"best_of: {best_of} > n ({n}) is not available when stream is true")
     for name in LABEL_FIELDS:
         fields.raw.get(name)
-    allowed = fields.raw.get("allowed_token_ids")
+    given = {name: plain.read(fields) for name, plain in PLAIN_SAMPLING_FIELDS.items()}
+    sampling = {name: value for name, value in given.items() if value is not None}
+    top_k = fields.integer("top_k", -1)
+    sampling["top_k"] = top_k if top_k > 0 else -1  # <= 0 means off, as in vLLM
+    sampling["logit_bias"] = _logit_bias(fields.object("logit_bias"))
     return GenerationParams(
         model=fields.string("model"),
         max_tokens=max_tokens,
         max_tokens_field=max_tokens_field,
-        temperature=fields.number("temperature", 1.0),
-        top_p=fields.number("top_p", 1.0),
-        top_k=top_k if top_k > 0 else -1,  # <= 0 means off, as in vLLM
         seed=None if seed is None else seed % 2**32,
         stop=_stop_strings(fields.raw.get("stop")),
-        stop_token_ids=tuple(
-            _token_ids("stop_token_ids", _or_empty(fields.raw.get("stop_token_ids")), allow_empty=True)
-        ),
-        ignore_eos=fields.boolean("ignore_eos", False),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=fields.boolean("return_token_ids", False),
+        sampling_values=sampling,
         n=n,
         best_of=best_of,
         logprobs=logprobs,
@@ -337,18 +380,11 @@ def _generation_params(
         echo=echo,
         tokens_as_ids=fields.boolean("return_tokens_as_token_ids", False),
         priority=fields.integer("priority", 0),
-        logit_bias=_logit_bias(fields.object("logit_bias")),
-        min_tokens=fields.integer("min_tokens", 0),
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
         continuous_usage=include_usage and stream_fields.boolean("continuous_usage_stats", False),
         truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
         prompt_logprobs=_prompt_logprobs(fields.integer("prompt_logprobs", None), stream),
         constraint=_constraint(fields),
-        presence_penalty=fields.number("presence_penalty", 0.0),
-        frequency_penalty=fields.number("frequency_penalty", 0.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0),
-        min_p=fields.number("min_p", 0.0),
-        allowed_token_ids=None if allowed is None else tuple(_token_ids("allowed_token_ids", allowed)),
     )
 
 
@@ -550,10 +586,10 @@ class _Fields:
             raise self._fail(name, "an integer", value)
         return value
 
-    def number(self, name: str, default: float) -> float:
+    def number(self, name: str) -> float | None:
         value = self.raw.get(name)
         if value is None:
-            return default
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._fail(name, "a number", value)
         return float(value)
@@ -593,10 +629,6 @@ class _ReadTracking(dict):
     def get(self, key, default=None):
         self.read.add(key)
         return super().get(key, default)
-
-
-def _or_empty(value: Any) -> Any:
-    return [] if value is None else value
 
 
 def _is_int(value: Any) -> bool:
