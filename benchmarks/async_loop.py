@@ -61,6 +61,7 @@ def run_once(runner, model_cfg, eos, cfg, batch: int, tokens: int) -> dict:
 def device_step(runner, batch: int, back_to_back: int, repeats: int = 25) -> float:
     """Median seconds per call of the compiled decode step alone, for `batch` rows, `back_to_back` calls a wait."""
     from jaxserve.request import Request, SamplingParams
+    from jaxserve.request.batch import StepBatch
     from jaxserve.request.step import StepPlan
 
     requests = [
@@ -74,7 +75,7 @@ def device_step(runner, batch: int, back_to_back: int, repeats: int = 25) -> flo
         )
         for i in range(batch)
     ]
-    return statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats, back_to_back))
+    return statistics.median(runner.device_seconds(StepBatch.of(StepPlan.decode_of(requests)), repeats, back_to_back))
 
 
 def main() -> int:

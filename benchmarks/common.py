@@ -188,19 +188,21 @@ def slot_request(geo, slot: int, prompt, output=()) -> Request:
 
 def prefill_step(runner, request, start: int, length: int) -> int:
     """Run one chunk of `request`'s prompt; the token sampled after it."""
+    from jaxserve.request.batch import StepBatch
     from jaxserve.request.step import StepPlan, StepRow
 
     row = StepRow.chunk(request, start, length)
-    token = runner.run(StepPlan(prefill=(row,))).prefill[0].token_id
+    token = runner.run(StepBatch.of(StepPlan(prefill=(row,)))).prefill[0].token_id
     request.num_sampled += row.samples_output  # what scheduling the step records
     return token
 
 
 def decode_step(runner, requests) -> None:
     """One decode step over `requests`; each gets its next token appended."""
+    from jaxserve.request.batch import StepBatch
     from jaxserve.request.step import StepPlan
 
-    for request, out in zip(requests, runner.run(StepPlan.decode_of(requests)).decode):
+    for request, out in zip(requests, runner.run(StepBatch.of(StepPlan.decode_of(requests))).decode):
         request.output_ids.append(out.token_id)
         request.num_sampled += 1  # what scheduling the step records
 

@@ -89,6 +89,7 @@ from jaxserve.model.sharding import make_mesh, shardings_for
 from jaxserve.model.weights import ArrayInfo, abstract_weights, is_info, is_weight, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
+from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
 from jaxserve.runner.hlo_profile import step_profile
@@ -401,28 +402,30 @@ def slot_pages(geo: CacheGeometry, slot: int) -> list[int]:
     return list(range(slot * geo.max_pages_per_seq, (slot + 1) * geo.max_pages_per_seq))
 
 
-def decode_rows(geo: CacheGeometry, batch: int, context: int) -> StepPlan:
+def decode_rows(geo: CacheGeometry, batch: int, context: int) -> StepBatch:
     """`batch` decode rows in their own slots and pages, each at position `context`, sampling with its own seed."""
-    return StepPlan.decode_of(
-        [
-            Request(
-                f"d{i}",
-                [1] * context,
-                SamplingParams(temperature=1.0, seed=i),
-                slot=i,
-                num_sampled=1,
-                pages=slot_pages(geo, i),
-            )
-            for i in range(batch)
-        ]
+    return StepBatch.of(
+        StepPlan.decode_of(
+            [
+                Request(
+                    f"d{i}",
+                    [1] * context,
+                    SamplingParams(temperature=1.0, seed=i),
+                    slot=i,
+                    num_sampled=1,
+                    pages=slot_pages(geo, i),
+                )
+                for i in range(batch)
+            ]
+        )
     )
 
 
-def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepPlan:
+def prefill_chunk(geo: CacheGeometry, cfg: ModelConfig, plan: Plan) -> StepBatch:
     """Slot 0's prompt of `context` random tokens; the chunk of its last `chunk` tokens."""
     tokens = np.random.default_rng(1).integers(2, cfg.vocab_size, plan.context).tolist()
     request = Request("prefill", tokens, SamplingParams(temperature=1.0, seed=0), slot=0, pages=slot_pages(geo, 0))
-    return StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),))
+    return StepBatch.of(StepPlan(prefill=(StepRow.chunk(request, plan.context - plan.chunk, plan.chunk),)))
 
 
 def compiled_text(runner: ModelRunner, shape) -> str:
@@ -648,7 +651,7 @@ def summarize_trace(
     }
 
 
-def profile_steps(runner: ModelRunner, batch: StepPlan, steps: int, hlo_text: str) -> dict:
+def profile_steps(runner: ModelRunner, batch: StepBatch, steps: int, hlo_text: str) -> dict:
     """`steps` decode steps through `runner.run` (the serving path) under jax.profiler.trace, summarized; the reason
     instead when there is no trace to read."""
     # The Perfetto JSON's events name their HLO op; a jax without the option still writes the trace viewer's.
@@ -768,7 +771,7 @@ def measure_prefill(
     bandwidth: float,
 ) -> dict:
     chunk = prefill_chunk(runner.geometry, cfg, plan)
-    start = chunk.prefill[0].start
+    start = plan.context - plan.chunk
     seconds = statistics.median(runner.device_seconds(chunk, plan.repeats))
     flops = prefill_flops(costs, cfg, start, plan.chunk)
     bound = flops["total"] / peak
@@ -839,17 +842,19 @@ def tiny_decode_period(choice: str, plan: Plan) -> dict:
         engine.shutdown()
     ends = [r.ended for r in engine.step_record if r.kind is StepKind.DECODE]
     period = statistics.median(b - a for a, b in zip(ends, ends[1:]))
-    row = StepPlan.decode_of(
-        [
-            Request(
-                "tiny",
-                [5, 6, 7, 8],
-                SamplingParams(temperature=0.0),
-                slot=0,
-                num_sampled=1,
-                pages=slot_pages(runner.geometry, 0),
-            )
-        ]
+    row = StepBatch.of(
+        StepPlan.decode_of(
+            [
+                Request(
+                    "tiny",
+                    [5, 6, 7, 8],
+                    SamplingParams(temperature=0.0),
+                    slot=0,
+                    num_sampled=1,
+                    pages=slot_pages(runner.geometry, 0),
+                )
+            ]
+        )
     )
     device = statistics.median(runner.device_seconds(row, plan.tiny_repeats, back_to_back=8))
     latency = statistics.median(runner.device_seconds(row, plan.tiny_repeats))

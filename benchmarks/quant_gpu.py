@@ -29,6 +29,7 @@ from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import init_weights, weights_nbytes
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
+from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import StepPlan
 from jaxserve.runner import Buckets, ModelRunner
 
@@ -104,7 +105,7 @@ def decode_step(preset_name: str, layers: int, batch: int, bandwidth: float, rep
         request = Request(f"r{slot}", [2, 3, 4], SamplingParams(max_tokens=8))
         request.slot, request.pages, request.num_sampled = slot, [slot * 2], 1
         requests.append(request)
-    seconds = statistics.median(runner.device_seconds(StepPlan.decode_of(requests), repeats))
+    seconds = statistics.median(runner.device_seconds(StepBatch.of(StepPlan.decode_of(requests)), repeats))
     total = weights_nbytes(weights)
     experts = sum(
         weights_nbytes([layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down])

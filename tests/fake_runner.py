@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.request import TokenLogprob
-from jaxserve.request.step import MIXED_PREFILL_ROWS, RowOutput, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.batch import GroupBatch, StepBatch
+from jaxserve.request.step import MIXED_PREFILL_ROWS, RowOutput, StepLimits, StepOutput
 from jaxserve.runner import Buckets
 
 HASH_MULTIPLIER = 1_000_003
@@ -49,19 +51,40 @@ class ScriptedModel:
         self.eos_id = eos_id
         self.scripts: deque[list[int]] = deque()
         self.prompts: list[list[int]] = []
-        self._answers: dict[str, list[int]] = {}
+        self._answers: dict[int, list[int]] = {}  # by slot: the answer of the sequence there
 
-    def __call__(self, request, written: list[int]) -> int:
-        if len(written) < request.prompt_len:  # a chunk short of the prompt's end: its token is not used
+    def __call__(self, slot: int, prompt_len: int, written: list[int]) -> int:
+        if len(written) < prompt_len:  # a chunk short of the prompt's end: its token is not used
             return self.eos_id
-        if len(written) == request.prompt_len:  # the prompt is complete: its first output token
+        if len(written) == prompt_len:  # the prompt is complete: its first output token
             if not self.scripts:
                 raise AssertionError("the test scripted no answer for this request")
             self.prompts.append(list(written))
-            self._answers[request.request_id] = self.scripts.popleft()
-        answer = self._answers[request.request_id]
-        done = len(written) - request.prompt_len
+            self._answers[slot] = self.scripts.popleft()
+        answer = self._answers[slot]
+        done = len(written) - prompt_len
         return answer[done] if done < len(answer) else self.eos_id
+
+
+@dataclass(frozen=True)
+class FakeRow:
+    """One row of a step as the fake ran it: its sequence (the prompt its slot holds), where it wrote, whether its
+    token was an output token."""
+
+    prompt: tuple[int, ...]
+    start: int
+    length: int
+    samples_output: bool
+
+
+@dataclass(frozen=True)
+class FakeStepRecord:
+    prefill: tuple[FakeRow, ...]
+    decode: tuple[FakeRow, ...]
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prefill and self.decode)
 
 
 class FakeRunner:
@@ -70,16 +93,16 @@ class FakeRunner:
         geometry: CacheGeometry,
         buckets: Buckets,
         vocab: int,
-        model: Callable[[object, list[int]], int] | None = None,
+        model: Callable[[int, int, list[int]], int] | None = None,
     ):
         self.geometry = geometry
         self.buckets = buckets
         self.vocab = vocab
-        # (request, every token its slot holds) -> the next token; by default the rolling hash
-        self.model = model or (lambda request, written: next_token(written, vocab))
+        # (slot, prompt length, every token its slot holds) -> the next token; by default the rolling hash
+        self.model = model or (lambda slot, prompt_len, written: next_token(written, vocab))
         self.warmups = 0
-        self.steps: list[StepPlan] = []
-        self.fail = None  # a callable(plan) -> Exception | None, to inject failures
+        self.steps: list[FakeStepRecord] = []
+        self.fail = None  # a callable(batch) -> Exception | None, to inject failures
         self.lose_cache_on_failure = False
         self._limits = StepLimits(
             prefill_tokens=max(buckets.prefill_chunks),
@@ -93,7 +116,6 @@ class FakeRunner:
         self.warmups += 1
 
     def limits(self) -> StepLimits:
-        """Every bucket is "compiled"."""
         return self._limits
 
     def cache_lost(self) -> bool:
@@ -107,66 +129,78 @@ class FakeRunner:
         self._undefined: set[int] = set()
         self._lost = False
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        return self.dispatch(plan).result()
+    def run(self, batch: StepBatch) -> StepOutput:
+        return self.dispatch(batch).result()
 
-    def dispatch(self, plan: StepPlan) -> FakeStep:
+    def dispatch(self, batch: StepBatch) -> FakeStep:
         """Computes at once; a failure injected by `fail` surfaces when the result is waited for, as a device error
         would. Like the real runner, a decode row's input is the token its slot kept, at the row's position."""
-        error = self.fail(plan) if self.fail is not None else None
+        error = self.fail(batch) if self.fail is not None else None
+        groups = batch.groups
         if error is not None:
             self._lost = self.lose_cache_on_failure
-            self._undefined.update(r.slot for r in plan.requests)
+            self._undefined.update(int(slot) for group in groups for slot in group.slots)
             return FakeStep(error=error)
-        slots = [r.slot for r in plan.requests]
+        slots = [int(slot) for group in groups for slot in group.slots]
         size = self.geometry.page_size
         written_pages = [
-            p
-            for row in plan.rows
-            for p in row.request.pages[row.start // size : (row.start + row.length - 1) // size + 1]
+            int(p)
+            for group in groups
+            for start, length, pages in zip(group.positions, group.lengths, group.page_table)
+            for p in pages[start // size : (start + length - 1) // size + 1]
         ]
         assert len(set(slots)) == len(slots), f"two rows share a slot: {slots}"
         assert len(set(written_pages)) == len(written_pages), "two rows write one KV page"
         limits = self._limits  # what is "compiled" now
-        assert len(plan.prefill) <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
-        assert all(row.length <= limits.prefill_tokens for row in plan.prefill), "a chunk longer than compiled"
-        assert len(plan.decode) <= limits.decode_rows, "more decode rows than the compiled shapes allow"
-        if plan.kind is StepKind.MIXED:
+        prefill, decode = batch.prefill, batch.decode
+        if prefill is not None:
+            assert prefill.num_rows <= limits.prefill_rows, "more prefill rows than the compiled shapes allow"
+            assert prefill.longest <= limits.prefill_tokens, "a chunk longer than compiled"
+        if decode is not None:
+            assert decode.num_rows <= limits.decode_rows, "more decode rows than the compiled shapes allow"
+        if prefill is not None and decode is not None:
             assert limits.mixed, "a mixed step before mixed shapes compiled"
-            assert len(plan.prefill) <= MIXED_PREFILL_ROWS, "a mixed step with more prompt chunks than it carries"
-            assert plan.num_prefill_tokens + limits.mixed_decode_rows <= limits.prefill_tokens, (
+            assert prefill.num_rows <= MIXED_PREFILL_ROWS, "a mixed step with more prompt chunks than it carries"
+            assert int(prefill.lengths.sum()) + limits.mixed_decode_rows <= limits.prefill_tokens, (
                 "a mixed step whose chunk and decode rows exceed a pure chunk's tokens"
             )
+        outputs = {group.decode: self._run_group(group) for group in groups}
+        self.steps.append(
+            FakeStepRecord(*(tuple(row for row, _ in outputs.get(decode, ())) for decode in (False, True)))
+        )
+        return FakeStep(StepOutput(*(tuple(out for _, out in outputs.get(decode, ())) for decode in (False, True))))
+
+    def _run_group(self, group: GroupBatch) -> list[tuple[FakeRow, RowOutput]]:
         out = []
-        for row in plan.rows:
-            request = row.request
-            source = request.slot if row.read_row is None else row.read_row
-            if row.start == 0 or source != request.slot:
-                self._undefined.discard(request.slot)
-            elif request.slot in self._undefined:
-                out.append(RowOutput(0))
+        for i in range(group.num_rows):
+            slot, read_row = int(group.slots[i]), int(group.read_rows[i])
+            start, length, keeps = int(group.positions[i]), int(group.lengths[i]), bool(group.keeps[i])
+            prompt_len = int(group.prompt_lens[i])
+            if start == 0 or read_row != slot:
+                self._undefined.discard(slot)
+            elif slot in self._undefined:
+                out.append((FakeRow((), start, length, keeps), RowOutput(0)))
                 continue
-            written = [] if row.start == 0 else self._written[source]
-            assert row.start == len(written), (
-                f"{request.request_id}: writes at {row.start}, its state holds {len(written)}"
+            written = [] if start == 0 else self._written[read_row]
+            assert start == len(written), f"slot {slot}: writes at {start}, its state holds {len(written)}"
+            fed = [self._kept[slot]] if group.decode else group.tokens[i, :length].tolist()
+            written = written + fed
+            assert len(written) <= int(group.page_counts[i]) * self.geometry.page_size, (
+                "positions beyond the row's pages"
             )
-            written = written + (row.token_ids or [self._kept[request.slot]])
-            assert len(written) <= len(request.pages) * self.geometry.page_size, "positions beyond the row's pages"
-            self._written[request.slot] = written
-            if row.snapshot_row is not None:
-                self._written[row.snapshot_row] = written[: row.start + row.snapshot_tokens]
-            token = self.model(request, written)
-            if row.samples_output:
-                self._kept[request.slot] = token
-            prompt = (
-                None
-                if request.sampling.prompt_logprobs is None or row.decode
-                else [certain(t, request.sampling.prompt_logprobs) for t in row.prompt_logprob_targets]
-            )
-            out.append(RowOutput(token, certain(token, row.logprobs), prompt))
-        self.steps.append(plan)
-        split = len(plan.prefill)
-        return FakeStep(StepOutput(tuple(out[:split]), tuple(out[split:])))
+            self._written[slot] = written
+            if group.snapshot_rows[i] >= 0:
+                self._written[int(group.snapshot_rows[i])] = written[: start + int(group.snapshot_tokens[i])]
+            token = self.model(slot, prompt_len, written)
+            if keeps:
+                self._kept[slot] = token
+            k = int(group.prompt_logprobs[i])
+            targets = group.next_tokens[i, : int(group.next_counts[i])].tolist()
+            prompt = None if k < 0 else [certain(t, k) for t in targets]
+            logprobs = int(group.logprobs[i])
+            row = FakeRow(tuple(written[:prompt_len]), start, length, keeps)
+            out.append((row, RowOutput(token, certain(token, None if logprobs < 0 else logprobs), prompt)))
+        return out
 
 
 def certain(token: int, k: int | None) -> TokenLogprob | None:

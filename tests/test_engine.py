@@ -179,10 +179,10 @@ def test_a_random_workload_gives_each_request_its_own_continuation_and_leaks_not
         delivered = sum(len(tokens) for tokens, _ in expected)
         # Nothing is counted past a request's end (a token computed for it by a step in flight is dropped).
         assert engine.stats().generation_tokens == delivered + sum(len(t) for t, _, _ in doomed_results)
-        sampled = collections.Counter(
-            row.request.request_id for b in engine.runner.steps for row in b.rows if row.samples_output
+        sampled = collections.Counter(  # by prompt: each request's is its own
+            row.prompt for b in engine.runner.steps for row in b.prefill + b.decode if row.samples_output
         )
-        computed_past_the_end = sum(sampled[f"r{i}"] - len(tokens) for i, (tokens, _) in enumerate(expected))
+        computed_past_the_end = sum(sampled[tuple(ids)] - len(tokens) for (ids, _), (tokens, _) in zip(specs, expected))
         # Only a step in flight computes past a stop (max_tokens is never overrun: it is known when scheduling).
         assert computed_past_the_end > 0 if async_scheduling else computed_past_the_end == 0, computed_past_the_end
         assert sum(engine.stats().finished.values()) == 27
@@ -226,13 +226,11 @@ def test_a_completed_prompt_decodes_in_the_very_next_step(async_scheduling):
     results = run(engine, *[engine.submit(ids, greedy(n), request_id=f"r{i}") for i, (ids, n) in enumerate(specs)])
     assert [r[0] for r in results] == [continuation(ids, n, CFG.vocab_size) for ids, n in specs]
     steps = engine.runner.steps
-    for i in range(len(specs)):
+    for i, (ids, _) in enumerate(specs):
         last_chunk = next(
-            k
-            for k, b in enumerate(steps)
-            if any(c.samples_output and c.request.request_id == f"r{i}" for c in b.prefill)
+            k for k, b in enumerate(steps) if any(c.samples_output and c.prompt == tuple(ids) for c in b.prefill)
         )
-        assert f"r{i}" in [r.request.request_id for r in steps[last_chunk + 1].decode], (i, last_chunk)
+        assert tuple(ids) in [r.prompt for r in steps[last_chunk + 1].decode], (i, last_chunk)
     assert_nothing_leaked(engine)
 
 
@@ -256,7 +254,7 @@ def test_steps_stay_within_the_shapes_compiled_so_far_while_the_rest_compile():
     steps = engine.runner.steps
     assert max(len(b.decode) for b in steps[:20]) == 1 and max(c.length for b in steps[:20] for c in b.prefill) == 16
     assert max(len(b.decode) for b in steps[20:60]) == 2
-    assert max(len(b.decode) for b in steps[61:]) > 2 and any(b.kind is StepKind.MIXED for b in steps[61:])
+    assert max(len(b.decode) for b in steps[61:]) > 2 and any(b.mixed for b in steps[61:])
     assert_nothing_leaked(engine)
 
 
@@ -360,16 +358,17 @@ def test_a_thousand_requests_on_shared_prefixes_never_write_a_shared_page_and_le
     registered: dict[int, object] = {}  # page -> its cache record, as of the step before
     dispatch = engine.runner.dispatch
 
-    def checked(plan):  # on the engine thread, between steps
+    def checked(batch):  # on the engine thread, between steps
         size = engine.geometry.page_size
-        for row in plan.rows:
-            for page in row.request.pages[row.start // size : (row.start + row.length - 1) // size + 1]:
-                if registered.get(page) is not None and registered[page] is engine.pages.cached(page):
-                    shared_writes.append((row.request.request_id, page))
+        for group in batch.groups:
+            for slot, start, length, pages in zip(group.slots, group.positions, group.lengths, group.page_table):
+                for page in pages[start // size : (start + length - 1) // size + 1]:
+                    if registered.get(page) is not None and registered[page] is engine.pages.cached(page):
+                        shared_writes.append((slot, page))
         registered.clear()
         registered.update({p: engine.pages.cached(p) for p in range(engine.geometry.num_pages)})
         engine.pages.check_books()
-        return dispatch(plan)
+        return dispatch(batch)
 
     engine.runner.dispatch = checked
     rng = random.Random(4)
@@ -400,7 +399,9 @@ def test_a_thousand_requests_on_shared_prefixes_never_write_a_shared_page_and_le
 def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving(async_scheduling):
     engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.fail = lambda batch: (
-        RuntimeError("injected failure") if any(c.token_ids[:3] == [7, 7, 7] for c in batch.prefill) else None
+        RuntimeError("injected failure")
+        if batch.prefill is not None and any(row[:3].tolist() == [7, 7, 7] for row in batch.prefill.tokens)
+        else None
     )
     bad, good = engine.submit([7, 7, 7, 7], greedy(4)), engine.submit(prompt(9, 3), greedy(4))
     engine.start()
@@ -441,7 +442,9 @@ def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_
     engine = fake_engine(async_scheduling=async_scheduling)
     engine.runner.lose_cache_on_failure = True
     engine.runner.fail = lambda batch: (
-        RuntimeError("device lost") if any(c.request.request_id == "late" for c in batch.prefill) else None
+        RuntimeError("device lost")
+        if batch.prefill is not None and prompt(5, 2) in batch.prefill.tokens.tolist()
+        else None
     )
     streaming = engine.submit(prompt(5, 1), greedy(390), request_id="streaming")
     engine.start()

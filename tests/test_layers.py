@@ -101,3 +101,60 @@ def test_the_scan_sees_every_form_of_import():
         "jaxserve.cli.main",
         "jaxserve.checkpoints",
     } <= names
+
+
+# What the runner must never take (docs/architecture.md, "the step batch"): a request, or a plan that holds them.
+RUNNER_NEVER_IMPORTS = (
+    "jaxserve.request.record",
+    "jaxserve.request.Request",
+    "jaxserve.request.step.StepPlan",
+    "jaxserve.request.step.StepRow",
+)
+
+
+def writes_to_arguments(source: str) -> list[str]:
+    """Each assignment, in `source`, to an attribute or an item of an object a function received (its parameters
+    but self and cls), reached through any chain of attributes and items: `arg.x = ...`, `arg.x[i] += ...`."""
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        arguments = function.args
+        received = {
+            a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs if a.arg not in ("self", "cls")
+        }
+        for node in ast.walk(function):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else []
+            )
+            for target in targets:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    root = element
+                    while isinstance(root, ast.Attribute | ast.Subscript):
+                        root = root.value
+                    if element is not root and isinstance(root, ast.Name) and root.id in received:
+                        found.append(f"line {node.lineno}: {ast.unparse(element)}")
+    return found
+
+
+def test_the_runner_takes_step_batches_and_never_changes_what_it_receives():
+    """The runner imports no request record and no plan of them, and writes no attribute or item of an object it
+    was handed (a step batch's arrays are read-only besides)."""
+    found = []
+    for path in sorted((REPO / "jaxserve" / "runner").rglob("*.py")):
+        source = path.read_text()
+        found += [f"{path.name} imports {name}" for name in imported_modules(source) if name in RUNNER_NEVER_IMPORTS]
+        found += [f"{path.name} {write}" for write in writes_to_arguments(source)]
+    assert found == []
+
+
+def test_the_write_scan_sees_writes_through_attributes_and_items():
+    source = (
+        "def f(self, batch, rows):\n    batch.x = 1\n    rows.a[0] += 2\n    self.y = 3\n    local = rows\n"
+        "    b, rows.c = 1, 2\n"
+    )
+    assert writes_to_arguments(source) == ["line 2: batch.x", "line 3: rows.a[0]", "line 6: rows.c"]

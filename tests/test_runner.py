@@ -15,6 +15,7 @@ from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import Request, SamplingParams
+from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, CompileCounter, ModelRunner, step_limits
 
@@ -77,7 +78,7 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
 
     def run_prefill(*chunks):
         rows = tuple(StepRow.chunk(r, start, n) for r, start, n in chunks)
-        result = runner.run(StepPlan(prefill=rows))
+        result = runner.run(StepBatch.of(StepPlan(prefill=rows)))
         assert result.decode == ()
         for row in rows:  # what scheduling records
             row.request.num_sampled += row.samples_output
@@ -90,7 +91,7 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     for request, token in ((a, second[0]), (b, third[0]), (c, third[1])):
         request.output_ids.append(token)
     for active in ([a], [a, b], [a, b, c], [c]):
-        result = runner.run(StepPlan.decode_of(active))
+        result = runner.run(StepBatch.of(StepPlan.decode_of(active)))
         assert result.prefill == () and len(result.decode) == len(active)
         for request, out in zip(active, result.decode):
             request.output_ids.append(out.token_id)
@@ -99,7 +100,7 @@ def test_sharded_decode_tokens_through_the_runner_and_no_compiles_after_warmup(w
     assert len(first) == 1 and 0 <= first[0] < CFG.vocab_size
     too_long = Request("long", [1] * 33, greedy, slot=3, pages=[18])
     with pytest.raises(ValueError, match="no compiled prefill step holds them"):
-        runner.run(StepPlan(prefill=(StepRow.chunk(too_long, 0, 33),)))
+        runner.run(StepBatch.of(StepPlan(prefill=(StepRow.chunk(too_long, 0, 33),))))
 
 
 def prefill(rows: int, chunk: int) -> StepShape:
@@ -162,11 +163,11 @@ def test_a_top_k_row_takes_the_sampler_that_sorts_and_a_batch_without_cuts_the_o
     for name, params in kinds.items():
         request = Request(name, prompts[0][:20].tolist(), params, slot=0, pages=list(range(6)))
         row = StepRow.chunk(request, 0, 20)
-        tokens[name] = [runner.run(StepPlan(prefill=(row,))).prefill[0].token_id]
+        tokens[name] = [runner.run(StepBatch.of(StepPlan(prefill=(row,)))).prefill[0].token_id]
         request.num_sampled += 1
         for _ in range(5):
             request.output_ids.append(tokens[name][-1])
-            tokens[name].append(runner.run(StepPlan.decode_of([request])).decode[0].token_id)
+            tokens[name].append(runner.run(StepBatch.of(StepPlan.decode_of([request]))).decode[0].token_id)
             request.num_sampled += 1
     assert counter.count == before, "a call after warm-up compiled"
     assert tokens["top_k"] == tokens["greedy"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxserve.request import Request, SamplingParams
+from jaxserve.request.batch import GroupBatch
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepRow
 from jaxserve.runner.sampling import NO_TOKEN, PenaltyArrays, SamplingArrays, apply_penalties, sample
@@ -26,7 +28,7 @@ def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=1, logit_b
 
     rows = [
         StepRow(
-            Request(f"r{i}", [1], SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logit_bias=b)),
+            Request(f"r{i}", [1], SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logit_bias=b), slot=i),
             position - 1,
             1,
             decode=True,
@@ -35,8 +37,20 @@ def _params(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=1, logit_b
             zip(fill(temperature), fill(top_k), fill(top_p), fill(seed), fill(logit_bias), fill(position))
         )
     ]
-    # Every token allowed (no structured output), for any vocabulary these tests use.
-    return SamplingArrays.for_rows(rows, bucket or n, np.full((bucket or n, mask_words(MAX_VOCAB)), -1, np.int32))
+    return _arrays(rows, bucket or n, MAX_VOCAB)
+
+
+def _arrays(rows, bucket, vocab):
+    """The sampling arrays the runner makes of decode `rows` in a bucket of `bucket` rows, their late masks asked."""
+    group = GroupBatch.of(rows, decode=True)
+    # The runner's all-ones mask for groups without constraints, here on the host.
+    everything: Any = np.full((bucket, mask_words(vocab)), -1, np.int32)
+    return SamplingArrays.for_group(group, bucket, everything, group.late(mask_words(vocab)).masks)
+
+
+def _penalties(rows, bucket):
+    group = GroupBatch.of(rows, decode=True)
+    return PenaltyArrays.for_group(group, group.late(mask_words(MAX_VOCAB)), bucket)
 
 
 def _logits(rows=4, vocab=50, seed=0):
@@ -141,30 +155,30 @@ def test_penalties_follow_vllms_formulas():
 
 def test_penalty_arrays_count_the_output_and_see_the_prompt_only_with_repetition():
     def row(sampling):
-        request = Request("r", [4, 4, 9], sampling)
+        request = Request("r", [4, 4, 9], sampling, slot=0)
         request.output_ids = [7, 4, 7]
         return StepRow(request, 5, 1, decode=True)
 
-    frequency = PenaltyArrays.for_rows([row(SamplingParams(frequency_penalty=1.0))], 2)
+    frequency = _penalties([row(SamplingParams(frequency_penalty=1.0))], 2)
     assert frequency is not None and frequency.token_ids.shape == (2, 64)
     seen = dict(zip(frequency.token_ids[0].tolist(), frequency.output_counts[0].tolist()))
     assert {t: c for t, c in seen.items() if t != NO_TOKEN} == {7: 2.0, 4: 1.0}
-    repetition = PenaltyArrays.for_rows([row(SamplingParams(repetition_penalty=1.3))], 1)
+    repetition = _penalties([row(SamplingParams(repetition_penalty=1.3))], 1)
     assert repetition is not None
     seen = dict(zip(repetition.token_ids[0].tolist(), repetition.output_counts[0].tolist()))
     assert {t: c for t, c in seen.items() if t != NO_TOKEN} == {4: 1.0, 9: 0.0, 7: 2.0}
-    assert PenaltyArrays.for_rows([row(SamplingParams())], 1) is None  # no penalty: the logits go untouched
+    assert _penalties([row(SamplingParams())], 1) is None  # no penalty: the logits go untouched
 
 
 def test_token_occurrences_grow_with_the_output_and_their_bucket_doubles():
-    request = Request("r", [1], SamplingParams(presence_penalty=0.5))
+    request = Request("r", [1], SamplingParams(presence_penalty=0.5), slot=0)
     rng = np.random.default_rng(0)
     for _ in range(5):
         request.output_ids += rng.integers(0, 500, 40).tolist()
         ids, counts = request.penalty_entries()
         expected = Counter(request.output_ids)
         assert dict(zip(ids.tolist(), counts.tolist())) == expected
-    arrays = PenaltyArrays.for_rows([StepRow(request, len(request.output_ids), 1, decode=True)], 1)
+    arrays = _penalties([StepRow(request, len(request.output_ids), 1, decode=True)], 1)
     assert arrays is not None and arrays.token_ids.shape[1] == 1 << (len(expected) - 1).bit_length()
 
 
@@ -181,10 +195,10 @@ def test_allowed_token_ids_are_all_a_row_samples():
     logits = _logits(rows=64, vocab=100, seed=3)
     allowed = [3, 40, 41, 97]
     rows = [
-        StepRow(Request(f"r{i}", [1], SamplingParams(seed=i, allowed_token_ids=allowed)), 0, 1, decode=True)
+        StepRow(Request(f"r{i}", [1], SamplingParams(seed=i, allowed_token_ids=allowed), slot=i), 0, 1, decode=True)
         for i in range(64)
     ]
-    params = SamplingArrays.for_rows(rows, 64, np.full((64, mask_words(100)), -1, np.int32))
+    params = _arrays(rows, 64, 100)
     assert set(sample_jit(logits, params).tolist()) <= set(allowed)
     greedy = dataclasses.replace(params, temperature=np.zeros(64, np.float32))
     best = [allowed[int(np.argmax(logits[i, allowed]))] for i in range(64)]

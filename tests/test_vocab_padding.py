@@ -21,6 +21,7 @@ from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import flatten_with_names, init_weights
 from jaxserve.presets import preset
 from jaxserve.request import InvalidRequest, Request, SamplingParams
+from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import StepPlan, StepRow
 from jaxserve.runner import build_runner
 from jaxserve.runner.logprobs import prompt_logprobs
@@ -146,12 +147,12 @@ def _run_on(runner, samplings: list[SamplingParams], steps: int) -> list[list]:
     for request in requests:
         for start in range(0, request.prompt_len, 16):
             row = StepRow.chunk(request, start, min(16, request.prompt_len - start))
-            (out,) = runner.run(StepPlan(prefill=(row,))).prefill
+            (out,) = runner.run(StepBatch.of(StepPlan(prefill=(row,)))).prefill
             request.num_sampled += row.samples_output
         request.output_ids.append(out.token_id)
         outputs[int(request.request_id[1:])].append(out)
     for _ in range(steps):
-        result = runner.run(StepPlan.decode_of(requests))
+        result = runner.run(StepBatch.of(StepPlan.decode_of(requests)))
         for request, out in zip(requests, result.decode):
             request.output_ids.append(out.token_id)
             request.num_sampled += 1

@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.request import FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
@@ -286,9 +287,9 @@ class StepRunner(Protocol):
     def limits(self) -> StepLimits | None:
         """What the compiled shapes allow a step to carry; None until a prefill and a decode shape are compiled."""
 
-    def dispatch(self, plan: StepPlan) -> PendingStep:
-        """Start `plan`; `result()` waits for its StepOutput (each row's token and the logprobs it asked for). Never
-        changes a request."""
+    def dispatch(self, batch: StepBatch) -> PendingStep:
+        """Start the step `batch` (a plan's host arrays: the runner never sees a request); `result()` waits for its
+        StepOutput (each row's token and the logprobs it asked for)."""
 
     def cache_lost(self) -> bool: ...
 
@@ -596,7 +597,7 @@ class Engine:
     def _dispatch(self, plan: StepPlan) -> _InFlight:
         dispatched = time.perf_counter()
         try:
-            step = self.runner.dispatch(plan)
+            step = self.runner.dispatch(StepBatch.of(plan))
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             step = _FailedDispatch(error)
         for request in plan.requests:

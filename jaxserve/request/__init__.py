@@ -1,19 +1,17 @@
-"""What travels: the request record, its sampling parameters and its lifecycle (record.py), and the step plans the
-scheduler makes of requests' rows for the runner (step.py)."""
+"""What travels: a request's sampling parameters (params.py), the live request record and its lifecycle
+(record.py), the step plans the scheduler makes of requests' rows (step.py) and the value-typed step batches the
+runner takes (batch.py)."""
 
-from jaxserve.request.record import (
-    LEGAL_TRANSITIONS,
+from jaxserve.request.params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     FinishReason,
-    IllegalTransition,
     InvalidRequest,
-    Request,
-    RequestStatus,
     SamplingParams,
     TokenLogprob,
 )
+from jaxserve.request.record import LEGAL_TRANSITIONS, IllegalTransition, Request, RequestStatus
 
 __all__ = [
     "LEGAL_TRANSITIONS",

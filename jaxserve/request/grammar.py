@@ -19,7 +19,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from jaxserve.request.record import InvalidRequest
+from jaxserve.request.params import InvalidRequest
 
 # JSON is written compactly: flexible whitespace lets a model pad an object with newlines until max_tokens runs out.
 JSON_OPTIONS: Any = {

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jaxserve.kernels.table import pallas_hbm_bytes
@@ -310,7 +310,15 @@ def static_profile(hlo_text: str) -> StaticProfile:
     statements = pallas_hbm_bytes()
     shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
 
-    def walk(computation: str, times: int, found: dict[str, Kernel]) -> None:
+    def walk(computation: str, times: int) -> dict[str, Kernel]:
+        """The kernels `computation` launches, run `times` times, by computation/instruction name."""
+        found: dict[str, Kernel] = {}
+
+        def add(kernels: dict[str, Kernel]) -> None:
+            for key, kernel in kernels.items():
+                seen = found.get(key)
+                found[key] = kernel if seen is None else replace(seen, launches=seen.launches + kernel.launches)
+
         for instruction in computations.get(computation, []):
             op = instruction.opcode
             if op in _FREE or op.endswith("-done") or op.endswith("-update"):
@@ -319,41 +327,30 @@ def static_profile(hlo_text: str) -> StaticProfile:
                 trips = _trip_count(instruction)
                 body, condition = instruction.attribute("body"), instruction.attribute("condition")
                 if body:
-                    walk(body, times * trips, found)
+                    add(walk(body, times * trips))
                 if condition:
-                    walk(condition, times * (trips + 1), found)
+                    add(walk(condition, times * (trips + 1)))
                 continue
             if op in ("call", "async-start") and instruction.attribute("to_apply"):
-                walk(instruction.attribute("to_apply") or "", times, found)
+                add(walk(instruction.attribute("to_apply") or "", times))
                 continue
             if op == "conditional":
-                walk_lightest_branch(instruction, times, found)
+                add(lightest_branch(instruction, times))
                 continue
             kind = _kind(instruction)
-            key = f"{computation}/{instruction.name}"
-            if key in found:
-                found[key].launches += times
-            else:
-                found[key] = Kernel(
-                    instruction.name,
-                    kind,
-                    instruction.scope,
-                    times,
-                    kernel_bytes(instruction, kind),
-                    None if kind == "pallas" or updates_in_place(instruction) else _model_us(instruction, kind),
-                )
+            model_us = None if kind == "pallas" or updates_in_place(instruction) else _model_us(instruction, kind)
+            kernel = Kernel(instruction.name, kind, instruction.scope, times, kernel_bytes(instruction, kind), model_us)
+            add({f"{computation}/{instruction.name}": kernel})
+        return found
 
-    def walk_lightest_branch(instruction: Instruction, times: int, found: dict[str, Kernel]) -> None:
+    def lightest_branch(instruction: Instruction, times: int) -> dict[str, Kernel]:
         """A conditional runs one branch: the one that moves the fewest bytes is counted (a step's common path,
         where the other branch computes what only some requests ask for, such as prompt logprobs)."""
-        branches: list[dict[str, Kernel]] = []
-        for branch in re.findall(r"%([\w.\-]+)", instruction.attributes.split("branch_computations=")[-1]):
-            kernels: dict[str, Kernel] = {}
-            walk(branch, times, kernels)
-            branches.append(kernels)
-        if branches:
-            lightest: dict[str, Kernel] = min(branches, key=_moved)
-            found.update(lightest)
+        branches = [
+            walk(branch, times)
+            for branch in re.findall(r"%([\w.\-]+)", instruction.attributes.split("branch_computations=")[-1])
+        ]
+        return min(branches, key=_moved) if branches else {}
 
     def updates_in_place(instruction: Instruction) -> bool:
         fused = computations.get(instruction.attribute("calls") or "", [])
@@ -373,6 +370,4 @@ def static_profile(hlo_text: str) -> StaticProfile:
             return _fusion_bytes(instruction, computations.get(instruction.attribute("calls") or "", []), shapes)
         return sum(array_bytes(shapes.get(o, "")) for o in instruction.operands) + array_bytes(instruction.shape)
 
-    found: dict[str, Kernel] = {}
-    walk(entry, 1, found)
-    return StaticProfile(list(found.values()))
+    return StaticProfile(list(walk(entry, 1).values()))

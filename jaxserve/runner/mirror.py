@@ -33,9 +33,7 @@ class ForwardCall:
 
     number: int
     shape: StepShape
-    inputs: Any  # tuple of StepInputs of host arrays, one per group
-    routes: Any  # tuple of TokenRoutes
-    asked: Any  # tuple of LogprobInputs
+    groups: Any  # tuple of GroupInputs of host arrays, one per group (drafting None: never in a group)
 
 
 @dataclass(frozen=True)

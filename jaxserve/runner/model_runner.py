@@ -1,7 +1,7 @@
 """The device side: two jitted steps, *prefill a chunk* and *decode one step*, over weights on a mesh.
 
-A step is two calls, launched one after the other: the forward, `(weights, cache, slot tokens, inputs, routes,
-logprob inputs) -> (logits at each row's last token, prompt logprobs, cache)` with the cache donated, and the
+A step is two calls, launched one after the other: the forward, `(weights, cache, slot tokens, each group's
+GroupInputs) -> (logits at each row's last token, prompt logprobs, cache)` with the cache donated, and the
 sampler, `(slot tokens, logits, sampling, routes) -> (tokens, their logprobs, slot tokens)` (see
 jaxserve.runner.logprobs for what logprobs leave the device). Both are compiled ahead of time for a small set of
 shape buckets (rows x chunk length for prefill, rows for decode; the sampler by rows). A call whose shape is not a
@@ -37,6 +37,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.progress import progress
 from jaxserve.request import TokenLogprob
+from jaxserve.request.batch import GroupBatch, StepBatch
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import (
     MIXED_PREFILL_ROWS,
@@ -45,13 +46,17 @@ from jaxserve.request.step import (
     StepKind,
     StepLimits,
     StepOutput,
-    StepPlan,
-    StepRow,
     StepShape,
 )
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, prompt_logprobs, sampled_logprobs, to_host
 from jaxserve.runner.mirror import Call, CallLog, CompileSync, ForwardCall, ResetCall, SampleCall
-from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays, apply_penalties, sample
+from jaxserve.runner.sampling import (
+    PENALTY_BUCKET,
+    PenaltyArrays,
+    SamplingArrays,
+    apply_penalties,
+    sample,
+)
 from jaxserve.runner.speculative import (
     DraftInputs,
     SpeculativeCache,
@@ -195,13 +200,29 @@ class TokenRoutes:
     store_slot: jax.Array  # [b] int32: the slot that keeps the sampled token; num_slots: not kept (dropped)
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class GroupInputs:
+    """One group's device inputs, padded to its compiled shape: what its rows are (`step`), where their tokens come
+    from and go (`routes`), what logprobs they ask for (`asked`), and a prefill group's drafting inputs with
+    speculative decoding on (None otherwise)."""
+
+    step: StepInputs
+    routes: TokenRoutes
+    asked: LogprobInputs
+    drafting: DraftInputs | None = None
+
+
 @dataclass(frozen=True)
 class _Group:
-    """One group of a step's rows and the compiled shape they run in (decode: the decode group)."""
+    """One group of a step's rows and the compiled shape they run in."""
 
-    rows: tuple[StepRow, ...]
+    rows: GroupBatch
     shape: GroupShape
-    decode: bool
+
+    @property
+    def decode(self) -> bool:
+        return self.rows.decode
 
 
 @dataclass(frozen=True)
@@ -225,20 +246,19 @@ class PendingStep:
         groups: list[_Group],
         logits: tuple[jax.Array, ...],
         prompt: tuple[Logprobs | None, ...],
-        routes: tuple[TokenRoutes, ...],
-        asked: tuple[LogprobInputs, ...],
+        inputs: tuple[GroupInputs, ...],
         sort: bool = False,
     ):
         self._runner, self._number, self._groups = runner, number, groups
-        self._logits, self._prompt, self._routes, self._asked = logits, prompt, routes, asked
-        self._sort = sort
+        self._logits, self._prompt, self._inputs, self._sort = logits, prompt, inputs, sort
         self._outputs: tuple[GroupOutput, ...] | None = None
 
     def sample(self) -> None:
         if self._outputs is not None:
             return
         runner = self._runner
-        tokens, sampled = runner._launch_sampler(self._number, self._groups, self._logits, self._routes, self._sort)
+        routes = tuple(group.routes for group in self._inputs)
+        tokens, sampled = runner._launch_sampler(self._number, self._groups, self._logits, routes, self._sort)
         for out in tokens:
             out.copy_to_host_async()  # the copy runs while the host prepares the next step
         self._outputs = tuple(GroupOutput(*out) for out in zip(tokens, sampled, self._prompt))
@@ -247,8 +267,8 @@ class PendingStep:
         self.sample()
         assert self._outputs is not None
         fetched = {
-            group.decode: _fetch(out, group.rows, asked)
-            for out, group, asked in zip(self._outputs, self._groups, self._asked)
+            group.decode: _fetch(out, group.rows, inputs.asked)
+            for out, group, inputs in zip(self._outputs, self._groups, self._inputs)
         }
         return StepOutput(prefill=fetched.get(False, ()), decode=fetched.get(True, ()))
 
@@ -257,7 +277,7 @@ class PendingVerify:
     """A dispatched verify step (speculative decoding): drafting, verifying and sampling are one call, so there is
     no sampler to launch; `result()` waits for its tokens."""
 
-    def __init__(self, rows: tuple[StepRow, ...], verified: Verified):
+    def __init__(self, rows: int, verified: Verified):
         self._rows, self._verified = rows, verified
         verified.tokens.copy_to_host_async()
 
@@ -267,7 +287,7 @@ class PendingVerify:
     def result(self) -> StepOutput:
         tokens, counts = np.asarray(self._verified.tokens), np.asarray(self._verified.counts)
         outputs = []
-        for i in range(len(self._rows)):
+        for i in range(self._rows):
             kept = [int(t) for t in tokens[i, : counts[i]]]
             outputs.append(RowOutput(kept[-1], accepted=tuple(kept[:-1])))
         return StepOutput(prefill=(), decode=tuple(outputs))
@@ -337,23 +357,23 @@ class ModelRunner:
         weights,
         cache,
         slot_tokens: jax.Array,
-        groups: tuple[StepInputs, ...],
-        routes: tuple[TokenRoutes, ...],
-        logprob_inputs: tuple[LogprobInputs, ...],
-        draft_inputs: tuple[DraftInputs | None, ...],
+        groups: tuple[GroupInputs, ...],
     ):
-        groups = tuple(
-            dataclasses.replace(g, tokens=jnp.where(r.feed_from_slot[:, None], slot_tokens[g.slots][:, None], g.tokens))
-            for g, r in zip(groups, routes)
+        steps = tuple(
+            dataclasses.replace(
+                g.step,
+                tokens=jnp.where(g.routes.feed_from_slot[:, None], slot_tokens[g.step.slots][:, None], g.step.tokens),
+            )
+            for g in groups
         )
         speculative = isinstance(cache, SpeculativeCache)
-        hs, kv = hidden_streams(weights, cache.kv if speculative else cache, groups, self.cfg, self.kernels)
+        hs, kv = hidden_streams(weights, cache.kv if speculative else cache, steps, self.cfg, self.kernels)
         if speculative:
             draft = cache.draft
-            for h, inputs, route, drafting in zip(hs, groups, routes, draft_inputs):
-                if drafting is not None:  # prefill groups: the MTP block reads the chunk too
-                    completes = route.store_slot < self.geometry.num_slots
-                    draft = prefill_drafts(weights, draft, h, inputs, drafting, completes, self.cfg, self.kernels)
+            for h, inputs, group in zip(hs, steps, groups):
+                if group.drafting is not None:  # prefill groups: the MTP block reads the chunk too
+                    completes = group.routes.store_slot < self.geometry.num_slots
+                    draft = prefill_drafts(weights, draft, h, inputs, group.drafting, completes, self.cfg, self.kernels)
             cache = SpeculativeCache(kv, draft)
         else:
             cache = kv
@@ -362,10 +382,11 @@ class ModelRunner:
             for h in hs
         ]
         logits, prompts = [], []
-        for y, inputs, asked in zip(ys, groups, logprob_inputs):
+        for y, inputs, group in zip(ys, steps, groups):
+            asked = group.asked
             logits.append(last_logits(y, inputs, weights.head, self.cfg.vocab_size))
             prompt = None
-            if asked.targets is not None and asked.prompt is not None:  # prefill groups only (_logprob_inputs)
+            if asked.targets is not None and asked.prompt is not None:  # prefill groups only (_group_inputs)
                 prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size)
             prompts.append(prompt)
         return tuple(logits), tuple(prompts), cache
@@ -416,73 +437,39 @@ class ModelRunner:
     def _abstract(self, shape, dtype) -> Any:  # stands in for a jax.Array in the abstract inputs
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
-    def _abstract_group(
-        self, rows: int, chunk: int, decode: bool
-    ) -> tuple[StepInputs, TokenRoutes, LogprobInputs, DraftInputs | None]:
-        arr = self._abstract
-        inputs = StepInputs(
-            tokens=arr((rows, chunk), jnp.int32),
-            positions=arr((rows,), jnp.int32),
-            lengths=arr((rows,), jnp.int32),
-            slots=arr((rows,), jnp.int32),
-            page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
-            **({} if decode else self._abstract_prefix_state(rows, 1)),
-        )
-        routes = TokenRoutes(feed_from_slot=arr((rows,), jnp.bool_), store_slot=arr((rows,), jnp.int32))
-        asked = _logprob_inputs(rows, chunk, arr)
-        drafting = (
-            None
-            if decode or not self.draft_tokens
-            else DraftInputs(arr((rows, chunk), jnp.int32), arr((rows,), jnp.int32))
-        )
-        return inputs, routes, asked, drafting
+    def _abstract_like(self, host: Any) -> Any:
+        """Abstract values of these host inputs (replicated), for lowering: so a step's abstract arguments come from
+        the builders of its real ones, never from a second description of them."""
+        return jax.tree.map(lambda x: self._abstract(x.shape, x.dtype), host)
 
-    def _abstract_verify_args(self, rows: int) -> tuple:
-        arr = self._abstract
-        inputs = StepInputs(
-            tokens=arr((rows, self.draft_tokens + 1), jnp.int32),
-            positions=arr((rows,), jnp.int32),
-            lengths=arr((rows,), jnp.int32),
-            slots=arr((rows,), jnp.int32),
-            page_table=arr((rows, self.geometry.max_pages_per_seq), jnp.int32),
-            **self._abstract_prefix_state(rows, self.draft_tokens),
-        )
-        weights, cache = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (self.weights, self.cache)
-        )
-        slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
-        return weights, cache, slot_tokens, inputs, self._abstract_sampling(rows)
-
-    def _abstract_prefix_state(self, rows: int, snapshots: int) -> dict[str, Any]:
-        """A prefill or verify group's state rows (PREFIX_STATE_INPUTS): `snapshots` per row."""
-        arr = self._abstract
-        return dict(
-            read_rows=arr((rows,), jnp.int32),
-            snapshot_rows=arr((rows, snapshots), jnp.int32),
-            snapshot_lengths=arr((rows, snapshots), jnp.int32),
-        )
-
-    def _abstract_sampling(self, rows: int) -> SamplingArrays:
-        # The arrays of a group of padding rows, so their fields and shapes are defined in one place (sampling.py).
-        padding = SamplingArrays.for_rows((), rows, self._all_tokens_allowed(rows))
-        return jax.tree.map(lambda x: self._abstract(x.shape, x.dtype), padding)
-
-    def _abstract_forward_args(self, shape: StepShape) -> tuple:
-        groups = [self._abstract_group(group.rows, group.chunk, decode) for group, decode in shape.groups]
-        weights, cache, slot_tokens = jax.tree.map(
+    def _abstract_state(self) -> tuple:
+        """The weights, the cache and the slot tokens, abstract with their shardings."""
+        return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.weights, self.cache, self.slot_tokens),
         )
-        return (weights, cache, slot_tokens, *(tuple(g[i] for g in groups) for i in range(4)))
+
+    @staticmethod
+    def _padding(shape: StepShape) -> list[_Group]:
+        """`shape`'s groups with no rows: every row padding (warm-up, abstract arguments)."""
+        return [_Group(GroupBatch.padding(decode), group) for group, decode in shape.groups]
+
+    def _abstract_verify_args(self, shape: StepShape) -> tuple:
+        (group,) = self._padding(shape)
+        inputs, params = self._abstract_like((self._verify_arrays(group), self._sampling_arrays([group])[0]))
+        return (*self._abstract_state(), inputs, params)
+
+    def _abstract_forward_args(self, shape: StepShape) -> tuple:
+        return (*self._abstract_state(), self._abstract_like(self._host_inputs(self._padding(shape))))
 
     def _abstract_sampler_args(self, shape: StepShape, cuts: bool = True) -> tuple:
         """The sampler's arguments for `shape`'s groups; `cuts` (static): the sampler that sorts, by default (the
         one that needs more memory)."""
-        rows = shape.group_rows
-        slot_tokens = self._abstract(self.slot_tokens.shape, self.slot_tokens.dtype)
-        logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in rows)
-        samplings = tuple(self._abstract_sampling(r) for r in rows)
-        routes = tuple(self._abstract_group(group.rows, group.chunk, decode)[1] for group, decode in shape.groups)
+        padding = self._padding(shape)
+        slot_tokens = self._abstract_state()[2]
+        logits = tuple(self._abstract((r, self.cfg.vocab_size), jnp.float32) for r in shape.group_rows)
+        samplings = self._abstract_like(self._sampling_arrays(padding))
+        routes = self._abstract_like(tuple(group.routes for group in self._host_inputs(padding)))
         return slot_tokens, logits, logits, samplings, routes, cuts
 
     def _executables_for(self, shape: StepShape) -> _Executables:
@@ -514,7 +501,7 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             if self._verifies(shape):
                 assert shape.decode is not None  # a decode shape
-                args = self._abstract_verify_args(shape.decode.rows)
+                args = self._abstract_verify_args(shape)
                 return _Executables(
                     self._speculate.lower(*args).compile(),
                     greedy=self._speculate.lower(*args, sampled=False).compile(),
@@ -525,6 +512,16 @@ class ModelRunner:
                     sampler = self._sampler.lower(*self._abstract_sampler_args(shape, cuts)).compile()
                     self._samplers[shape.group_rows, cuts] = sampler
         return _Executables(forward)
+
+    def compile(self, shape: StepShape) -> list[list[jax.stages.Compiled]]:
+        """`shape` compiled now, as the engine compiles it, whether or not it was before (the engine's steps keep
+        using what they had): the executables a step runs one after the other, each the list of its variants of which
+        a step runs one: [[forward], [sampler, sorting sampler]], or a verify step's [[sampled, greedy]]. For compile
+        benchmarks and GPU targets; a sampler compiled before for the same rows is reused."""
+        executables = self._compile(shape)
+        if executables.greedy is not None:  # a verify step's two variants
+            return [[executables.forward, executables.greedy]]
+        return [[executables.forward], [self._samplers[shape.group_rows, cuts] for cuts in (False, True)]]
 
     def warmup(
         self,
@@ -545,7 +542,7 @@ class ModelRunner:
                 self.compile_sync.wait_compiled(shape.key)
             # Run it once on padding rows (length 0: they write nothing), so the executable's first-call set-up
             # happens now rather than as a latency spike in the middle of serving.
-            padding = [_Group((), group, decode) for group, decode in shape.groups]
+            padding = self._padding(shape)
             self._launch(shape, padding).result()
             if not self._verifies(shape):  # and the sampler that sorts, for a batch with a top-k / top-p row
                 self._launch(shape, padding, sort=True).result()
@@ -596,14 +593,14 @@ class ModelRunner:
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
-    def run(self, plan: StepPlan) -> StepOutput:
-        """One step, waited for: the token sampled after each row and the logprobs its request asked for."""
-        return self.dispatch(plan).result()
+    def run(self, batch: StepBatch) -> StepOutput:
+        """One step, waited for: the token sampled after each row and the logprobs its row asked for."""
+        return self.dispatch(batch).result()
 
-    def dispatch(self, plan: StepPlan) -> PendingStep | PendingVerify:
+    def dispatch(self, batch: StepBatch) -> PendingStep | PendingVerify:
         """Start one step without waiting for it. Every row samples (after a chunk that is not its prompt's last,
         the token is neither kept nor returned as an output)."""
-        groups = self._groups(plan)
+        groups = self._groups(batch)
         return self._launch(self._usable_shape(groups), groups)
 
     def executables(self, shape: StepShape) -> list[jax.stages.Compiled]:
@@ -615,47 +612,46 @@ class ModelRunner:
             return [compiled.forward, compiled.greedy]
         return [compiled.forward, *(self._samplers[shape.group_rows, cuts] for cuts in (False, True))]
 
-    def device_seconds(self, plan: StepPlan, repeats: int, back_to_back: int = 1) -> list[float]:
-        """Seconds per call of the compiled step of `plan` on inputs built once, `repeats` times: the step's time
+    def device_seconds(self, batch: StepBatch, repeats: int, back_to_back: int = 1) -> list[float]:
+        """Seconds per call of the compiled step of `batch` on inputs built once, `repeats` times: the step's time
         without the host's share (building inputs, scheduling, delivery). Each time is `back_to_back` calls made
         before waiting for the last, over their number: with one, the call's latency (its launch included); with
         more, the device's pace when it is never left waiting, as in the overlapped loop. For benchmarks: it
-        rewrites the plan's KV positions with the same values."""
+        rewrites the batch's KV positions with the same values."""
         if self.mirror is not None:
             raise RuntimeError("device_seconds times one process's calls; the other processes would not join them")
-        groups = self._groups(plan)
+        groups = self._groups(batch)
         shape = self._usable_shape(groups)
         if self._verifies(shape):
             raise RuntimeError("device_seconds times plain steps; a verify step's tokens depend on its drafts")
         compiled = self._compiled[shape]
-        inputs, routes, asked, drafting = self._host_inputs(groups)
-        samplings = self._sampling_arrays(groups)
+        inputs = self._host_inputs(groups)
+        routes = tuple(group.routes for group in inputs)
+        samplings = self._sampling_arrays(
+            groups, [group.rows.late(mask_words(self.cfg.vocab_size)).masks for group in groups]
+        )
         sampler = self._sampler_for(tuple(group.shape.rows for group in groups), samplings)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(back_to_back):
-                logits, _, self.cache = compiled.forward(
-                    self.weights, self.cache, self.slot_tokens, inputs, routes, asked, drafting
-                )
+                logits, _, self.cache = compiled.forward(self.weights, self.cache, self.slot_tokens, inputs)
                 outputs = sampler(self.slot_tokens, logits, logits, samplings, routes)
                 self.slot_tokens = outputs[2]
             jax.block_until_ready(outputs)
             times.append((time.perf_counter() - started) / back_to_back)
         return times
 
-    def _groups(self, plan: StepPlan) -> list[_Group]:
-        """The plan's groups of rows, each with the compiled shape it runs in."""
+    def _groups(self, batch: StepBatch) -> list[_Group]:
+        """The batch's groups of rows, each with the compiled shape it runs in."""
         groups = []
-        mixed = plan.kind is StepKind.MIXED
-        if plan.prefill:
-            shape = self._prefill_shape(len(plan.prefill), max(row.length for row in plan.prefill), mixed)
-            groups.append(_Group(plan.prefill, shape, decode=False))
-        if plan.decode:
-            shape = self.buckets.mixed_decode_group if mixed else self._decode_shape(len(plan.decode))
-            if len(plan.decode) > shape.rows:
-                raise ValueError(f"decode batch {len(plan.decode)} exceeds the largest compiled bucket {shape.rows}")
-            groups.append(_Group(plan.decode, shape, decode=True))
+        if (prefill := batch.prefill) is not None:
+            groups.append(_Group(prefill, self._prefill_shape(prefill.num_rows, prefill.longest, batch.mixed)))
+        if (decode := batch.decode) is not None:
+            shape = self.buckets.mixed_decode_group if batch.mixed else self._decode_shape(decode.num_rows)
+            if decode.num_rows > shape.rows:
+                raise ValueError(f"decode batch {decode.num_rows} exceeds the largest compiled bucket {shape.rows}")
+            groups.append(_Group(decode, shape))
         return groups
 
     def _prefill_shape(self, rows: int, tokens: int, mixed: bool) -> GroupShape:
@@ -685,22 +681,22 @@ class ModelRunner:
         if self._verifies(shape):
             (group,) = groups
             return self._launch_verify(shape, group)
-        inputs, routes, asked, drafting = self._host_inputs(groups)
-        number, logits, prompt = self._run_forward(shape, inputs, routes, asked, drafting)
-        return PendingStep(self, number, groups, logits, prompt, routes, asked, sort)
+        inputs = self._host_inputs(groups)
+        number, logits, prompt = self._run_forward(shape, inputs)
+        return PendingStep(self, number, groups, logits, prompt, inputs, sort)
 
     def _launch_verify(self, shape: StepShape, group: _Group) -> PendingVerify:
         inputs = self._verify_arrays(group)
-        params = SamplingArrays.for_rows(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows))
+        (params,) = self._sampling_arrays([group])
         executables = self._executables_for(shape)
-        all_greedy = all(row.request.sampling.temperature == 0 for row in group.rows)
+        all_greedy = all(p.temperature == 0 for p in group.rows.params)
         step = executables.greedy if all_greedy and executables.greedy is not None else executables.forward
         with self._launching:
             self._next_forward += 1
             verified, self.cache, self.slot_tokens = step(self.weights, self.cache, self.slot_tokens, inputs, params)
-        return PendingVerify(group.rows, verified)
+        return PendingVerify(group.rows.num_rows, verified)
 
-    def _run_forward(self, shape: StepShape, inputs, routes, asked, drafting):
+    def _run_forward(self, shape: StepShape, inputs: tuple[GroupInputs, ...]):
         executables = self._executables_for(shape)
         # The cache and the slot tokens are replaced: the warm-up's padding runs (on the compiling thread) and the
         # engine's steps must take turns (dispatch is asynchronous, so the lock is held only while a call is queued).
@@ -708,21 +704,20 @@ class ModelRunner:
         with self._launching:
             number, self._next_forward = self._next_forward, self._next_forward + 1
             if self.mirror is not None:
-                self.mirror.add(ForwardCall(number, shape, inputs, routes, asked))
-            logits, prompt, self.cache = executables.forward(
-                self.weights, self.cache, self.slot_tokens, inputs, routes, asked, drafting
-            )
+                self.mirror.add(ForwardCall(number, shape, inputs))
+            logits, prompt, self.cache = executables.forward(self.weights, self.cache, self.slot_tokens, inputs)
         return number, logits, prompt
 
     def _launch_sampler(self, number: int, groups: list[_Group], logits, routes, sort: bool = False):
-        # Asks the rows' grammars and token counts: after the tokens before these landed.
-        samplings = self._sampling_arrays(groups)
+        # Asks the rows' late inputs (grammar masks, penalties' token counts): after the tokens before these landed.
+        late = [group.rows.late(mask_words(self.cfg.vocab_size)) for group in groups]
+        samplings = self._sampling_arrays(groups, [inputs.masks for inputs in late])
         if sort:  # padding rows (their tokens are dropped) given a top-k, so the sorting sampler runs, here and
             # in every process that replays the call
             # (a host array, as for_rows makes them: hence Any)
             top_ks: Any = [np.ones_like(s.top_k) for s in samplings]
             samplings = tuple(dataclasses.replace(s, top_k=top_k) for s, top_k in zip(samplings, top_ks))
-        penalties = tuple(PenaltyArrays.for_rows(group.rows, group.shape.rows) for group in groups)
+        penalties = tuple(PenaltyArrays.for_group(g.rows, inputs, g.shape.rows) for g, inputs in zip(groups, late))
         return self._run_sampler(number, logits, routes, samplings, penalties)
 
     def _run_sampler(self, number: int, logits, routes, samplings: tuple[SamplingArrays, ...], penalties):
@@ -753,9 +748,8 @@ class ModelRunner:
                     f"process 0's forward {call.number} replayed as this process's forward {self._next_forward}: "
                     "out of step"
                 )
-            drafting = (None,) * len(call.inputs)  # drafting never runs in a group (EngineConfig refuses it)
-            number, logits, _ = self._run_forward(call.shape, call.inputs, call.routes, call.asked, drafting)
-            self._replayed[number] = (logits, call.routes)
+            number, logits, _ = self._run_forward(call.shape, call.groups)
+            self._replayed[number] = (logits, tuple(group.routes for group in call.groups))
         elif isinstance(call, SampleCall):
             logits, routes = self._replayed.pop(call.number)
             for stale in [n for n in self._replayed if n < call.number]:  # forwards whose sampler never launched
@@ -772,10 +766,15 @@ class ModelRunner:
         else:
             raise TypeError(f"not a call to replay: {call!r}")
 
-    def _sampling_arrays(self, groups: list[_Group]) -> tuple[SamplingArrays, ...]:
+    def _sampling_arrays(
+        self, groups: list[_Group], masks: Sequence[np.ndarray | None] | None = None
+    ) -> tuple[SamplingArrays, ...]:
+        """Each group's sampling arrays; `masks`: its late token masks (None: every token allowed, by a mask kept on
+        the device, so no mask is copied there)."""
+        masks = masks or [None] * len(groups)
         return tuple(
-            SamplingArrays.for_rows(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows))
-            for group in groups
+            SamplingArrays.for_group(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows), mask)
+            for group, mask in zip(groups, masks)
         )
 
     def _mask_shape(self, rows: int) -> tuple[int, int]:
@@ -789,126 +788,109 @@ class ModelRunner:
             self._everything_allowed[rows] = mask
         return mask
 
-    def _host_inputs(self, groups: list[_Group]):
-        """(step inputs, token routes, logprob inputs), one of each per group."""
-        arrays = [self._host_arrays(group) for group in groups]
-        return tuple(tuple(a[i] for a in arrays) for i in range(4))
+    def _host_inputs(self, groups: list[_Group]) -> tuple[GroupInputs, ...]:
+        return tuple(self._group_inputs(group) for group in groups)
 
-    def _host_arrays(self, group: _Group):
-        max_pages, bucket_rows, chunk = self.geometry.max_pages_per_seq, group.shape.rows, group.shape.chunk
-        # Host numpy arrays, filled in place: the jitted step takes them as its jax.Array inputs (hence Any).
-        tokens: Any = np.zeros((bucket_rows, chunk), np.int32)
-        page_table: Any = np.zeros((bucket_rows, max_pages), np.int32)
-        positions: Any = np.zeros(bucket_rows, np.int32)
-        lengths: Any = np.zeros(bucket_rows, np.int32)
-        slots: Any = np.zeros(bucket_rows, np.int32)
-        store: Any = np.full(bucket_rows, self.geometry.num_slots, np.int32)  # padding rows keep nothing
-        asked: Any = _logprob_inputs(bucket_rows, chunk, np.zeros)
-        # Prefill groups: where each row's sequence state comes from, and which snapshot it also writes (none:
-        # past every state row, so the write is dropped).
-        read_rows: Any = np.zeros(bucket_rows, np.int32)
-        snapshot_rows: Any = np.full((bucket_rows, 1), self.geometry.state_rows, np.int32)
-        snapshot_lengths: Any = np.zeros((bucket_rows, 1), np.int32)
-        for i, row in enumerate(group.rows):
-            request = row.request
-            if len(request.pages) > max_pages:
-                raise ValueError(f"row {i} has {len(request.pages)} pages; a page table holds {max_pages}")
-            row_tokens = row.token_ids  # a decode row's token is on the device (feed_from_slot)
-            tokens[i, : len(row_tokens)] = row_tokens
-            page_table[i, : len(request.pages)] = request.pages
-            positions[i], lengths[i], slots[i] = row.start, row.length, request.slot
-            read_rows[i] = request.slot if row.read_row is None else row.read_row
-            if row.snapshot_row is not None:
-                snapshot_rows[i, 0], snapshot_lengths[i, 0] = row.snapshot_row, row.snapshot_tokens
-            if row.samples_output:
-                store[i] = request.slot
-            asked.sampled[i] = row.logprobs is not None
-            targets = row.prompt_logprob_targets
-            if targets:
-                asked.prompt[i] = True
-                asked.targets[i, : len(targets)] = targets
-        prefix_state = (
-            {} if group.decode else dict(zip(PREFIX_STATE_INPUTS, (read_rows, snapshot_rows, snapshot_lengths)))
-        )
+    def _group_inputs(self, group: _Group) -> GroupInputs:
+        """A group's device inputs, padded to its compiled shape (host arrays)."""
+        rows, bucket_rows, chunk, geometry = group.rows, group.shape.rows, group.shape.chunk, self.geometry
+        pad = _padder(bucket_rows)
+        slots = pad(rows.slots)
+        prefix_state = {}
+        if not group.decode:  # where each row's sequence state comes from, and which snapshot it also writes (none:
+            # past every state row, so the write is dropped)
+            snapshot_rows = np.where(rows.snapshot_rows < 0, geometry.state_rows, rows.snapshot_rows)
+            prefix_state = dict(
+                read_rows=pad(rows.read_rows),
+                snapshot_rows=pad(snapshot_rows[:, None], fill=geometry.state_rows),
+                snapshot_lengths=pad(rows.snapshot_tokens[:, None]),
+            )
         inputs = StepInputs(
-            tokens=tokens, positions=positions, lengths=lengths, slots=slots, page_table=page_table, **prefix_state
+            tokens=pad(rows.tokens, chunk),
+            positions=pad(rows.positions),
+            lengths=pad(rows.lengths),
+            slots=slots,
+            page_table=self._page_table(rows, pad),
+            **prefix_state,
         )
+        # Padding rows keep nothing: their store slot is past every slot.
+        store = pad(np.where(rows.keeps, rows.slots, geometry.num_slots), fill=geometry.num_slots)
         feed_from_slot: Any = np.full(bucket_rows, group.decode)
         routes = TokenRoutes(feed_from_slot=feed_from_slot, store_slot=store)
+        asked = LogprobInputs(sampled=pad(rows.logprobs >= 0))
+        if chunk > 1:  # a prefill group: its prompt logprobs are the token after each position's
+            wants = (rows.prompt_logprobs >= 0) & (rows.next_counts > 0)
+            asked = LogprobInputs(sampled=asked.sampled, prompt=pad(wants), targets=pad(rows.next_tokens, chunk))
         drafting = None
         if self.draft_tokens and not group.decode:  # each position's next prompt token, for the MTP block
-            next_tokens: Any = np.zeros((bucket_rows, chunk), np.int32)
-            draft_lengths: Any = np.zeros(bucket_rows, np.int32)
-            for i, row in enumerate(group.rows):
-                following = row.request.prompt_ids[row.start + 1 : row.start + row.length + 1]
-                next_tokens[i, : len(following)], draft_lengths[i] = following, len(following)
-            drafting = DraftInputs(next_tokens, draft_lengths)
-        return inputs, routes, asked, drafting
+            drafting = DraftInputs(pad(rows.next_tokens, chunk), pad(rows.next_counts))
+        return GroupInputs(inputs, routes, asked, drafting)
+
+    def _page_table(self, rows: GroupBatch, pad: Callable[..., Any]) -> Any:
+        max_pages = self.geometry.max_pages_per_seq
+        for i in np.flatnonzero(rows.page_counts > max_pages):
+            raise ValueError(f"row {i} has {rows.page_counts[i]} pages; a page table holds {max_pages}")
+        return pad(rows.page_table, max_pages)
 
     def _verify_arrays(self, group: _Group) -> StepInputs:
-        """A verify group's inputs: each row's last sampled token's position, the tokens it may keep (StepRow.length),
+        """A verify group's inputs: each row's last sampled token's position, the tokens it may keep (its length),
         its slot's draft rows for the state as of 1..k of its tokens."""
-        k, bucket_rows, geometry = self.draft_tokens, group.shape.rows, self.geometry
-        host: dict[str, Any] = dict(
-            tokens=np.zeros((bucket_rows, k + 1), np.int32),
-            positions=np.zeros(bucket_rows, np.int32),
-            lengths=np.zeros(bucket_rows, np.int32),
-            slots=np.zeros(bucket_rows, np.int32),
-            page_table=np.zeros((bucket_rows, geometry.max_pages_per_seq), np.int32),
-            read_rows=np.zeros(bucket_rows, np.int32),
-            snapshot_rows=np.full((bucket_rows, k), geometry.state_rows, np.int32),
-            snapshot_lengths=np.zeros((bucket_rows, k), np.int32),
+        rows, k, geometry = group.rows, self.draft_tokens, self.geometry
+        pad = _padder(group.shape.rows)
+        snapshot_rows = np.full((rows.num_rows, k), geometry.state_rows, np.int32)
+        snapshot_lengths = np.zeros((rows.num_rows, k), np.int32)
+        for i, (slot, length) in enumerate(zip(rows.slots, rows.lengths)):
+            for j in range(1, int(length)):
+                snapshot_rows[i, j - 1], snapshot_lengths[i, j - 1] = geometry.draft_row(int(slot), j), j
+        return StepInputs(
+            tokens=pad(np.zeros((rows.num_rows, k + 1), np.int32)),
+            positions=pad(rows.positions),
+            lengths=pad(rows.lengths),
+            slots=pad(rows.slots),
+            page_table=self._page_table(rows, pad),
+            read_rows=pad(rows.slots),
+            snapshot_rows=pad(snapshot_rows, fill=geometry.state_rows),
+            snapshot_lengths=pad(snapshot_lengths),
         )
-        for i, row in enumerate(group.rows):
-            request = row.request
-            assert request.slot is not None  # a decoding request holds a slot
-            host["positions"][i], host["lengths"][i] = row.start, row.length
-            host["slots"][i] = host["read_rows"][i] = request.slot
-            host["page_table"][i, : len(request.pages)] = request.pages
-            for j in range(1, row.length):
-                host["snapshot_rows"][i, j - 1] = geometry.draft_row(request.slot, j)
-                host["snapshot_lengths"][i, j - 1] = j
-        return StepInputs(**host)
 
 
-# StepInputs' fields only a prefill group has: a decode group's rows read and write their own slots.
-PREFIX_STATE_INPUTS = ("read_rows", "snapshot_rows", "snapshot_lengths")
+def _padder(bucket_rows: int) -> Callable[..., Any]:
+    """pad(array, columns=None, fill=0): `array`'s rows (and columns, if given) grown to the bucket's with `fill`.
+    Host numpy arrays: the jitted step takes them as its jax.Array inputs (hence Any)."""
+
+    def pad(array: np.ndarray, columns: int | None = None, fill: int = 0) -> Any:
+        shape = (bucket_rows, *(array.shape[1:] if columns is None else (columns,)))
+        padded = np.full(shape, fill, array.dtype)
+        padded[tuple(slice(0, size) for size in array.shape)] = array
+        return padded
+
+    return pad
 
 
-def _logprob_inputs(rows: int, chunk: int, make: Callable) -> LogprobInputs:
-    """A group's LogprobInputs, its arrays made by `make(shape, dtype)` (host zeros, or abstract values): prompt
-    logprobs only for a prefill group; a decode group (one token per row) has no prompt tokens, so its step has no
-    branch for them."""
-    sampled = make((rows,), np.bool_)
-    if chunk == 1:
-        return LogprobInputs(sampled=sampled)
-    return LogprobInputs(sampled=sampled, prompt=make((rows,), np.bool_), targets=make((rows, chunk), np.int32))
-
-
-def _fetch(out: GroupOutput, rows: tuple[StepRow, ...], asked: LogprobInputs) -> tuple[RowOutput, ...]:
+def _fetch(out: GroupOutput, rows: GroupBatch, asked: LogprobInputs) -> tuple[RowOutput, ...]:
     """One group's outputs on the host, row by row; logprobs are copied from the device only for rows that asked."""
-    tokens = np.asarray(out.tokens)[: len(rows)]
-    sampled: list[TokenLogprob | None] = [None] * len(rows)
-    prompt: list[list[TokenLogprob] | None] = [None] * len(rows)
+    n = rows.num_rows
+    tokens = np.asarray(out.tokens)[:n]
+    sampled: list[TokenLogprob | None] = [None] * n
+    prompt: list[list[TokenLogprob] | None] = [None] * n
     if asked.sampled.any():
         values = jax.device_get(out.sampled)
-        for i, row in enumerate(rows):
-            if row.logprobs is not None:
-                sampled[i] = to_host(
-                    tokens[i : i + 1],
-                    values.token[i : i + 1],
-                    values.top_ids[i : i + 1],
-                    values.top[i : i + 1],
-                    row.logprobs,
-                )[0]
+        for i in np.flatnonzero(rows.logprobs >= 0):
+            sampled[i] = to_host(
+                tokens[i : i + 1],
+                values.token[i : i + 1],
+                values.top_ids[i : i + 1],
+                values.top[i : i + 1],
+                int(rows.logprobs[i]),
+            )[0]
     if asked.prompt is not None and asked.prompt.any():
         values = jax.device_get(out.prompt)
-        for i, row in enumerate(rows):
-            targets = row.prompt_logprob_targets
-            k = row.request.sampling.prompt_logprobs
-            if targets and k is not None:  # targets exist only for requests that asked
-                n = len(targets)
-                prompt[i] = to_host(targets, values.token[i, :n], values.top_ids[i, :n], values.top[i, :n], k)
+        for i in np.flatnonzero((rows.prompt_logprobs >= 0) & (rows.next_counts > 0)):
+            m = int(rows.next_counts[i])
+            targets = rows.next_tokens[i, :m]
+            prompt[i] = to_host(
+                targets, values.token[i, :m], values.top_ids[i, :m], values.top[i, :m], int(rows.prompt_logprobs[i])
+            )
     return tuple(
         RowOutput(int(token), logprob, prompt_logprobs)
         for token, logprob, prompt_logprobs in zip(tokens, sampled, prompt)

@@ -345,19 +345,12 @@ class AbstractRunner(ModelRunner):
             )
 
     def compile_stages(self, shape: StepShape, gpu: str) -> list[list[jax.stages.Compiled]]:
-        """`shape` compiled as the engine compiles it (`_compile`, with no compiler options: for a GPU target), as the
-        executables a step runs one after the other, each the list of its variants of which a step runs one:
-        [[forward], [sampler, sorting sampler]], or a verify step's [[sampled, greedy]]. StepCompileError naming the
-        shape, `gpu` and the kernel when compiling fails."""
+        """`shape` compiled as the engine compiles it (`ModelRunner.compile`, with no compiler options: for a GPU
+        target); StepCompileError naming the shape, `gpu` and the kernel when compiling fails."""
         try:
-            executables = self._compile(shape)
+            return self.compile(shape)
         except Exception as failed:  # noqa: BLE001 - Pallas lowering, Triton, ptxas and XLA raise their own kinds
             raise StepCompileError(shape, gpu, failed) from failed
-        if self._verifies(shape):
-            assert executables.greedy is not None  # _compile's verify steps have both variants
-            return [[executables.forward, executables.greedy]]
-        samplers = [self._samplers[shape.group_rows, cuts] for cuts in (False, True)]
-        return [[executables.forward], samplers]
 
     def temp_bytes(self, shape) -> int:
         """XLA's temporaries of the compiled step of `shape` (per device): its forward's and its sampler's."""
@@ -432,7 +425,9 @@ def make_plan(
     )
     started = time.perf_counter()
     if gpu is not None:
-        compile_every_step(plan, runner, gpu, cfg, mesh, max_len)
+        plan.kernels = runner.kernels.describe()
+        plan.steps, plan.decode_estimate = compile_every_step(runner, gpu, cfg, mesh, max_len)
+        plan.compiled_steps += [step.shape for step in plan.steps]
         temp = max(step.temp_bytes for step in plan.steps)
     else:
         for shape in (
@@ -467,14 +462,14 @@ def make_plan(
 
 
 def compile_every_step(
-    plan: Plan, runner: AbstractRunner, gpu: GpuTarget, cfg: ModelConfig, mesh: Mesh, context: int
-) -> None:
-    """Compile every step shape of `runner`'s buckets for `gpu` (runner over its deviceless devices) into `plan`: a
-    StepCompile per shape (XLA's temporaries, the seconds its compile took) and, for the largest decode shape, its
+    runner: AbstractRunner, gpu: GpuTarget, cfg: ModelConfig, mesh: Mesh, context: int
+) -> tuple[list[StepCompile], DecodeEstimate]:
+    """Compile every step shape of `runner`'s buckets for `gpu` (runner over its deviceless devices): a StepCompile
+    per shape (XLA's temporaries, the seconds its compile took) and, for the largest decode shape, its
     DecodeEstimate at `context`. The estimate has the cost model's times only when JAX started with COST_MODEL_FLAG
     in XLA_FLAGS (prepare_for_target); without them its model_s is 0 and every kernel is priced at bandwidth."""
-    plan.kernels = runner.kernels.describe()
     rows = max(runner.buckets.decode_rows)
+    steps = []
     largest = StepShape(decode=GroupShape(rows, 1))
     profiled: list[jax.stages.Compiled] = []
     for shape in runner.buckets.shapes():
@@ -491,14 +486,13 @@ def compile_every_step(
                     raise RuntimeError(f"XLA has no memory analysis of step {shape} compiled for {gpu.name}")
                 temps.append(int(analysis.temp_size_in_bytes))
             temp += max(temps)
-        plan.steps.append(StepCompile(str(shape), temp, seconds))
-        plan.compiled_steps.append(str(shape))
+        steps.append(StepCompile(str(shape), temp, seconds))
         if shape == largest:
             profiled = [variants[0] for variants in stages]  # the forward and its sampler, or the sampled verify
     profile = step_profile(profiled)
     tokens_per_row = runner.draft_tokens + 1 if runner._verifies(largest) else 1
     bound = decode_read_bytes(cfg, mesh, rows, context, runner.geometry.kv_cache_dtype, tokens_per_row)
-    plan.decode_estimate = DecodeEstimate(
+    return steps, DecodeEstimate(
         shape=str(largest),
         rows=rows,
         context=context,

@@ -7,7 +7,6 @@ other requests share its batch, nor on the batch size or row order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.request import MAX_LOGIT_BIAS
-from jaxserve.request.step import StepRow
+from jaxserve.request.batch import GroupBatch, LateInputs
 
 F32 = jnp.float32
 NO_TOKEN = np.iinfo(np.int32).max  # a bias entry past any vocabulary: dropped
@@ -37,20 +36,19 @@ class SamplingArrays:
     allowed: jax.Array  # [b, mask_words(V)] int32: bit t % 32 of word t // 32 set = token t may be sampled
 
     @staticmethod
-    def for_rows(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> SamplingArrays:
-        """Host arrays for a bucket of `bucket_rows` rows; rows past `rows` are padding and sample greedily (their
-        token is dropped). Each row samples the token at position start + length, the request's output token number
-        start + length - prompt_len (its logit bias follows from that). A row whose request has a structured output
-        constraint samples only what its grammar allows now (asked here, so just before the step samples), one with
-        allowed_token_ids only those; a group with neither takes `everything_allowed`, a mask kept on the device, so
-        it copies no mask there."""
-        params = [row.request.sampling for row in rows]
-        positions = [row.start + row.length for row in rows]
-        pad = bucket_rows - len(rows)
+    def for_group(
+        group: GroupBatch, bucket_rows: int, everything_allowed: jax.Array, masks: np.ndarray | None = None
+    ) -> SamplingArrays:
+        """Host arrays for a bucket of `bucket_rows` rows; rows past the group's are padding and sample greedily (their
+        token is dropped). Each row samples the token at position start + length, its output token number
+        start + length - prompt_len (its logit bias follows from that). `masks`: the group's late token masks
+        (LateInputs.masks), padded here; without them the group takes `everything_allowed`, a mask kept on the
+        device, so no mask is copied there."""
+        params, pad = group.params, bucket_rows - group.num_rows
         bias_ids = np.full((bucket_rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
         bias = np.zeros((bucket_rows, MAX_LOGIT_BIAS), np.float32)
-        for i, (row, p, position) in enumerate(zip(rows, params, positions)):
-            entries = p.logit_bias_at(position - row.request.prompt_len)
+        for i, (p, number) in enumerate(zip(params, group.output_numbers)):
+            entries = p.logit_bias_at(int(number))
             bias_ids[i, : len(entries)] = [token for token, _ in entries]
             bias[i, : len(entries)] = [value for _, value in entries]
         # Host numpy arrays: the jitted step takes them as its jax.Array inputs (hence Any).
@@ -60,40 +58,23 @@ class SamplingArrays:
             top_p=np.asarray([p.top_p for p in params] + [1.0] * pad, np.float32),
             min_p=np.asarray([p.min_p for p in params] + [0.0] * pad, np.float32),
             seed=np.asarray([p.seed or 0 for p in params] + [0] * pad, np.uint32),
-            position=np.asarray(positions + [1] * pad, np.int32),
+            position=np.asarray([*group.sample_positions, *[1] * pad], np.int32),
             bias_ids=bias_ids,
             bias=bias,
-            allowed=_token_masks(rows, bucket_rows, everything_allowed),
+            allowed=everything_allowed if masks is None else _padded_masks(masks, bucket_rows),
         )
         return SamplingArrays(**host)
 
     def cuts(self) -> bool:
-        """Whether some row has a top-k or top-p cut (host arrays, as `for_rows` makes them): the batch must sort."""
+        """Whether some row has a top-k or top-p cut (host arrays, as `for_group` makes them): the batch must sort."""
         return bool(np.any(np.asarray(self.top_k) > 0) or np.any(np.asarray(self.top_p) < 1))
 
 
-def _token_masks(rows: Sequence[StepRow], bucket_rows: int, everything_allowed: jax.Array) -> Any:
-    constrained = [
-        (i, row.request)
-        for i, row in enumerate(rows)
-        if row.samples_output and (row.request.grammar or row.request.sampling.allowed_token_ids is not None)
-    ]
-    if not constrained:
-        return everything_allowed
-    masks = np.full(everything_allowed.shape, -1, np.int32)
-    for i, request in constrained:
-        if request.grammar is not None:
-            request.grammar.fill_mask(masks[i])
-        if (allowed := request.sampling.allowed_token_ids) is not None:
-            masks[i] &= token_bitmask(allowed, masks.shape[1])
-    return masks
-
-
-def token_bitmask(token_ids: Sequence[int], words: int) -> np.ndarray:
-    """The int32 bitmask (`words` long) in which exactly `token_ids` are set."""
-    bits = np.zeros(words * 32, np.uint8)
-    bits[np.asarray(token_ids, np.int64)] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32)
+def _padded_masks(masks: np.ndarray, bucket_rows: int) -> np.ndarray:
+    """A group's late token masks padded to its bucket (padding rows allow every token)."""
+    padded = np.full((bucket_rows, masks.shape[1]), -1, np.int32)
+    padded[: len(masks)] = masks
+    return padded
 
 
 @jax.tree_util.register_dataclass
@@ -109,22 +90,17 @@ class PenaltyArrays:
     presence: jax.Array  # [b] f32
 
     @staticmethod
-    def for_rows(rows: Sequence[StepRow], bucket_rows: int) -> PenaltyArrays | None:
-        """Host arrays, or None when no row that samples an output token has a penalty (the group's logits go to
-        the sampler untouched). The entries' bucket is a power of two (at least 64), so a group compiles once per
-        bucket it reaches."""
-        entries = {
-            i: row.request.penalty_entries()
-            for i, row in enumerate(rows)
-            if row.samples_output and row.request.sampling.penalized
-        }
+    def for_group(group: GroupBatch, late: LateInputs, bucket_rows: int) -> PenaltyArrays | None:
+        """Host arrays, or None when no row has penalty entries (the group's logits go to the sampler untouched).
+        The entries' bucket is a power of two (at least 64), so a group compiles once per bucket it reaches."""
+        entries = {i: e for i, e in enumerate(late.penalty_entries) if e is not None}
         if not entries:
             return None
         width = max(PENALTY_BUCKET, 1 << (max(len(ids) for ids, _ in entries.values()) - 1).bit_length())
         arrays = PenaltyArrays.neutral(bucket_rows, width)
         for i, (ids, row_counts) in entries.items():
             arrays.token_ids[i, : len(ids)], arrays.output_counts[i, : len(ids)] = ids, row_counts
-            p = rows[i].request.sampling
+            p = group.params[i]
             arrays.repetition[i], arrays.frequency[i] = p.repetition_penalty, p.frequency_penalty
             arrays.presence[i] = p.presence_penalty
         return arrays
