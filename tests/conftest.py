@@ -47,3 +47,46 @@ def _executables_released():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+pytest_plugins = ["served_runner"]  # the session's shared runner of the embedded default checkpoint
+
+# The modules that share tests/served_runner.py's runner: one work unit, so it is built once.
+SERVED_RUNNER_GROUP = ("test_server.py", "test_logprobs.py", "test_structured_outputs.py", "test_lm_eval.py")
+
+# The work units that take a worker half a minute or more in a warm run of the whole suite on 2 cores, in the order
+# they start. pytest-xdist hands each worker whole work units (--dist loadgroup: a module, or the group above), by
+# default ordered by their number of tests, which sent these minute-long ones with few tests last, one worker running
+# them alone at the end; they go first instead (--no-loadscope-reorder in pyproject.toml), the rest after them in
+# file order. Longest first, but those that run servers or process groups in subprocesses (cli, multiprocess, readme,
+# gpu_roofline, default_checkpoint) alternate with those that compute in the worker: two of them at once oversubscribed
+# the 2 cores and each took half as long again. Each worker starts with two units: cli and multiprocess go to one.
+STARTED_FIRST = (
+    "test_cli.py",  # ~105 s, subprocesses
+    "test_speculative.py",  # ~85 s
+    "test_multiprocess.py",  # ~105 s, subprocesses
+    "served_runner",  # ~60 s
+    "test_readme.py",  # ~45 s, a subprocess pip install
+    "test_plan_target.py",  # ~65 s
+    "test_gpu_roofline.py",  # ~36 s, a subprocess
+    "test_kv_fp8.py",  # ~50 s
+    "test_default_checkpoint.py",  # ~35 s, a subprocess
+    "test_quantized_weights.py",  # ~35 s
+    "test_vocab_padding.py",  # ~35 s
+    "test_model_parity.py",  # ~30 s
+    "test_runner.py",  # ~30 s
+)
+
+
+def _work_unit(item) -> str:
+    return "served_runner" if item.path.name in SERVED_RUNNER_GROUP else item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
+def pytest_collection_modifyitems(items):
+    """Each test in its work unit (an xdist_group), the units of STARTED_FIRST first, in its order; the order within
+    a unit stays. Every worker sorts its collection the same way, as xdist requires."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+    first = {unit: rank for rank, unit in enumerate(STARTED_FIRST)}
+    items.sort(key=lambda item: first.get(_work_unit(item), len(first)))  # a stable sort

@@ -39,7 +39,7 @@ from jaxserve.scheduler import step_policies
 from jaxserve.server.config import ServerConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
-# The engine of tests/test_server.py, as flags: its compiled shapes are then in the persistent cache.
+# The engine of tests/served_runner.py, as flags: its compiled shapes are then in the persistent cache.
 SMALL = [
     "--no-mixed-batches",  # two fewer shapes to compile; mixed steps have their own tests (tests/test_engine.py)
     "--dtype",

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from reference import load_reference, reference_greedy, reference_logprobs
-from test_server import MODEL, loaded, runner, serving, settled, wait_for  # noqa: F401
+from served_runner import MODEL
+from test_server import serving, settled, wait_for
 
 from jaxserve.checkpoints import default_checkpoint_path
 
@@ -106,7 +107,7 @@ def reference_generation(model, tokenizer, doc: dict, eos_ids) -> str:
     return tokenizer.decode(tokens[: ends[0]] if ends else tokens).split("\n")[0]
 
 
-def test_lm_eval_scores_match_the_reference_model(runner, loaded, tmp_path):  # noqa: F811
+def test_lm_eval_scores_match_the_reference_model(runner, loaded, tmp_path):
     started = time.perf_counter()
     with serving(runner, loaded) as server:
         results, samples = run_lm_eval(server.url, tmp_path)

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 from reference import load_reference, reference_greedy, reference_logprobs
-from test_server import CONFIG, MODEL, loaded, runner, serving, settled, sse_payloads, wait_for  # noqa: F401
+from served_runner import MODEL
+from test_server import serving, settled, sse_payloads, wait_for
 
 import jaxserve.runner.logprobs as logprobs_module
 from jaxserve.checkpoints import default_checkpoint_path
@@ -71,7 +72,7 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def server(runner, loaded):  # noqa: F811
+def server(runner, loaded):
     with serving(runner, loaded) as server:
         yield server
 
@@ -94,7 +95,7 @@ def token_id(name: str) -> int:
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
-def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, reference, loaded, max_tokens):  # noqa: F811
+def test_echo_gives_every_prompt_position_the_reference_log_softmax(http, reference, loaded, max_tokens):
     body = complete(
         http,
         prompt=PROMPT,
@@ -140,7 +141,7 @@ BOS_TEXT = "<｜begin▁of▁sentence｜>"
     [[0, 46, 79, 0, 57, 134, 103], BOS_TEXT + "São Paulo" + BOS_TEXT + " – ünï"],
     ids=["ids-with-bos", "text-with-bos"],
 )
-def test_echo_offsets_index_the_text_returned_and_pieces_of_characters_keep_their_bytes(http, loaded, prompt):  # noqa: F811
+def test_echo_offsets_index_the_text_returned_and_pieces_of_characters_keep_their_bytes(http, loaded, prompt):
     tokenizer = loaded.tokenizer
     body = complete(http, prompt=prompt, echo=True, logprobs=5, max_tokens=12, temperature=0, ignore_eos=True)
     choice = body["choices"][0]
@@ -186,7 +187,7 @@ def test_greedy_tokens_and_their_logprobs_match_the_reference_streaming_and_not(
     assert streamed["text_offset"] == logprobs["text_offset"] and streamed["tokens"] == logprobs["tokens"]
 
 
-def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, reference, loaded):  # noqa: F811
+def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, reference, loaded):
     response = http.post(
         "/v1/chat/completions",
         json={
@@ -218,7 +219,7 @@ def test_chat_logprobs_are_the_reference_log_softmax_at_the_greedy_tokens(http, 
         assert all(abs(e["logprob"] - row[t]) <= TOL for e, t in zip(entry["top_logprobs"], best))
 
 
-def test_prompt_logprobs_are_the_reference_log_softmax_in_vllms_shape_in_both_apis(http, reference, loaded):  # noqa: F811
+def test_prompt_logprobs_are_the_reference_log_softmax_in_vllms_shape_in_both_apis(http, reference, loaded):
     prompt = PROMPT[:12]
     body = complete(http, prompt=prompt, prompt_logprobs=3, max_tokens=1, temperature=0, ignore_eos=True)
     entries = body["choices"][0]["prompt_logprobs"]
@@ -374,7 +375,7 @@ def test_logprobs_echo_and_n_out_of_range_are_a_400_naming_the_field(http, path,
     assert error["param"] == field and error["message"].startswith(field), error
 
 
-def test_a_refused_choice_aborts_the_ones_already_submitted(server, runner, loaded):  # noqa: F811
+def test_a_refused_choice_aborts_the_ones_already_submitted(server, runner, loaded):
     # 4 slots and 2 queue places: at most 6 of the 10 choices are taken before the queue is full.
     with serving(runner, loaded, max_queued_requests=2) as busy:
         response = httpx.post(busy.url + "/v1/completions", json={"prompt": [5, 6], "n": 10}, timeout=30)

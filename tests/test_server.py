@@ -2,8 +2,10 @@
 the openai client and raw httpx, SSE framing, bad inputs, auth, 404/429/503, token-id-only mode, client
 disconnects, a mid-stream engine failure, metrics, and a bounded load test.
 
-One runner is compiled for the module and shared by every engine here. Engines on one runner must not run steps
-at the same time, so each test keeps all but one of them idle (the runner's cache belongs to whoever steps).
+One runner (tests/served_runner.py) is compiled once for the test session and shared by every engine here and in
+the modules that serve the same model (test_logprobs, test_structured_outputs, test_lm_eval). Engines on one runner
+must not run steps at the same time, so each test keeps all but one of them idle (the runner's cache belongs to
+whoever steps).
 """
 
 from __future__ import annotations
@@ -29,33 +31,19 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from served_runner import CONFIG, MODEL
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.load import load_model
-from jaxserve.config import EngineConfig, load_config
+from jaxserve.config import load_config
 from jaxserve.engine import Engine
 from jaxserve.model.sharding import make_mesh
 from jaxserve.request import SamplingParams
-from jaxserve.runner import build_runner
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
 from jaxserve.text.tokenizer import TokenIdOnly
 
-# Small on purpose: 2 prefill + 3 decode shapes to compile. tests/test_cli.py serves with the same flags, so
-# its subprocess finds these shapes in the persistent compilation cache.
-CONFIG = EngineConfig(
-    dtype="float32",
-    max_num_seqs=4,
-    chunked_prefill_size=64,
-    max_prefill_rows=1,
-    page_size=16,
-    max_model_len=256,
-    max_queued_requests=64,
-    decode_log_interval=1000,
-    mixed_batches=False,  # as tests/test_cli.py's flags; mixed steps have their own tests (tests/test_engine.py)
-)
-MODEL = "tiny-v4"
 VOCAB = load_config(default_checkpoint_path()).vocab_size  # the embedded default's: the first id past it
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -75,18 +63,6 @@ def wait_for(condition, seconds: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {seconds} s waiting for {what}")
         time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(None, make_mesh(1, 1), dtype=CONFIG.dtype)
-
-
-@pytest.fixture(scope="module")
-def runner(loaded):
-    runner = build_runner(CONFIG, loaded.config, loaded.weights, make_mesh(1, 1))
-    runner.warmup()
-    return runner
 
 
 @contextmanager

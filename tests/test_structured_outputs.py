@@ -16,7 +16,8 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from test_server import AUTH, MODEL, loaded, runner, serving  # noqa: F401 - fixtures
+from served_runner import MODEL
+from test_server import AUTH, serving
 
 from jaxserve.request import SamplingParams
 from jaxserve.request.grammar import mask_words
@@ -170,7 +171,7 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def server(runner, loaded):  # noqa: F811 - the imported fixtures
+def server(runner, loaded):
     with serving(runner, loaded) as served:
         yield served
 
@@ -196,7 +197,7 @@ def test_thirty_json_schemas_all_parse_and_validate(client):
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_json_object_regex_choice_and_grammar_through_both_apis(client, loaded):  # noqa: F811
+def test_json_object_regex_choice_and_grammar_through_both_apis(client, loaded):
     # Any JSON object has free keys, which random weights would spell out until max_tokens: a bias towards the
     # tokens that close strings and objects lets them end; the grammar alone makes the text valid JSON.
     tokenizer = loaded.tokenizer
@@ -334,7 +335,7 @@ TOOLS = [
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}])
-def test_a_forced_tool_calls_arguments_validate_against_its_schema(server, loaded, tool_choice):  # noqa: F811
+def test_a_forced_tool_calls_arguments_validate_against_its_schema(server, loaded, tool_choice):
     # The chat request's forced tool call becomes this constraint (parse_chat); the tools section of a real chat
     # prompt (~1,000 tokens) does not fit this runner's context, so the engine gets a short prompt directly.
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tool_choice}
