@@ -10,6 +10,7 @@ by then the engine has delivered those tokens (overlap scheduling, jaxserve.runn
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,9 +56,8 @@ class GroupBatch:
     late: Callable[[int], LateInputs]  # (mask words) -> the late inputs, asked once, when the sampler launches
 
     def __post_init__(self) -> None:
-        for value in vars(self).values():
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False  # what the runner receives, it only reads
+        for name in _ARRAYS:
+            getattr(self, name).flags.writeable = False  # what the runner receives, it only reads
 
     @property
     def num_rows(self) -> int:
@@ -87,35 +87,38 @@ class GroupBatch:
         tokens = np.zeros((n, width), np.int32)
         page_table = np.zeros((n, pages), np.int32)
         next_tokens = np.zeros((n, width), np.int32)
-        next_counts = np.zeros(n, np.int32)
+        per_row = np.zeros(
+            (n, len(_PER_ROW)), np.int32
+        )  # one array, its columns the per-row fields (built once a step)
         for i, row in enumerate(rows):
             request = row.request
-            row_tokens = row.token_ids  # a decode row's token is on the device
-            tokens[i, : len(row_tokens)] = row_tokens
-            page_table[i, : len(request.pages)] = request.pages
-            if not decode:
+            if not decode:  # a decode row's token is on the device
+                tokens[i, : row.length] = request.prompt_ids[row.start : row.start + row.length]
                 following = request.prompt_ids[row.start + 1 : row.start + row.length + 1]
-                next_tokens[i, : len(following)], next_counts[i] = following, len(following)
-        slots = [_slot(row) for row in rows]
+                next_tokens[i, : len(following)] = following
+            page_table[i, : len(request.pages)] = request.pages
+            slot = _slot(row)
+            per_row[i] = (
+                row.start,
+                row.length,
+                slot,
+                len(request.pages),
+                slot if row.read_row is None else row.read_row,
+                -1 if row.snapshot_row is None else row.snapshot_row,
+                row.snapshot_tokens,
+                row.samples_output,
+                0 if decode else len(following),
+                -1 if row.logprobs is None else row.logprobs,
+                _prompt_logprobs(row, decode),
+                request.prompt_len,
+            )
+        columns = dict(zip(_PER_ROW, per_row.T))
         return GroupBatch(
             decode=decode,
             tokens=tokens,
-            positions=np.asarray([row.start for row in rows], np.int32),
-            lengths=np.asarray([row.length for row in rows], np.int32),
-            slots=np.asarray(slots, np.int32),
             page_table=page_table,
-            page_counts=np.asarray([len(row.request.pages) for row in rows], np.int32),
-            read_rows=np.asarray(
-                [slot if row.read_row is None else row.read_row for row, slot in zip(rows, slots)], np.int32
-            ),
-            snapshot_rows=np.asarray([-1 if r.snapshot_row is None else r.snapshot_row for r in rows], np.int32),
-            snapshot_tokens=np.asarray([row.snapshot_tokens for row in rows], np.int32),
-            keeps=np.asarray([row.samples_output for row in rows], bool),
             next_tokens=next_tokens,
-            next_counts=next_counts,
-            logprobs=np.asarray([-1 if row.logprobs is None else row.logprobs for row in rows], np.int32),
-            prompt_logprobs=np.asarray([_prompt_logprobs(row, decode) for row in rows], np.int32),
-            prompt_lens=np.asarray([row.request.prompt_len for row in rows], np.int32),
+            **{name: column.astype(bool) if name == "keeps" else column for name, column in columns.items()},
             params=tuple(row.request.sampling for row in rows),
             late=lambda words: _late_inputs(rows, words),
         )
@@ -124,6 +127,25 @@ class GroupBatch:
     def padding(decode: bool) -> GroupBatch:
         """A group of no rows: the compiled shape it runs in is all padding (warm-up, abstract arguments)."""
         return GroupBatch.of((), decode)
+
+
+_ARRAYS = tuple(f.name for f in dataclasses.fields(GroupBatch) if f.type == "np.ndarray")  # made read-only
+
+# GroupBatch's one-entry-per-row fields, in the order GroupBatch.of fills them.
+_PER_ROW = (
+    "positions",
+    "lengths",
+    "slots",
+    "page_counts",
+    "read_rows",
+    "snapshot_rows",
+    "snapshot_tokens",
+    "keeps",
+    "next_counts",
+    "logprobs",
+    "prompt_logprobs",
+    "prompt_lens",
+)
 
 
 def _slot(row: StepRow) -> int:

@@ -714,7 +714,7 @@ class ModelRunner:
         samplings = self._sampling_arrays(groups, [inputs.masks for inputs in late])
         if sort:  # padding rows (their tokens are dropped) given a top-k, so the sorting sampler runs, here and
             # in every process that replays the call
-            # (a host array, as for_rows makes them: hence Any)
+            # (a host array, as for_group makes them: hence Any)
             top_ks: Any = [np.ones_like(s.top_k) for s in samplings]
             samplings = tuple(dataclasses.replace(s, top_k=top_k) for s, top_k in zip(samplings, top_ks))
         penalties = tuple(PenaltyArrays.for_group(g.rows, inputs, g.shape.rows) for g, inputs in zip(groups, late))
@@ -828,7 +828,8 @@ class ModelRunner:
 
     def _page_table(self, rows: GroupBatch, pad: Callable[..., Any]) -> Any:
         max_pages = self.geometry.max_pages_per_seq
-        for i in np.flatnonzero(rows.page_counts > max_pages):
+        if rows.page_counts.max(initial=0) > max_pages:
+            i = int(np.argmax(rows.page_counts))
             raise ValueError(f"row {i} has {rows.page_counts[i]} pages; a page table holds {max_pages}")
         return pad(rows.page_table, max_pages)
 
@@ -860,6 +861,8 @@ def _padder(bucket_rows: int) -> Callable[..., Any]:
 
     def pad(array: np.ndarray, columns: int | None = None, fill: int = 0) -> Any:
         shape = (bucket_rows, *(array.shape[1:] if columns is None else (columns,)))
+        if array.shape == shape:  # nothing to pad: the batch's own (read-only) array
+            return array
         padded = np.full(shape, fill, array.dtype)
         padded[tuple(slice(0, size) for size in array.shape)] = array
         return padded
