@@ -37,7 +37,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shardings_for
 from jaxserve.progress import progress
 from jaxserve.request import TokenLogprob
-from jaxserve.request.batch import GroupBatch, StepBatch
+from jaxserve.request.batch import GroupBatch, LateInputs, StepBatch
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import (
     MIXED_PREFILL_ROWS,
@@ -627,9 +627,7 @@ class ModelRunner:
         compiled = self._compiled[shape]
         inputs = self._host_inputs(groups)
         routes = tuple(group.routes for group in inputs)
-        samplings = self._sampling_arrays(
-            groups, [group.rows.late(mask_words(self.cfg.vocab_size)).masks for group in groups]
-        )
+        samplings = self._sampling_arrays(groups, [late.masks for late in self._late_inputs(groups)])
         sampler = self._sampler_for(tuple(group.shape.rows for group in groups), samplings)
         times = []
         for _ in range(repeats):
@@ -710,7 +708,7 @@ class ModelRunner:
 
     def _launch_sampler(self, number: int, groups: list[_Group], logits, routes, sort: bool = False):
         # Asks the rows' late inputs (grammar masks, penalties' token counts): after the tokens before these landed.
-        late = [group.rows.late(mask_words(self.cfg.vocab_size)) for group in groups]
+        late = self._late_inputs(groups)
         samplings = self._sampling_arrays(groups, [inputs.masks for inputs in late])
         if sort:  # padding rows (their tokens are dropped) given a top-k, so the sorting sampler runs, here and
             # in every process that replays the call
@@ -776,6 +774,10 @@ class ModelRunner:
             SamplingArrays.for_group(group.rows, group.shape.rows, self._all_tokens_allowed(group.shape.rows), mask)
             for group, mask in zip(groups, masks)
         )
+
+    def _late_inputs(self, groups: list[_Group]) -> list[LateInputs]:
+        """Each group's late inputs (GroupBatch.late), asked once its step's sampler is about to launch."""
+        return [group.rows.late(self._mask_shape(group.shape.rows)[1]) for group in groups]
 
     def _mask_shape(self, rows: int) -> tuple[int, int]:
         """A group's token masks: a bit per vocabulary id (sampling.SamplingArrays.allowed)."""
