@@ -452,9 +452,7 @@ def _serve(
 
 # ---- several processes (jaxserve.runner.group) ---------------------------------------------------------------------
 
-# How long process 0 waits at shutdown for the others to hear that it stops, and a lost group's requests get to send
-# their error events before the process ends.
-GROUP_STOP_TIMEOUT_S = 30
+# How long a lost group's requests get to send their error events before the process ends.
 ERROR_EVENTS_GRACE_S = 0.5
 
 
@@ -493,7 +491,7 @@ def stop_group(engine: Engine, group: ProcessGroup) -> None:
         )
     try:
         runner.mirror.stop()
-        group.barrier("stopped", GROUP_STOP_TIMEOUT_S)
+        group.stop()
     except Exception as error:  # noqa: BLE001 - the others are gone already: nothing left to tell
         log.warning("the other processes did not confirm the shutdown: %s", error)
 
@@ -536,7 +534,7 @@ def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, inte
         return EXIT_FAILED
     stopping.set()
     try:
-        group.barrier("stopped", GROUP_STOP_TIMEOUT_S)
+        group.stop()
     except Exception as error:  # noqa: BLE001 - process 0 has gone already: it told us to stop
         log.warning("process 0 did not wait for the shutdown's confirmation: %s", error)
     print(f"process {group.process_id}: process 0 stopped; {follower.replayed} calls replayed", flush=True)

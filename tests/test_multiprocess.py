@@ -184,12 +184,13 @@ def test_an_orbax_conversion_serves_and_sigterm_stops_every_process_with_status_
         assert tokens == expected[2][0]
         np.testing.assert_allclose(logprobs, expected[2][1], atol=1e-4)
         leader.process.send_signal(signal.SIGTERM)
-        assert leader.process.wait(timeout=60) == 0 and follower.process.wait(timeout=60) == 0
+        statuses = leader.process.wait(timeout=60), follower.process.wait(timeout=60)
     finally:
         leader.kill()
         follower.kill()
     leader.reader.join(timeout=10)
     follower.reader.join(timeout=10)
+    assert statuses == (0, 0), f"process 0's last lines: {leader.output[-15:]}\nprocess 1's: {follower.output[-15:]}"
     assert any(line.startswith("sent ") and " step messages to the other processes" in line for line in leader.output)
     assert any(line.startswith("process 1: process 0 stopped;") for line in follower.output), follower.output[-5:]
 

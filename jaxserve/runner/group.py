@@ -29,6 +29,8 @@ log = logging.getLogger("jaxserve.group")
 HEARTBEAT_TIMEOUT_S = 10
 # How often the watch asks the coordination service which processes are alive.
 WATCH_INTERVAL_S = 0.5
+# How long a clean shutdown waits for every process to reach it (process 0 stops; the others heard it).
+STOP_TIMEOUT_S = 30
 # The launchers whose environment jax.distributed.initialize() reads when no flag says the group.
 LAUNCHERS = ("SlurmCluster", "OmpiCluster", "K8sCluster")
 
@@ -97,6 +99,7 @@ def join(cfg: GroupConfig) -> ProcessGroup | None:
         **arguments,
         initialization_timeout=int(cfg.distributed_timeout) + 30,
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=STOP_TIMEOUT_S,
     )
     joined.set()
     deadline.cancel()
@@ -115,6 +118,8 @@ class ProcessGroup:
     process_id: int
     num_processes: int
     _channel: CoordinationChannel | None = field(default=None, init=False)
+    _leaving: threading.Event = field(default_factory=threading.Event, init=False)
+    _watches: list[threading.Thread] = field(default_factory=list, init=False)
 
     @property
     def leader(self) -> bool:
@@ -147,8 +152,17 @@ class ProcessGroup:
                 return "no process is reported lost, but the group's collectives failed"
             time.sleep(WATCH_INTERVAL_S)
 
-    def barrier(self, name: str, timeout_s: float) -> None:
-        self.client.wait_at_barrier(f"jaxserve/{name}", int(timeout_s * 1000))
+    def stop(self) -> None:
+        """A clean end of this process's part: wait (up to STOP_TIMEOUT_S) until every process reached its own, then
+        leave through jax.distributed.shutdown(), which lets every client go before process 0's coordination service
+        does. Exiting right after the barrier instead once ended a follower with SIGABRT after its clean last line:
+        its client still polled a service that process 0's exit had taken away. Raises when a process does not
+        arrive: it is gone already, and nothing is left to tell it."""
+        self.client.wait_at_barrier("jaxserve/stopped", STOP_TIMEOUT_S * 1000)
+        self._leaving.set()  # the watches would ask a closed client
+        for thread in self._watches:
+            thread.join()
+        jax.distributed.shutdown()
 
     def watch(
         self, on_lost: Callable[[str], None], busy_since: Callable[[], float | None], step_timeout_s: float
@@ -158,7 +172,7 @@ class ProcessGroup:
         hangs but still beats: `busy_since()` is when the step being waited for was, or None)."""
 
         def run() -> None:
-            while True:
+            while not self._leaving.is_set():
                 if (loss := self.loss()) is not None:
                     on_lost(loss)
                     return
@@ -172,6 +186,7 @@ class ProcessGroup:
                 time.sleep(WATCH_INTERVAL_S)
 
         thread = threading.Thread(target=run, name="jaxserve-group-watch", daemon=True)
+        self._watches.append(thread)
         thread.start()
         return thread
 
