@@ -29,8 +29,10 @@ log = logging.getLogger("jaxserve.group")
 HEARTBEAT_TIMEOUT_S = 10
 # How often the watch asks the coordination service which processes are alive.
 WATCH_INTERVAL_S = 0.5
-# How long a clean shutdown waits for every process to reach it (process 0 stops; the others heard it).
+# How long a clean shutdown waits for every process to reach it (process 0 stops; the others heard it), and how long
+# process 0's coordination service outlives the clients' disconnects (ProcessGroup.stop).
 STOP_TIMEOUT_S = 30
+STOP_GRACE_S = 1.0
 # The launchers whose environment jax.distributed.initialize() reads when no flag says the group.
 LAUNCHERS = ("SlurmCluster", "OmpiCluster", "K8sCluster")
 
@@ -99,7 +101,6 @@ def join(cfg: GroupConfig) -> ProcessGroup | None:
         **arguments,
         initialization_timeout=int(cfg.distributed_timeout) + 30,
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-        shutdown_timeout_seconds=STOP_TIMEOUT_S,
     )
     joined.set()
     deadline.cancel()
@@ -154,15 +155,19 @@ class ProcessGroup:
 
     def stop(self) -> None:
         """A clean end of this process's part: wait (up to STOP_TIMEOUT_S) until every process reached its own, then
-        leave through jax.distributed.shutdown(), which lets every client go before process 0's coordination service
-        does. Exiting right after the barrier instead once ended a follower with SIGABRT after its clean last line:
-        its client still polled a service that process 0's exit had taken away. Raises when a process does not
-        arrive: it is gone already, and nothing is left to tell it."""
+        disconnect this process's coordination client. The clients' disconnects meet at the service's shutdown
+        barrier, which answers them all at once; process 0 then keeps its service up for STOP_GRACE_S, so that the
+        others' answers reach them before its exit takes the service away. A client whose disconnect finds no service
+        aborts its process: a follower ended with SIGABRT after its clean last line when it exited, or disconnected,
+        while process 0 went. Raises when a process does not arrive: it is gone already, and nothing is left to tell
+        it."""
         self.client.wait_at_barrier("jaxserve/stopped", STOP_TIMEOUT_S * 1000)
-        self._leaving.set()  # the watches would ask a closed client
+        self._leaving.set()  # the watches would ask a disconnected client
         for thread in self._watches:
             thread.join()
-        jax.distributed.shutdown()
+        self.client.shutdown()
+        if self.leader:
+            time.sleep(STOP_GRACE_S)
 
     def watch(
         self, on_lost: Callable[[str], None], busy_since: Callable[[], float | None], step_timeout_s: float
