@@ -24,8 +24,8 @@ from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.sharding import make_mesh
 from jaxserve.presets import preset
 from jaxserve.runner import Buckets
+from jaxserve.runner.executables import ExecutableCache
 from jaxserve.runner.plan import (
-    AbstractRunner,
     DecodeEstimate,
     Plan,
     StepCompile,
@@ -147,7 +147,7 @@ def test_a_step_that_fails_to_compile_is_an_error_naming_the_shape_and_the_kerne
     def fails(self, shape):
         _raise_in_a_kernel(message)
 
-    monkeypatch.setattr(AbstractRunner, "_compile", fails)
+    monkeypatch.setattr(ExecutableCache, "_compile", fails)
     with pytest.raises(StepCompileError) as failed:
         make_plan(QUANTIZED, EngineConfig(**KNOBS), make_mesh(1, 1, target_devices("h200", 1)), 10**11, "h200")
     assert str(failed.value) == (

@@ -33,11 +33,13 @@ from jaxlib import xla_client
 import jaxserve.kernels
 from jaxserve.config import CSA, ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
+from jaxserve.kernels.table import kernels_for
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_quantized, is_weight, nbytes
 from jaxserve.request.step import GroupShape, StepShape
-from jaxserve.runner import Buckets, ModelRunner, targets
+from jaxserve.runner import Buckets, targets
+from jaxserve.runner.executables import ExecutableCache
 from jaxserve.runner.hlo_profile import step_profile
 from jaxserve.runner.speculative import abstract_runner_cache
 from jaxserve.runner.targets import GpuTarget
@@ -321,55 +323,33 @@ def node_layout(cfg: ModelConfig, num_nodes: int, devices_per_node: int) -> Node
     return NodeLayout(num_nodes, devices_per_node, tp, len(devices) // tp, candidates)
 
 
-class AbstractRunner(ModelRunner):
-    """The engine's own runner over abstract weights and an abstract cache: it traces and compiles step shapes, never
-    runs them."""
+class AbstractRunner:
+    """The engine's own step shapes over abstract weights and an abstract cache (its ExecutableCache, with the
+    buckets and the kernel choice the engine's runner would have): traced and compiled, never run."""
 
-    def _init_cache(self) -> None:
-        self.cache = shape_dtype_structs(self._abstract_cache, self.mesh)
-        # Abstract like the cache: a ShapeDtypeStruct stands in for the runner's array (traced, never run).
-        self.slot_tokens = jax.ShapeDtypeStruct(  # type: ignore[assignment]
-            (self.geometry.num_slots,), jnp.int32, sharding=self._replicated
-        )
+    def __init__(
+        self, cfg: ModelConfig, weights: Any, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets, kernels: str
+    ):
+        self.buckets, self.geometry = buckets, geometry
+        # The kernel table's choice for these devices (--kernels), as the engine's runner makes it.
+        self.kernels = kernels_for(kernels, mesh.devices.flat[0].platform)
+        self.executables = ExecutableCache(cfg, weights, geometry, mesh, self.kernels)
 
-    def _all_tokens_allowed(self, rows: int) -> jax.Array:
-        # Abstract too: the devices may be deviceless (a GPU target), where nothing can be placed.
-        return self._abstract(self._mask_shape(rows), jnp.int32)
-
-    def jaxprs(self, shape) -> tuple[ClosedJaxpr, ClosedJaxpr]:
-        """The step of `shape` as traced, before XLA sees it: its forward and its sampler."""
-        with jax.set_mesh(self.mesh):
-            return (
-                self._forward.trace(*self._abstract_forward_args(shape)).jaxpr,
-                self._sampler.trace(*self._abstract_sampler_args(shape)).jaxpr,
-            )
+    def jaxprs(self, shape: StepShape) -> list[ClosedJaxpr]:
+        """The step of `shape` as traced, before XLA sees it: its forward and its sampler (or its verify step)."""
+        return self.executables.jaxprs(shape)
 
     def compile_stages(self, shape: StepShape, gpu: str) -> list[list[jax.stages.Compiled]]:
-        """`shape` compiled as the engine compiles it (`ModelRunner.compile`, with no compiler options: for a GPU
+        """`shape` compiled as the engine compiles it (`ExecutableCache.compile`, with no compiler options: for a GPU
         target); StepCompileError naming the shape, `gpu` and the kernel when compiling fails."""
         try:
-            return self.compile(shape)
+            return self.executables.compile(shape)
         except Exception as failed:  # noqa: BLE001 - Pallas lowering, Triton, ptxas and XLA raise their own kinds
             raise StepCompileError(shape, gpu, failed) from failed
 
-    def temp_bytes(self, shape) -> int:
+    def temp_bytes(self, shape: StepShape) -> int:
         """XLA's temporaries of the compiled step of `shape` (per device): its forward's and its sampler's."""
-        total = 0
-        calls = (
-            [(self._speculate, self._abstract_verify_args(shape.decode.rows))]
-            if self._verifies(shape)
-            else [
-                (self._forward, self._abstract_forward_args(shape)),
-                (self._sampler, self._abstract_sampler_args(shape)),
-            ]
-        )
-        with jax.set_mesh(self.mesh):
-            for jitted, args in calls:
-                analysis = jitted.lower(*args).compile(compiler_options=ACCELERATOR_LIKE).memory_analysis()
-                if analysis is None:
-                    raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
-                total += int(analysis.temp_size_in_bytes)
-        return total
+        return self.executables.temp_bytes(shape, ACCELERATOR_LIKE)
 
 
 def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
@@ -490,7 +470,7 @@ def compile_every_step(
         if shape == largest:
             profiled = [variants[0] for variants in stages]  # the forward and its sampler, or the sampled verify
     profile = step_profile(profiled)
-    tokens_per_row = runner.draft_tokens + 1 if runner._verifies(largest) else 1
+    tokens_per_row = runner.geometry.draft_tokens + 1 if runner.executables.verifies(largest) else 1
     bound = decode_read_bytes(cfg, mesh, rows, context, runner.geometry.kv_cache_dtype, tokens_per_row)
     return steps, DecodeEstimate(
         shape=str(largest),
