@@ -93,14 +93,10 @@ from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
 from jaxserve.runner.hlo_profile import step_profile
-from jaxserve.runner.targets import ask_for_cost_model
+from jaxserve.runner.targets import CHEAPEST_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-# --cpu-smoke only: XLA:CPU's cheapest compile (a tiny step shape compiles in half the time); its timings mean nothing.
-SMOKE_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
 CHILD_MARK = "GPU_ROOFLINE_TINY "  # the child's result line on stdout
 CHILD_TIMEOUT_S = 300
 PROFILE_BATCH = 8
@@ -1167,13 +1163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configure(plan: Plan) -> None:
     """XLA flags and the persistent compile cache, before anything touches a device."""
-    flags = os.environ.get("XLA_FLAGS", "")
     ask_for_cost_model()  # the static estimate beside each measured row reads the cost model's times
-    flags = os.environ["XLA_FLAGS"]
     if plan.smoke:  # on CPU unless JAX_PLATFORMS says otherwise (tiny shapes on a GPU: a quick first check there)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        if SMOKE_XLA_FLAGS not in flags:  # a child inherits them from its parent
-            os.environ["XLA_FLAGS"] = f"{flags} {SMOKE_XLA_FLAGS}".strip()
+        add_xla_flags(*CHEAPEST_CPU_COMPILE_FLAGS)  # its timings mean nothing (a child inherits them)
     jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -46,7 +46,9 @@ def free_port() -> int:
 
 
 def four_device_env() -> dict[str, str]:
-    return {**cli_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = cli_env()
+    flags = [flag for flag in env["XLA_FLAGS"].split() if not flag.startswith("--xla_force_host_platform_device_count")]
+    return {**env, "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=4"])}
 
 
 def start_group(*model: str) -> tuple[str, ServeProcess, ServeProcess]:

@@ -154,11 +154,24 @@ TARGETS: dict[str, GpuTarget] = {
 COST_MODEL_FLAG = "--xla_gpu_collect_cost_model_stats=true"
 
 
+# XLA:CPU's cheapest compile: no LLVM optimization, the older loop emitters. A tiny model's step shape compiles in
+# about half the time and runs slower: for the test suite and benchmarks' CPU smoke runs, where compiles take most
+# of the time and no timing is read. GPU compiles keep their fusions (these flags act after them, or on CPU only).
+CHEAPEST_CPU_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+)
+
+
+def add_xla_flags(*flags: str) -> None:
+    """Add `flags` to XLA_FLAGS, those not there yet: effective only before JAX starts its first backend."""
+    present = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(present + [flag for flag in flags if flag not in present])
+
+
 def ask_for_cost_model() -> None:
-    """Add COST_MODEL_FLAG to XLA_FLAGS, where it is not yet: effective only before JAX starts its first backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if COST_MODEL_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {COST_MODEL_FLAG}".strip()
+    add_xla_flags(COST_MODEL_FLAG)
 
 
 class TargetError(RuntimeError):
