@@ -93,7 +93,7 @@ from jaxserve.request.batch import StepBatch
 from jaxserve.request.step import GroupShape, StepKind, StepPlan, StepRow, StepShape
 from jaxserve.runner import Buckets, ModelRunner, build_runner
 from jaxserve.runner.hlo_profile import step_profile
-from jaxserve.runner.targets import CHEAPEST_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model
+from jaxserve.runner.targets import CHEAP_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
@@ -1166,7 +1166,7 @@ def configure(plan: Plan) -> None:
     ask_for_cost_model()  # the static estimate beside each measured row reads the cost model's times
     if plan.smoke:  # on CPU unless JAX_PLATFORMS says otherwise (tiny shapes on a GPU: a quick first check there)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        add_xla_flags(*CHEAPEST_CPU_COMPILE_FLAGS)  # its timings mean nothing (a child inherits them)
+        add_xla_flags(*CHEAP_CPU_COMPILE_FLAGS)  # its timings mean nothing (a child inherits them)
     jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

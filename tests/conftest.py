@@ -13,13 +13,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402  (imported, its backend not started: XLA_FLAGS is read when the first one starts)
 import pytest  # noqa: E402
 
-from jaxserve.runner.targets import CHEAPEST_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model  # noqa: E402
+from jaxserve.runner.targets import CHEAP_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model  # noqa: E402
 
 # GPU compiles here are deviceless (jaxserve.runner.targets) and read XLA's cost models.
 ask_for_cost_model()
 # Compiling tiny models' steps takes most of the suite's time, running them little: XLA:CPU compiles cheaply here (the
-# same executables, less optimized machine code). The child processes the tests start inherit it.
-add_xla_flags(*CHEAPEST_CPU_COMPILE_FLAGS)
+# same fusions, less optimized machine code). The child processes the tests start inherit it.
+add_xla_flags(*CHEAP_CPU_COMPILE_FLAGS)
 
 # The suite's workers (pytest-xdist, pyproject.toml) share the cache: an entry read while another worker still writes
 # it fails to decompress, and jax then compiles it (a warning), so the sharing costs at most a compile.
