@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from jaxserve.cli.main import main
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from jaxserve.kernels.quant import FP4
 from jaxserve.model.cache import bytes_per_token
 from jaxserve.model.sharding import make_mesh, place
@@ -83,6 +83,22 @@ def test_plan_matches_hand_arithmetic_and_the_live_arrays(tiny_plans):
     left = MEMORY - plan.weights_bytes_per_device - plan.temp_bytes_per_device - plan.state_bytes_per_device
     assert plan.max_kv_tokens == int(left // plan.kv_bytes_per_token) // 16 * 16
     assert plan.max_concurrent_requests == min(4, plan.max_kv_tokens // 128) and plan.fits
+
+
+def test_with_drafting_the_plan_counts_the_verify_steps_temporaries():
+    """With --speculative-config every decode step is one verify step (k drafts, a forward of k+1 tokens per row,
+    acceptance), compiled whole: the plan counts its temporaries, more than the plain decode step's."""
+    drafting = dataclasses.replace(TINY, nextn_layers=1).with_mtp(1)
+    decode = dataclasses.replace(SMALL_ENGINE, mixed_batches=False)
+    plain = make_plan(drafting, decode, make_mesh(1, 1, jax.devices()[:1]), MEMORY)
+    verify = make_plan(
+        drafting,
+        dataclasses.replace(decode, speculative_config=SpeculativeConfig("mtp", 2)),
+        make_mesh(1, 1, jax.devices()[:1]),
+        MEMORY,
+    )
+    assert verify.compiled_steps == plain.compiled_steps == ["decode rows=4 chunk=1", "prefill rows=1 chunk=16"]
+    assert verify.temp_bytes_per_device > plain.temp_bytes_per_device > 0
 
 
 def test_step_temporaries_hold_one_layer_of_converted_weights_not_a_copy_of_every_layer():
