@@ -254,12 +254,12 @@ class ModelRunner:
         self.draft_tokens = geometry.draft_tokens
         if self.draft_tokens and not cfg.mtp_layers:
             raise ValueError("speculative decoding drafts with the model's MTP block, but the weights hold none")
-        # Every step shape's executables, compiled once (the shapes warmed up for the engine's steps: _compiled).
+        # Every step shape's executables, compiled once.
         self.executable_cache = ExecutableCache(cfg, weights, geometry, mesh, self.kernels)
         self._replicated = self.executable_cache.replicated
         self._init_cache()
         self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
-        self._compiled: set[StepShape] = set()  # the shapes warmed up for the engine's steps (limits() reads these)
+        self._warmed: set[StepShape] = set()  # the shapes warmed up for the engine's steps (limits() reads these)
         self._everything_allowed: dict[int, jax.Array] = {}  # rows -> an all-ones token mask on the device
         # limits() of the first _limits_for compiled shapes
         self._limits: StepLimits | None = None
@@ -302,7 +302,7 @@ class ModelRunner:
     ) -> None:
         """Compile `shapes` (default: every bucket), skipping those already compiled, in order; `stop()` is asked
         between shapes. Steps use only compiled shapes (limits()), so serving can start before all are done."""
-        todo = [s for s in (self.buckets.shapes() if shapes is None else shapes) if s not in self._compiled]
+        todo = [s for s in (self.buckets.shapes() if shapes is None else shapes) if s not in self._warmed]
         started = time.perf_counter()
         for i, shape in enumerate(todo, start=1):
             if stop is not None and stop():
@@ -320,7 +320,7 @@ class ModelRunner:
                 self._launch(shape, padding, sort=True).result()
             for group, _ in shape.groups:  # and the penalties' first bucket for its groups
                 self._warm_penalties(group.rows)
-            self._compiled.add(shape)  # now the engine may use it (a set insert is atomic)
+            self._warmed.add(shape)  # now the engine may use it (a set insert is atomic)
             elapsed = time.perf_counter() - t0
             self.times.compile_s[shape] = elapsed
             described = str(shape)
@@ -344,7 +344,7 @@ class ModelRunner:
 
     def limits(self) -> StepLimits | None:
         """What steps the compiled shapes allow (None: not even one prefill and one decode shape yet)."""
-        compiled = set(self._compiled)
+        compiled = set(self._warmed)
         if len(compiled) != self._limits_for:
             self._limits, self._limits_for = step_limits(compiled, self.buckets), len(compiled)
         return self._limits
@@ -380,7 +380,7 @@ class ModelRunner:
         """A compiled step shape's executables, for static profiles and benchmarks: its forward, then the samplers it
         may run (the one that does not sort for top-k / top-p, then the one that does); a verify step's: the whole
         step, then its all-greedy variant. KeyError for a shape not warmed up yet."""
-        if shape not in self._compiled:
+        if shape not in self._warmed:
             raise KeyError(shape)
         return self.executable_cache.executables(shape)
 
@@ -431,7 +431,7 @@ class ModelRunner:
     def _prefill_shape(self, rows: int, tokens: int, mixed: bool) -> GroupShape:
         """The cheapest compiled prefill group that holds `rows` chunks of up to `tokens` tokens."""
         kind = StepKind.MIXED if mixed else StepKind.PREFILL
-        shapes = [s.prefill for s in list(self._compiled) if s.kind is kind and s.prefill is not None]
+        shapes = [s.prefill for s in list(self._warmed) if s.kind is kind and s.prefill is not None]
         fits = [(p.rows * p.chunk, p) for p in shapes if p.rows >= rows and p.chunk >= tokens]
         if not fits:
             raise ValueError(
@@ -441,12 +441,12 @@ class ModelRunner:
         return min(fits)[1]
 
     def _decode_shape(self, rows: int) -> GroupShape:
-        sizes = [s.decode.rows for s in list(self._compiled) if s.kind is StepKind.DECODE and s.decode is not None]
+        sizes = [s.decode.rows for s in list(self._warmed) if s.kind is StepKind.DECODE and s.decode is not None]
         return GroupShape(min((d for d in sizes if d >= rows), default=max(sizes, default=0)), 1)
 
     def _usable_shape(self, groups: list[StepGroup]) -> StepShape:
         shape = StepShape(**{"decode" if group.decode else "prefill": group.shape for group in groups})
-        if shape not in self._compiled:
+        if shape not in self._warmed:
             raise RuntimeError(f"step shape {shape} was not compiled; call warmup() first")
         return shape
 
