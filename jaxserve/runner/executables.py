@@ -56,7 +56,8 @@ class ExecutableCache:
     def __init__(self, cfg: ModelConfig, weights: Any, geometry: CacheGeometry, mesh: Mesh, kernels: Kernels):
         self.cfg, self.geometry, self.mesh, self.kernels = cfg, geometry, mesh, kernels
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        abstract_cache = abstract_runner_cache(cfg, geometry)
+        # What the runner keeps between steps, described (ArrayInfo leaves), and where each array lives.
+        self.abstract_cache = abstract_cache = abstract_runner_cache(cfg, geometry)
         self.cache_shardings = shardings_for(abstract_cache, mesh)
         # The state every call takes, abstract with its shardings.
         self._state = dict(

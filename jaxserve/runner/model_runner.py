@@ -48,7 +48,7 @@ from jaxserve.runner.inputs import GroupInputs, StepGroup, TokenRoutes, group_in
 from jaxserve.runner.logprobs import LogprobInputs, Logprobs, to_host
 from jaxserve.runner.mirror import Call, CallLog, CompileSync, ForwardCall, ResetCall, SampleCall
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays
-from jaxserve.runner.speculative import Verified, abstract_runner_cache
+from jaxserve.runner.speculative import Verified
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -361,8 +361,8 @@ class ModelRunner:
 
     def _init_cache(self) -> None:
         with jax.set_mesh(self.mesh):
-            abstract = abstract_runner_cache(self.cfg, self.geometry)
-            self.cache = zeros_of(abstract, self.executable_cache.cache_shardings)
+            executables = self.executable_cache
+            self.cache = zeros_of(executables.abstract_cache, executables.cache_shardings)
             self.slot_tokens = jnp.zeros(self.geometry.num_slots, jnp.int32, device=self._replicated)
 
     # ---- stepping ----------------------------------------------------------------------------------------------
