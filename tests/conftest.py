@@ -12,6 +12,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import jax  # noqa: E402  (imported, its backend not started: XLA_FLAGS is read when the first one starts)
 import pytest  # noqa: E402
+from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
 from jaxserve.runner.targets import CHEAP_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model  # noqa: E402
 
@@ -58,7 +59,7 @@ pytest_plugins = ["served_runner"]  # the session's shared runner of the embedde
 SERVED_RUNNER_GROUP = ("test_server.py", "test_logprobs.py", "test_structured_outputs.py", "test_lm_eval.py")
 
 # The work units that take a worker half a minute or more in a warm run of the whole suite on 2 cores, in the order
-# they start. pytest-xdist hands each worker whole work units (--dist loadgroup: a module, or the group above), by
+# they start. pytest-xdist hands each worker whole work units (WorkUnitScheduling: a module, or the group above), by
 # default ordered by their number of tests, which sent these minute-long ones with few tests last, one worker running
 # them alone at the end; they go first instead (--no-loadscope-reorder in pyproject.toml), the rest after them in
 # file order. Longest first, but those that run servers or process groups in subprocesses (cli, multiprocess, readme,
@@ -81,15 +82,27 @@ STARTED_FIRST = (
 )
 
 
-def _work_unit(item) -> str:
-    return "served_runner" if item.path.name in SERVED_RUNNER_GROUP else item.path.name
+def _work_unit(nodeid: str) -> str:
+    """'tests/test_server.py::test_x[a]' -> 'served_runner'; any other test's unit is its module's file name."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return "served_runner" if module in SERVED_RUNNER_GROUP else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
+class WorkUnitScheduling(LoadScopeScheduling):
+    """pytest-xdist's loadscope, its scopes our work units. Not `--dist loadgroup` with xdist_group marks: xdist 3.8
+    groups by rewriting each test's node id, which pytest 9.2's node ids ignore, so every test went out alone and
+    each worker that got one of a module's tests set the module's fixtures up again (pytest-xdist issue 1386)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return _work_unit(nodeid)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items):
-    """Each test in its work unit (an xdist_group), the units of STARTED_FIRST first, in its order; the order within
-    a unit stays. Every worker sorts its collection the same way, as xdist requires."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+    """The units of STARTED_FIRST first, in its order; the order within a unit stays. Every worker sorts its
+    collection the same way, as xdist requires."""
     first = {unit: rank for rank, unit in enumerate(STARTED_FIRST)}
-    items.sort(key=lambda item: first.get(_work_unit(item), len(first)))  # a stable sort
+    items.sort(key=lambda item: first.get(_work_unit(item.nodeid), len(first)))  # a stable sort
