@@ -10,6 +10,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The package-dir mapping of pyproject.toml: these folders are installed as subpackages of `jaxserve`.
 MAPPED = ("kernels", "checkpoints", "server", "cli")
+# mypy's incremental cache, kept between runs as a .mypy_cache would be (it checks each module's file against it): a
+# run with nothing changed takes under a second instead of about ten.
+MYPY_CACHE = Path.home() / ".cache" / "jaxserve" / "mypy-tests"
 
 
 def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -40,7 +43,7 @@ def test_mypy_is_clean(tmp_path):
         "--config-file",
         str(REPO / "pyproject.toml"),
         "--cache-dir",
-        str(tmp_path / "cache"),
+        str(MYPY_CACHE),
         "-p",
         "jaxserve",
         cwd=tmp_path,
