@@ -45,6 +45,7 @@ from jaxserve.config import (
     Flag,
     GroupConfig,
     ModelConfig,
+    step_policy_options,
 )
 from jaxserve.engine import Engine
 from jaxserve.model.cache import cache_nbytes, storage_dtype
@@ -123,36 +124,46 @@ def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
     )
     for config in (EngineConfig, ServerConfig, GroupConfig) if server else (EngineConfig,):
         for field, default, flag in config_flags(config):
-            name = "--" + field.replace("_", "-")
-            if flag.type is bool:
-                parser.add_argument(
-                    name,
-                    dest=field,
-                    action=argparse.BooleanOptionalAction,
-                    default=default,
-                    help=flag.help + ("" if default is None else " (default: %(default)s)"),
-                )
-                continue
-            metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
-            parser.add_argument(
-                name,
-                dest=field,
-                type=flag_value(flag.type),
-                default=default,
-                choices=flag.choices,
-                metavar=metavar,
-                help=flag.help + (" (default: %(default)s)" if default is not None else ""),
-            )
+            _add_flag(parser, field, default, flag)
+        if config is EngineConfig:  # each step policy's option (EngineConfig.step_policies), declared by the policy
+            for option, policy in step_policy_options().items():
+                _add_flag(parser, option, None, policy.flag)
 
 
-def filled(config: type, args: argparse.Namespace):
-    """The `config` (EngineConfig or ServerConfig) the parsed flags describe; fields without a flag in this command
-    keep their default."""
-    return config(**{field: getattr(args, field) for field, _, _ in config_flags(config) if hasattr(args, field)})
+def _add_flag(parser: argparse.ArgumentParser, field: str, default: Any, flag: Flag) -> None:
+    """`--field-name`, parsed into `field`."""
+    name = "--" + field.replace("_", "-")
+    if flag.type is bool:
+        parser.add_argument(
+            name,
+            dest=field,
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=flag.help + ("" if default is None else " (default: %(default)s)"),
+        )
+        return
+    metavar = None if flag.choices else flag.metavar or DEFAULT_METAVARS[flag.type]
+    parser.add_argument(
+        name,
+        dest=field,
+        type=flag_value(flag.type),
+        default=default,
+        choices=flag.choices,
+        metavar=metavar,
+        help=flag.help + (" (default: %(default)s)" if default is not None else ""),
+    )
+
+
+def filled(config: type, args: argparse.Namespace, **fields: Any):
+    """The `config` (EngineConfig or ServerConfig) the parsed flags describe, and `fields`; fields without a flag in
+    this command keep their default."""
+    flagged = {field: getattr(args, field) for field, _, _ in config_flags(config) if hasattr(args, field)}
+    return config(**flagged, **fields)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return filled(EngineConfig, args)
+    options = {option: getattr(args, option, None) for option in step_policy_options()}
+    return filled(EngineConfig, args, step_policies={option: v for option, v in options.items() if v is not None})
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -16,9 +16,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxserve.config import STEP_POLICIES
 from jaxserve.engine import Engine, EngineStats
 from jaxserve.request import FinishReason, Request
-from jaxserve.request.step import ForcedBy
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -123,14 +123,6 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "decode_steps": ("Decode-only steps.", lambda s: s.steps.decode),
     "mixed_steps": ("Prefill steps that also advanced every decoding request by one token.", lambda s: s.steps.mixed),
     "forced_decode_steps": ("Decode steps a policy put ahead of waiting prefill work.", lambda s: s.steps.forced_total),
-    "interleave_decode_steps": (
-        "Decode steps --decode-interleave-every asked for.",
-        lambda s: s.steps.forced[ForcedBy.INTERLEAVE],
-    ),
-    "stall_decode_steps": (
-        "Decode steps the --max-decode-stall-ms budget asked for.",
-        lambda s: s.steps.forced[ForcedBy.STALL],
-    ),
     "prefix_cache_queries": (
         "Prompt tokens looked up in the prefix cache.",
         lambda s: s.prefix_cache.queries,
@@ -144,6 +136,15 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
 }
 
 
+def _step_policy_counters() -> dict[str, tuple[str, Callable[[EngineStats], float]]]:
+    """Each step policy's forced decodes (interleave_decode_steps, stall_decode_steps), from the registry."""
+    return {f"{name}_decode_steps": (STEP_POLICIES[name].metric_help, _forced_by(name)) for name in STEP_POLICIES}
+
+
+def _forced_by(name: str) -> Callable[[EngineStats], float]:
+    return lambda stats: stats.steps.forced[name]
+
+
 class _EngineCollector:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
@@ -151,7 +152,8 @@ class _EngineCollector:
 
     def collect(self):
         stats = self.engine.stats()
-        for families, kind in ((ENGINE_GAUGES, GaugeMetricFamily), (ENGINE_COUNTERS, CounterMetricFamily)):
+        counters = {**ENGINE_COUNTERS, **_step_policy_counters()}
+        for families, kind in ((ENGINE_GAUGES, GaugeMetricFamily), (counters, CounterMetricFamily)):
             for name, (doc, value) in families.items():
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric([self.model_name], value(stats))

@@ -7,8 +7,9 @@ import asyncio
 import logging
 import time
 
+from jaxserve.config import STEP_POLICIES
 from jaxserve.engine import Engine, EngineStats
-from jaxserve.request.step import ForcedBy, StepKind
+from jaxserve.request.step import StepKind
 
 log = logging.getLogger("jaxserve.stats")
 
@@ -16,7 +17,7 @@ log = logging.getLogger("jaxserve.stats")
 def stats_line(before: EngineStats, after: EngineStats, seconds: float) -> str | None:
     """The line for one interval between two `engine.stats()` snapshots, or None if nothing happened in it."""
     steps = {kind: after.steps.by_kind[kind] - before.steps.by_kind[kind] for kind in StepKind}
-    forced = {policy: after.steps.forced[policy] - before.steps.forced[policy] for policy in ForcedBy}
+    forced = {name: after.steps.forced[name] - before.steps.forced[name] for name in STEP_POLICIES}
     prompt, generated = after.prompt_tokens - before.prompt_tokens, after.generation_tokens - before.generation_tokens
     if not (prompt or generated or any(steps.values()) or after.running or after.waiting):
         return None
@@ -26,7 +27,7 @@ def stats_line(before: EngineStats, after: EngineStats, seconds: float) -> str |
         f"Running: {after.running} reqs ({after.prefilling} prefilling), Waiting: {after.waiting} reqs, "
         f"KV cache usage: {after.kv_usage:.1%}, "
         f"Steps: {steps[StepKind.PREFILL]} prefill, {steps[StepKind.MIXED]} mixed, {steps[StepKind.DECODE]} "
-        f"decode ({forced[ForcedBy.INTERLEAVE]} interleaved, {forced[ForcedBy.STALL]} for the stall budget)"
+        f"decode ({', '.join(f'{forced[name]} {STEP_POLICIES[name].forced_words}' for name in STEP_POLICIES)})"
     )
 
 

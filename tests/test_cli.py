@@ -34,8 +34,8 @@ from jaxserve.cli.main import (
     serve,
     server_config,
 )
-from jaxserve.config import EngineConfig, GroupConfig
-from jaxserve.scheduler import step_policies
+from jaxserve.config import EngineConfig, GroupConfig, step_policy_options
+from jaxserve.scheduler import PolicyContext, step_policies
 from jaxserve.server.config import ServerConfig
 
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
@@ -171,13 +171,14 @@ def test_orbax_and_absl_info_lines_show_only_at_debug(level, libraries_info, res
 def test_scheduling_flags_compose_in_one_place(flags, policies):
     _, args = parse(["serve", *flags])
     cfg = engine_config(args)
-    assert [type(p).__name__ for p in step_policies(cfg, page_size=16, min_chunk_tokens=16)] == policies
+    assert [type(p).__name__ for p in step_policies(cfg, PolicyContext(page_size=16, min_chunk_tokens=16))] == policies
 
 
 def test_every_config_field_is_a_flag_with_the_same_default():
     command, args = parse([])
     assert command is serve  # plain `jaxserve` serves
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    # EngineConfig.step_policies is filled by the step policies' own flags, one per option
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"step_policies"} | set(step_policy_options())
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
     group_fields = {f.name for f in dataclasses.fields(GroupConfig)}
     # each flag fills one field of one config
@@ -232,7 +233,9 @@ def test_a_bad_kv_cache_dtype_is_refused_naming_the_choices(capsys):
 
 def test_generate_has_the_engine_flags_but_not_the_server_ones():
     _, args = parse(["generate", "Hello", "--max-tokens", "5", "--decode-interleave-every", "2"])
-    assert (args.prompt, args.max_tokens) == ("Hello", 5) and engine_config(args).decode_interleave_every == 2
+    assert (args.prompt, args.max_tokens) == ("Hello", 5) and engine_config(args).step_policies == {
+        "decode_interleave_every": 2
+    }
     assert not hasattr(args, "port") and not hasattr(args, "api_key")
 
 

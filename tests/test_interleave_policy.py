@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve.request import Request
-from jaxserve.request.step import ForcedBy, StepPlan, StepRow
+from jaxserve.request.step import StepPlan, StepRow
 from jaxserve.scheduler import DecodeInterleavePolicy
 
 PREFILL = StepPlan(prefill=(StepRow.chunk(Request("p", [1, 2, 3]), 0, 2),))
@@ -45,7 +45,7 @@ def test_truth_table(every, scheduled, expected):
 def test_not_due_leaves_the_budget_whole_and_names_itself_on_forced_decodes():
     policy = DecodeInterleavePolicy(2)
     assert policy.prefill_token_limit(256) == 256 and policy.prefill_token_limit(64) == 64
-    assert policy.forced_by is ForcedBy.INTERLEAVE
+    assert policy.name == "interleave"
     assert not policy.decode_rides_prefill
 
 

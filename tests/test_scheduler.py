@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from jaxserve.request import Request
-from jaxserve.request.step import ForcedBy, StepKind, StepRow
+from jaxserve.request.step import StepKind, StepRow
 from jaxserve.scheduler import DecodeInterleavePolicy, MixedSteps, Scheduler
 
 
@@ -150,7 +150,7 @@ def test_forced_flag_marks_policy_decodes_only():
     assert [(letter(b), b.forced_by) for b in batches] == [
         ("P", None),
         ("P", None),
-        ("D", ForcedBy.INTERLEAVE),
+        ("D", "interleave"),
         ("D", None),
     ]
     assert counts(scheduler) == (2, 2, 1)

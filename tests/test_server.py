@@ -727,6 +727,8 @@ def test_models_health_and_metrics(server, http):
         "prefill_steps_total",
         "decode_steps_total",
         "forced_decode_steps_total",
+        "interleave_decode_steps_total",  # each step policy's (config.STEP_POLICIES)
+        "stall_decode_steps_total",
     ):
         assert f"jaxserve:{name}" in text, name
     finished = [

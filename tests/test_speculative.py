@@ -33,7 +33,7 @@ CONFIG = EngineConfig(
     page_size=16,
     max_model_len=256,
     max_queued_requests=600,
-    decode_interleave_every=2,
+    step_policies={"decode_interleave_every": 2},
     decode_log_interval=1000,
 )
 

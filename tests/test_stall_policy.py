@@ -6,8 +6,15 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
-from jaxserve.request.step import ForcedBy, StepKind, StepRow
-from jaxserve.scheduler import DecodeInterleavePolicy, DecodeStallPolicy, MixedSteps, Scheduler, step_policies
+from jaxserve.request.step import StepKind, StepRow
+from jaxserve.scheduler import (
+    DecodeInterleavePolicy,
+    DecodeStallPolicy,
+    MixedSteps,
+    PolicyContext,
+    Scheduler,
+    step_policies,
+)
 
 
 class FakeClock:
@@ -70,8 +77,8 @@ def test_chunk_shrinks_to_fit_and_the_inflight_step_counts():
     # With a step in flight until t=50 ms only 40 tokens fit -> 32 aligned, under the 64-token floor: decode.
     stall.note_inflight(0.050)
     batch = scheduler.schedule()
-    assert letter(batch) == "D" and batch.forced_by is ForcedBy.STALL
-    assert scheduler.counts.forced[ForcedBy.STALL] == scheduler.counts.forced_total == 1
+    assert letter(batch) == "D" and batch.forced_by == "stall"
+    assert scheduler.counts.forced["stall"] == scheduler.counts.forced_total == 1
 
 
 def test_full_chunks_while_the_budget_allows_and_a_decode_when_it_does_not():
@@ -150,20 +157,20 @@ def test_composes_with_the_count_policy_whichever_is_due_first():
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
     assert "".join(letter(scheduler.schedule()) for _ in range(8)) == "PPPDPPPD"
-    assert scheduler.counts.forced_total == 2 and scheduler.counts.forced[ForcedBy.STALL] == 0
+    assert scheduler.counts.forced_total == 2 and scheduler.counts.forced["stall"] == 0
     # A tight budget fires before the count does.
     scheduler, stall, _, _, clock = make(100, every=8, adaptive=False)
     stall.note_decoded()
     warm(stall)  # a prefill step ran since the last decode
     clock.now = 0.05
     batch = scheduler.schedule()
-    assert letter(batch) == "D" and batch.forced_by is ForcedBy.STALL
+    assert letter(batch) == "D" and batch.forced_by == "stall"
 
 
 @pytest.mark.parametrize("stall_ms", [None, 0, -5])
 def test_a_budget_that_asks_for_nothing_makes_no_policy(stall_ms):
-    cfg = EngineConfig(max_decode_stall_ms=stall_ms, decode_interleave_every=3)
-    policies = step_policies(cfg, page_size=16, min_chunk_tokens=64)
+    cfg = EngineConfig(step_policies={"max_decode_stall_ms": stall_ms, "decode_interleave_every": 3})
+    policies = step_policies(cfg, PolicyContext(page_size=16, min_chunk_tokens=64))
     assert [type(p) for p in policies] == [DecodeInterleavePolicy]
     prefill = StubPrefill()
     scheduler = Scheduler(prefill, StubDecode(), policies)

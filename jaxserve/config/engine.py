@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jaxserve.config.flags import ConfigError, check_memory_fraction, flag, parse_bytes, parse_fraction
 from jaxserve.config.model import QUANTIZATION_MODES, SUPPORTED_DTYPES
@@ -16,6 +18,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # --scheduling-policy: the order waiting requests are admitted in; each order registers itself in
 # jaxserve.scheduler.queue_order.
 SCHEDULING_POLICIES: Registry = Registry("--scheduling-policy", "jaxserve.scheduler.queue_order")
+# The step policies a flag turns on (--decode-interleave-every, --max-decode-stall-ms, ...), by name; each declares its
+# option, an EngineConfig.step_policies key (jaxserve.scheduler.policy).
+STEP_POLICIES: Registry = Registry("step policy", "jaxserve.scheduler.policies")
+
+
+def step_policy_options() -> dict[str, Any]:
+    """Each registered step policy's class by its option."""
+    return {STEP_POLICIES[name].option: STEP_POLICIES[name] for name in STEP_POLICIES}
 
 
 # --kv-cache-dtype (as vLLM's): how the window rings, compressed entries and indexer keys are stored; `auto` is the
@@ -31,29 +41,12 @@ def check_kv_cache_dtype(value: str) -> None:
 COMPILE_CACHE_ENV = "JAXSERVE_COMPILE_CACHE"  # a folder, or "" to switch the persistent cache off
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
 
-INTERLEAVE_HELP = (
-    "After N consecutive prefill steps, take one decode step (when a request is decoding) before prefilling further. "
-    "Smaller N: running requests wait less for their next token, but new prompts take longer to reach their first "
-    "token; larger N: the reverse. Under asynchronous dispatch the longest wait for the next token of a running "
-    "request is about (N+1) x t_chunk + t_decode (t_chunk: one prefill step of --chunked-prefill-size tokens, "
-    "t_decode: one decode step). Setting it turns the default mixed steps off (see --mixed-batches). Unset or 0: no "
-    "count."
-)
-
-STALL_HELP = (
-    "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its next "
-    "token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next chunk "
-    "(page-aligned, with a floor) or takes a decode step when the next prefill step would break the budget. Requests "
-    "still waiting for their first token are not held back. Composes with --decode-interleave-every (whichever is due"
-    " first wins)."
-)
-
 MIXED_HELP = (
     "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that many "
     "tokens so the step costs what a pure chunk does: running requests advance every step, so their longest wait is "
-    "about one step. Default: on, unless --decode-interleave-every or --max-decode-stall-ms is set (those keep their "
-    "own semantics over pure prefill steps; add --mixed-batches to combine) or --speculative-config is (a verify "
-    "step's rows cannot ride in a prefill step). --no-mixed-batches without either: prefill-first"
+    "about one step. Default: on, unless a step policy is set (--decode-interleave-every, --max-decode-stall-ms: "
+    "those keep their own semantics over pure prefill steps; add --mixed-batches to combine) or --speculative-config "
+    "is (a verify step's rows cannot ride in a prefill step). --no-mixed-batches without either: prefill-first"
 )
 
 
@@ -167,8 +160,9 @@ class EngineConfig:
     max_queued_requests: int = field(
         default=256, metadata=flag(int, "requests waiting for admission; more are refused (HTTP 429)")
     )
-    decode_interleave_every: int | None = field(default=None, metadata=flag(int, INTERLEAVE_HELP))
-    max_decode_stall_ms: float | None = field(default=None, metadata=flag(float, STALL_HELP, metavar="MS"))
+    # Each step policy's option and its value, e.g. {"decode_interleave_every": 8}: one flag each
+    # (--decode-interleave-every), declared by the policy (jaxserve.scheduler.policies); unset, 0 or less: off.
+    step_policies: Mapping[str, float] = field(default_factory=dict, hash=False)
     mixed_batches: bool | None = field(default=None, metadata=flag(bool, MIXED_HELP))
     scheduling_policy: str = field(
         default="fcfs",
@@ -254,6 +248,15 @@ class EngineConfig:
             raise ConfigError(
                 f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES.names()}"
             )
+        options = step_policy_options()
+        for option, value in self.step_policies.items():
+            if option not in options:
+                raise ConfigError(
+                    f"step_policies: {option!r} is no step policy's option; the options: {sorted(options)}"
+                )
+            number = (int,) if options[option].flag.type is int else (int, float)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, number)):
+                raise ConfigError(f"{option}={value!r}: must be {'an integer' if number == (int,) else 'a number'}")
         if self.speculative_config is not None and self.mixed_batches:
             raise ConfigError(
                 "mixed_batches=True with speculative_config: a verify step's rows cannot ride in a prefill step; "
@@ -272,16 +275,13 @@ class EngineConfig:
         return self.async_scheduling and not self.draft_tokens
 
     @property
-    def interleave_every(self) -> int | None:
-        """--decode-interleave-every when it asks for a count (unset, 0 or less: none)."""
-        every = self.decode_interleave_every
-        return every if every is not None and every > 0 else None
-
-    @property
-    def stall_budget_ms(self) -> float | None:
-        """--max-decode-stall-ms when it sets a budget (unset, 0 or less: none)."""
-        budget = self.max_decode_stall_ms
-        return budget if budget is not None and budget > 0 else None
+    def active_step_policies(self) -> dict[str, float]:
+        """The step policies' options that turn theirs on (a positive value), in the registry's order."""
+        return {
+            STEP_POLICIES[name].option: value
+            for name in STEP_POLICIES
+            if (value := self.step_policies.get(STEP_POLICIES[name].option)) is not None and value > 0
+        }
 
     @property
     def num_prefix_snapshots(self) -> int:
@@ -292,8 +292,8 @@ class EngineConfig:
 
     @property
     def mixed_steps(self) -> bool:
-        """Whether prefill steps carry decode rows: --mixed-batches as given, else on unless --decode-interleave-every
-        or --max-decode-stall-ms is set (each keeps its own semantics, over pure prefill steps)."""
+        """Whether prefill steps carry decode rows: --mixed-batches as given, else on unless a step policy is on
+        (each keeps its own semantics, over pure prefill steps) or drafting is."""
         if self.mixed_batches is not None:
             return self.mixed_batches
-        return self.interleave_every is None and self.stall_budget_ms is None and not self.draft_tokens
+        return not self.active_step_policies and not self.draft_tokens

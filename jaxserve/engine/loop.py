@@ -27,7 +27,7 @@ from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.request import FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
 from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
-from jaxserve.request.step import ForcedBy, GroupShape, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
 from jaxserve.scheduler import IdAllocator, PrefixCache, PrefixStats, StepCounts, build_scheduler
 
@@ -159,7 +159,7 @@ STEP_RECORD_LENGTH = 100_000
 @dataclass(frozen=True)
 class StepRecord:
     kind: StepKind
-    forced_by: ForcedBy | None  # the policy that put this decode ahead of prefill
+    forced_by: str | None  # the step policy that put this decode ahead of prefill (its name)
     request_ids: tuple[str, ...]
     num_tokens: int
     started: float
@@ -770,19 +770,10 @@ class Engine:
             )
             return
         self._decodes_since_log += 1
-        if plan.forced_by is ForcedBy.INTERLEAVE:
+        if plan.forced_by is not None:
             log.info(
-                "Decode batch (interleaved after %d prefill steps): %d requests, waiting %d, %s, %.3f s",
-                self.config.decode_interleave_every,
-                len(plan.decode),
-                st.waiting,
-                kv,
-                seconds,
-            )
-        elif plan.forced_by is ForcedBy.STALL:
-            log.info(
-                "Decode batch (stall budget %g ms): %d requests, waiting %d, %s, %.3f s",
-                self.config.max_decode_stall_ms,
+                "Decode batch (%s): %d requests, waiting %d, %s, %.3f s",
+                self.scheduler.policy_named(plan.forced_by).describe(),
                 len(plan.decode),
                 st.waiting,
                 kv,

@@ -24,13 +24,6 @@ class StepKind(enum.Enum):
     MIXED = "mixed"  # prompt chunks and decode rows in one step
 
 
-class ForcedBy(enum.Enum):
-    """The policy that put a decode-only step ahead of waiting prefill work."""
-
-    INTERLEAVE = "interleave"  # --decode-interleave-every
-    STALL = "stall"  # --max-decode-stall-ms
-
-
 @dataclass(frozen=True)
 class StepRow:
     """`length` tokens of `request` at positions start, start + 1, ...
@@ -94,12 +87,13 @@ class StepRow:
 class StepPlan:
     """One step: prefill rows (prompt chunks), decode rows, or both (a mixed step).
 
-    `forced_by` names the policy that put a decode-only step ahead of waiting prefill work; None when none did
-    (prefill and mixed steps, and a decode taken because there was nothing to prefill)."""
+    `forced_by` names the step policy that put a decode-only step ahead of waiting prefill work (its registered name,
+    "interleave", "stall": config.STEP_POLICIES); None when none did (prefill and mixed steps, and a decode taken
+    because there was nothing to prefill)."""
 
     prefill: tuple[StepRow, ...] = ()
     decode: tuple[StepRow, ...] = ()
-    forced_by: ForcedBy | None = None
+    forced_by: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.decode:

@@ -6,7 +6,7 @@ from jaxserve.scheduler.allocator import Exhausted, IdAllocator
 from jaxserve.scheduler.compose import build_scheduler
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policies import DecodeInterleavePolicy, MixedSteps, step_policies
-from jaxserve.scheduler.policy import StepPolicy
+from jaxserve.scheduler.policy import PolicyContext, StepPolicy, register_step_policy
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.prefix_cache import PrefixCache, PrefixStats
 from jaxserve.scheduler.queue_order import FirstComeFirstServed, Priority, QueueOrder
@@ -21,6 +21,7 @@ __all__ = [
     "FirstComeFirstServed",
     "IdAllocator",
     "MixedSteps",
+    "PolicyContext",
     "PrefillManager",
     "PrefixCache",
     "PrefixStats",
@@ -30,5 +31,6 @@ __all__ = [
     "StepCounts",
     "StepPolicy",
     "build_scheduler",
+    "register_step_policy",
     "step_policies",
 ]

@@ -6,6 +6,7 @@ from jaxserve.config import SCHEDULING_POLICIES, EngineConfig
 from jaxserve.scheduler.allocator import IdAllocator
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policies import step_policies
+from jaxserve.scheduler.policy import PolicyContext
 from jaxserve.scheduler.prefill import PrefillManager
 from jaxserve.scheduler.prefix_cache import PrefixCache
 from jaxserve.scheduler.scheduler import Scheduler
@@ -21,5 +22,7 @@ def build_scheduler(cfg: EngineConfig, pages: PrefixCache, page_size: int, min_c
         SCHEDULING_POLICIES[cfg.scheduling_policy](),
     )
     return Scheduler(
-        prefill, DecodeManager(cfg.max_num_seqs, cfg.draft_tokens), step_policies(cfg, page_size, min_chunk_tokens)
+        prefill,
+        DecodeManager(cfg.max_num_seqs, cfg.draft_tokens),
+        step_policies(cfg, PolicyContext(page_size, min_chunk_tokens)),
     )

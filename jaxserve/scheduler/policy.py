@@ -3,17 +3,52 @@ scheduler/policies.py and scheduler/stall.py).
 
 The Scheduler asks each of its policies, in order, before every step and tells each what it scheduled and how
 that step went. A scheduler with no policy is prefill-first; policies compose (whichever is due first wins).
+
+A policy a flag turns on registers itself (`register_step_policy`) with its name, its option (the
+`EngineConfig.step_policies` key, whose flag the CLI adds) and how the option's value builds it: the flag, the
+config's check, the scheduler's wiring, the metric and the log lines of the decodes it forces all follow from that
+registration.
 """
 
 from __future__ import annotations
 
-from jaxserve.request.step import ForcedBy, StepPlan
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jaxserve.config import STEP_POLICIES, Flag
+from jaxserve.request.step import StepPlan
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may need from the engine besides its option's value."""
+
+    page_size: int  # a chunk a policy shortens stays page-aligned
+    min_chunk_tokens: int  # the smallest compiled chunk: no shorter prefill step runs
 
 
 class StepPolicy:
     """The hooks a policy may implement; the defaults never intervene."""
 
-    forced_by: ForcedBy | None = None  # what a decode this policy puts ahead of prefill is marked with
+    # What a decode this policy puts ahead of prefill is marked with (StepPlan.forced_by), its metric's prefix
+    # (`<name>_decode_steps`) and its registered name.
+    name: ClassVar[str] = ""
+
+    # Registered policies only: the option that turns the policy on (an EngineConfig.step_policies key; the CLI's
+    # flag is its name with dashes), its flag, what the stats line and the metric call the decodes it forced.
+    option: ClassVar[str]
+    flag: ClassVar[Flag]
+    forced_words: ClassVar[str]  # "{n} interleaved"
+    metric_help: ClassVar[str]
+
+    @classmethod
+    def from_option(cls, value: float, context: PolicyContext) -> StepPolicy:
+        """The policy its option's positive `value` asks for."""
+        raise NotImplementedError(f"{cls.__name__} has no option")
+
+    def describe(self) -> str:
+        """Why a decode it forced ran, for the engine's log ("interleaved after 8 prefill steps")."""
+        return self.name
 
     def prefill_token_limit(self, budget: int) -> int:
         """How many prompt tokens the next step may carry, of `budget`; 0: a decode step is due first (when none is
@@ -37,3 +72,8 @@ class StepPolicy:
 
     def on_nothing_decoding(self) -> None:
         """The last decoding request finished."""
+
+
+def register_step_policy(cls: type[StepPolicy]) -> type[StepPolicy]:
+    """Class decorator: `cls` is a step policy its option turns on, registered under its name."""
+    return STEP_POLICIES.register(cls.name)(cls)

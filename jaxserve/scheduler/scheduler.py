@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.request import FinishReason, Request
-from jaxserve.request.step import MIXED_PREFILL_ROWS, ForcedBy, StepKind, StepLimits, StepPlan
+from jaxserve.request.step import MIXED_PREFILL_ROWS, StepKind, StepLimits, StepPlan
 from jaxserve.scheduler.decode import DecodeManager
 from jaxserve.scheduler.policy import StepPolicy
 from jaxserve.scheduler.prefill import PrefillManager
@@ -26,10 +26,10 @@ from jaxserve.scheduler.prefill import PrefillManager
 
 @dataclasses.dataclass
 class StepCounts:
-    """Steps scheduled, by kind, and the decode steps each policy put ahead of prefill."""
+    """Steps scheduled, by kind, and the decode steps each policy put ahead of prefill (by its name)."""
 
     by_kind: collections.Counter[StepKind] = dataclasses.field(default_factory=collections.Counter)
-    forced: collections.Counter[ForcedBy] = dataclasses.field(default_factory=collections.Counter)
+    forced: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     def copy(self) -> StepCounts:
         return StepCounts(collections.Counter(self.by_kind), collections.Counter(self.forced))
@@ -62,6 +62,10 @@ class Scheduler:
         self.policies = tuple(policies)  # asked in order: whichever is due first wins
         self.counts = StepCounts()
         self._compiled: StepLimits | None = None  # what the compiled shapes allow (None: no limit known)
+
+    def policy_named(self, name: str) -> StepPolicy:
+        """The policy a plan's `forced_by` names."""
+        return next(policy for policy in self.policies if policy.name == name)
 
     def set_step_limits(self, compiled: StepLimits) -> None:
         """Steps no bigger than the shapes compiled so far (within the configured knobs, which stay as they are).
@@ -121,7 +125,7 @@ class Scheduler:
         if due is not None:
             rows = self.decode_manager.schedule_next_rows(limits.decode_rows)
             if rows:
-                return StepPlan(decode=rows, forced_by=due.forced_by)
+                return StepPlan(decode=rows, forced_by=due.name)
             # No decode runnable: prefill instead; the policy stays due, so a decode comes as soon as one can.
         mixed = limits.mixed and any(policy.decode_rides_prefill for policy in self.policies)
         riders = self.decode_manager.schedule_next_rows(limits.decode_rows) if mixed else ()

@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from jaxserve.request.step import ForcedBy, StepPlan
-from jaxserve.scheduler.policy import StepPolicy
+from jaxserve.config import Flag
+from jaxserve.request.step import StepPlan
+from jaxserve.scheduler.policy import PolicyContext, StepPolicy, register_step_policy
 
 
 class PrefillCost:
@@ -67,8 +68,21 @@ class PrefillCost:
         return int((seconds - self.fixed_s) / self.per_token_s)
 
 
+@register_step_policy
 class DecodeStallPolicy(StepPolicy):
-    forced_by = ForcedBy.STALL
+    name = "stall"
+    option = "max_decode_stall_ms"
+    flag = Flag(
+        float,
+        "Keep prefill's priority, but never let a running request wait longer than this many milliseconds for its "
+        "next token: the engine learns the per-token prefill cost, counts the step in flight, and shrinks the next "
+        "chunk (page-aligned, with a floor) or takes a decode step when the next prefill step would break the budget. "
+        "Requests still waiting for their first token are not held back. Composes with --decode-interleave-every "
+        "(whichever is due first wins).",
+        metavar="MS",
+    )
+    forced_words = "for the stall budget"
+    metric_help = "Decode steps the --max-decode-stall-ms budget asked for."
 
     def __init__(
         self,
@@ -96,6 +110,13 @@ class DecodeStallPolicy(StepPolicy):
         # After a decode step, the next step may always prefill at least the floor: a budget tighter than one step
         # must slow prefill down, never stop it (a request that never prefills never starts).
         self.prefill_owed = False
+
+    @classmethod
+    def from_option(cls, value: float, context: PolicyContext) -> StepPolicy:
+        return cls(value, page_size=context.page_size, min_chunk_tokens=context.min_chunk_tokens)
+
+    def describe(self) -> str:
+        return f"stall budget {self.budget_s * 1000:g} ms"
 
     # ---- the StepPolicy hooks -------------------------------------------------------------------------------
     def on_scheduled(self, plan: StepPlan) -> None:
