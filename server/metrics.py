@@ -95,6 +95,7 @@ E2E_BUCKETS = (
 )
 
 # vLLM's buckets for tokens per engine step when it runs without CUDA graphs (jaxserve has none).
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -200,13 +201,31 @@ def _draft_families(stats: EngineStats, model_name: str):
     yield per_position
 
 
-class RequestTimer:
-    """One request's timing, fed by its Generation (see generation.Observer)."""
+class PromptChoices:
+    """The engine requests one prompt of an HTTP request fans out to (its n choices, or best_of candidates): vLLM's
+    request_max_num_generation_tokens, the most tokens any of them generated, is observed when the last finishes."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float):
+    def __init__(self, metrics: ServerMetrics, size: int):
+        self._metrics = metrics
+        self._left = size
+        self._most = 0
+
+    def finished(self, tokens: int) -> None:
+        self._most = max(self._most, tokens)
+        self._left -= 1
+        if self._left == 0:
+            self._metrics.max_generation_tokens.observe(self._most)
+
+
+class RequestTimer:
+    """One engine request's timing as its client sees it, fed by its Generation (see generation.Observer)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, choices: PromptChoices):
         self._metrics = metrics
         self._arrival = arrival
+        self._choices = choices
         self._last: float | None = None
+        self._tokens = 0
 
     def on_tokens(self, count: int, now: float) -> None:
         if self._last is None:
@@ -214,9 +233,11 @@ class RequestTimer:
         else:
             self._metrics.itl.observe((now - self._last) / count)
         self._last = now
+        self._tokens += count
 
     def on_finish(self, reason: FinishReason, now: float) -> None:
         self._metrics.e2e.observe(now - self._arrival)
+        self._choices.finished(self._tokens)
 
 
 class ServerMetrics:
@@ -251,6 +272,31 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens per engine step (prefill and decode rows).", ITERATION_TOKENS_BUCKETS
         )
+        # A finished request's phases, from the engine's record: admitted -> first token -> last token.
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Time in the prefill phase: from admission to the first token.", E2E_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Time in the decode phase: from the first token to the last.", E2E_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time running: from admission to the last token.", E2E_BUCKETS
+        )
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Each request's decode time over its tokens after the first.",
+            ITL_BUCKETS,
+        )
+        # What clients ask for.
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each finished request.", token_buckets
+        )
+        self.params_n = histogram("request_params_n", "The n of each prompt a client sent.", N_BUCKETS)
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens any choice (or best_of candidate) of a prompt generated, once all finished.",
+            token_buckets,
+        )
         self.registry.register(_EngineCollector(engine, model_name))
         engine.listeners.append(self)
 
@@ -262,9 +308,26 @@ class ServerMetrics:
         self.generation_tokens.observe(len(request.output_ids))
         if request.queue_time is not None:
             self.queue_time.observe(request.queue_time)
+        self.params_max_tokens.observe(request.sampling.max_tokens)
+        prefill, decode = request.prefill_time, request.decode_time
+        if prefill is not None and decode is not None:
+            self.prefill_time.observe(prefill)
+            self.decode_time.observe(decode)
+            self.inference_time.observe(prefill + decode)
+            if len(request.output_ids) > 1:
+                self.request_tpot.observe(decode / (len(request.output_ids) - 1))
 
-    def timer(self, arrival: float) -> RequestTimer:
-        return RequestTimer(self, arrival)
+    def prompt_choices(self, engine_requests: int) -> PromptChoices:
+        """One prompt a client sent, served by `engine_requests` engine requests (its n choices, or best_of)."""
+        return PromptChoices(self, engine_requests)
+
+    def submitted(self, n: int, prompts: int) -> None:
+        """An HTTP request's `prompts` prompts, `n` choices each, were all admitted."""
+        for _ in range(prompts):
+            self.params_n.observe(n)
+
+    def timer(self, arrival: float, choices: PromptChoices) -> RequestTimer:
+        return RequestTimer(self, arrival, choices)
 
     def exposition(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -13,7 +13,7 @@ send, often with `max_tokens: 0`); chat takes `logprobs: true` with `top_logprob
 SamplingParams.logprobs / prompt_logprobs, whose range rule names the client's field; vLLM's `prompt_logprobs: k`
 works on both (not streaming). A completions `prompt` may be a batch; each prompt has `n` choices, each its own
 engine request, and choice j of every prompt samples with seed `seed + j`. vLLM's extras: include_stop_str_in_output,
-truncate_prompt_tokens, stream_options.continuous_usage_stats (with include_usage), and for chat
+truncate_prompt_tokens with truncation_side, stream_options.continuous_usage_stats (with include_usage), and for chat
 add_generation_prompt, continue_final_message and include_reasoning.
 
 Sampling: SamplingParams is the one definition. Its fields a client sends under their own names as plain JSON values
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
-from jaxserve.request import MAX_LOGPROBS, InvalidRequest, SamplingParams
+from jaxserve.request import MAX_LOGPROBS, InvalidRequest, SamplingParams, listed
 from jaxserve.request.grammar import Constraint, ConstraintKind
 from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI legacy completions default
 MAX_CHOICES = 128  # the most `n` OpenAI's API takes
-SEED_RANGE = (-(2**63), 2**64)  # what clients send (int64 or uint64); reduced to the sampler's uint32 key
+SEED_RANGE = (-(2**63), 2**63)  # vLLM's: a signed 64-bit integer; reduced to the sampler's uint32 key
 
 # OpenAI's and vLLM's fields for what jaxserve does not do, accepted only at the value that asks for nothing (None
 # always is; an empty tuple: None only).
@@ -164,7 +164,8 @@ class GenerationParams:
     constraint: Constraint | None = None  # structured outputs
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep k of the prompt's tokens (-1: the context's worth)
+    truncation_side: str = "left"  # vLLM's: which end truncate_prompt_tokens cuts (left: keep the last k)
     prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and top k, in vLLM's shape
 
     @property
@@ -172,7 +173,8 @@ class GenerationParams:
         return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens leaves it (its last k tokens), or a 400 as vLLM words it."""
+        """The prompt as truncate_prompt_tokens leaves it (its last k tokens; with truncation_side right, its first
+        k), or a 400 as vLLM words it."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt_ids
@@ -183,7 +185,7 @@ class GenerationParams:
                 f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
                 "Please, select a smaller truncation size.",
             )
-        return prompt_ids[-k:]
+        return prompt_ids[-k:] if self.truncation_side == "left" else prompt_ids[:k]
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice (or best_of candidate) `choice`, with its own seed; a value out of
@@ -347,7 +349,7 @@ def _generation_params(
     include_usage = stream_fields.boolean("include_usage", False)
     seed = fields.integer("seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise bad_request("seed", f"seed: must fit in 64 bits, got {seed}")
+        raise bad_request("seed", f"seed: must be a signed 64-bit integer, in [-2**63, 2**63), got {seed}")
     n = fields.integer("n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request("n", f"n: must be in [1, {MAX_CHOICES}], got {n}")
@@ -383,6 +385,7 @@ def _generation_params(
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
         continuous_usage=include_usage and stream_fields.boolean("continuous_usage_stats", False),
         truncate_prompt_tokens=_truncation(fields.integer("truncate_prompt_tokens", None)),
+        truncation_side=_truncation_side(fields.string("truncation_side")),
         prompt_logprobs=_prompt_logprobs(fields.integer("prompt_logprobs", None), stream),
         constraint=_constraint(fields),
     )
@@ -501,6 +504,13 @@ def _truncation(k: int | None) -> int | None:
     return k
 
 
+def _truncation_side(side: str | None) -> str:
+    """vLLM's: left (its default) keeps the prompt's last tokens, right its first."""
+    if side not in (None, "left", "right"):
+        raise bad_request("truncation_side", f"truncation_side: must be 'left' or 'right', got {_show(side)}")
+    return side or "left"
+
+
 def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
     """OpenAI's prompt forms: a string, a list of token ids, or a batch: a list of strings or of token-id lists
     (not mixed). Every prompt is checked here, so a bad one refuses the whole call before anything runs."""
@@ -536,14 +546,12 @@ def _token_ids(name: str, ids: Any, allow_empty: bool = False, param: str | None
 
 def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` (keys are strings in JSON); the range is SamplingParams' rule."""
-    pairs = []
-    for key, value in (bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise bad_request("logit_bias", f"logit_bias: keys must be token ids, got {_show(key)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad_request("logit_bias", f"logit_bias[{key}]: must be a number, got {_show(value)}")
-        pairs.append((int(key), float(value)))
-    return tuple(pairs)
+    entries = (bias or {}).items()
+    if keys := [_show(key) for key, _ in entries if not key.lstrip("-").isdigit()]:
+        raise bad_request("logit_bias", f"logit_bias: keys must be token ids, got {listed(keys)}")
+    if values := [f"{key}: {_show(v)}" for key, v in entries if isinstance(v, bool) or not isinstance(v, (int, float))]:
+        raise bad_request("logit_bias", f"logit_bias: biases must be numbers, got {listed(values)}")
+    return tuple((int(key), float(value)) for key, value in entries)
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:

@@ -263,6 +263,7 @@ def _submit(
     client's field)."""
     generations: list[Generation] = []
     per_prompt = params.best_of
+    choices = [state.metrics.prompt_choices(per_prompt) for _ in prompts]
     try:
         for index in range(len(prompts) * per_prompt):
             prompt_ids = prompts[index // per_prompt]
@@ -275,7 +276,7 @@ def _submit(
                     params.sampling(max_tokens, index % per_prompt),
                     params.stop,
                     fmt.request_id(index) if per_prompt == params.n else f"{fmt.id}-candidate-{index}",
-                    state.metrics.timer(arrival),
+                    state.metrics.timer(arrival, choices[index // per_prompt]),
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,
                     include_stop=params.include_stop_str_in_output,
@@ -290,6 +291,7 @@ def _submit(
             raise APIError(503, f"The server is shutting down: {error}") from None
         error = params.renamed(error, prompt_field)  # the engine's admission: out of range, vocabulary, too long
         raise bad_request(error.param, str(error)) from None
+    state.metrics.submitted(params.n, len(prompts))
     return generations
 
 

@@ -163,6 +163,51 @@ def test_tools_without_a_system_turn_get_an_empty_one():
     )
 
 
+def test_a_latest_reminder_turn_renders_as_the_release_renders_it():
+    """The release's reminder role: its token and text; the user turn before it gets the assistant's opening (as
+    before an assistant turn), and nothing follows the reminder when it is last: the model goes on from it."""
+    reminder = "<｜latest_reminder｜>"
+    last = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "a"},
+        {"role": "latest_reminder", "content": "Be brief."},
+    ]
+    assert render_prompt(last) == BOS + "S" + USER + "a" + ASSISTANT + END_THINK + reminder + "Be brief."
+    assert render_prompt(last, chat_options(thinking=True)) == (
+        BOS + "S" + USER + "a" + ASSISTANT + THINK + reminder + "Be brief."
+    )
+    middle = [
+        {"role": "user", "content": "a"},
+        {"role": "latest_reminder", "content": "r"},
+        {"role": "assistant", "content": "b", "reasoning_content": "old"},
+        {"role": "user", "content": "c"},
+    ]
+    assert render_prompt(middle, chat_options(thinking=True)) == (
+        BOS + USER + "a" + ASSISTANT + END_THINK + reminder + "r" + "b" + EOS + USER + "c" + ASSISTANT + THINK
+    )
+
+
+def test_a_tokenizer_without_the_reminder_token_refuses_the_role_and_one_with_it_encodes_it(tmp_path):
+    folder = default_checkpoint_path()
+    messages = [{"role": "user", "content": "a"}, {"role": "latest_reminder", "content": "Be brief."}]
+    with pytest.raises(ChatTemplateError) as refused:
+        load_tokenizer(folder).apply_chat_template(messages)
+    assert refused.value.field == "messages"
+    assert str(refused.value) == (
+        "messages[1]: role 'latest_reminder' needs the <｜latest_reminder｜> token, which this model's tokenizer "
+        "does not have"
+    )
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    reminder_id = len(spec["model"]["vocab"])
+    spec["added_tokens"].append({**spec["added_tokens"][-1], "id": reminder_id, "content": "<｜latest_reminder｜>"})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    for name in ("tokenizer_config.json", "config.json", "generation_config.json"):
+        if (folder / name).exists():
+            (tmp_path / name).write_text((folder / name).read_text())
+    ids = load_tokenizer(tmp_path).apply_chat_template(messages)
+    assert ids.count(reminder_id) == 1 and ids[ids.index(reminder_id) - 1] == spec["added_tokens"][6]["id"]
+
+
 def test_thinking_without_tools_drops_old_reasoning_and_old_developer_turns():
     messages = [
         {"role": "developer", "content": "Old rules."},

@@ -302,6 +302,26 @@ def test_bad_tool_and_reasoning_fields_are_a_400_naming_them(http, engine, extra
     assert len(engine.prompts) == submitted
 
 
+@pytest.mark.parametrize(
+    "role, message",
+    [
+        ("wizard", "messages[1]: role 'wizard' is not one of DeepSeek-V4's chat roles (system, developer, user, "),
+        # the release's reminder role is rendered (tests/test_chat_encoding.py) where the tokenizer has its token,
+        # which the embedded default's does not
+        ("latest_reminder", "messages[1]: role 'latest_reminder' needs the <｜latest_reminder｜> token, which"),
+    ],
+)
+def test_a_role_the_encoding_cannot_render_is_a_400_naming_the_message(client, engine, role, message):
+    submitted = len(engine.prompts)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=[*QUESTION, {"role": role, "content": "Be brief."}], max_tokens=4
+        )
+    error = refused.value.body
+    assert error["param"] == "messages" and error["message"].startswith(message), error
+    assert len(engine.prompts) == submitted
+
+
 # ---- tokenizer endpoints ---------------------------------------------------------------------------------------------
 
 

@@ -477,6 +477,13 @@ def test_a_failure_that_loses_the_donated_cache_fails_every_running_request_and_
         (prompt(400, 1), greedy(1), "prompt", "(parameter=prompt, value=400)"),
         ([1, CFG.vocab_size], greedy(2), "prompt", "prompt[1]: token id 96 is outside the vocabulary [0, 96)"),
         ([1, -1], greedy(2), "prompt", "prompt[1]: token id -1"),
+        (
+            [1, CFG.vocab_size, 2, -1],
+            greedy(2),
+            "prompt",
+            "prompt[1], prompt[3]: token ids 96, -1 are outside the vocabulary [0, 96)",
+        ),
+        ([5], greedy(2, allowed_token_ids=[3, 96, 4, 97]), "allowed_token_ids", "allowed_token_ids[1], allowed_to"),
         ([], greedy(2), "prompt", "prompt: must not be empty"),
         ([5], greedy(2, stop_token_ids=[3, 500]), "stop_token_ids", "stop_token_ids[1]: token id 500"),
     ],

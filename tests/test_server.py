@@ -313,6 +313,55 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_in_both_apis(http):
     assert chat["usage"]["prompt_tokens"] == 3 and len(chat["prompt_token_ids"]) == 3
 
 
+def test_a_seed_is_a_signed_64_bit_integer_as_in_vllm(client):
+    """Either end of the range samples (as its value modulo 2**32 does); one past either end is a 400 naming seed."""
+    common = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 1.0}
+    for seed in (-(2**63), 2**63 - 1):
+        answer = client.completions.create(seed=seed, **common, extra_body={"return_token_ids": True})
+        same = client.completions.create(seed=seed % 2**32, **common, extra_body={"return_token_ids": True})
+        assert answer.choices[0].model_dump()["token_ids"] == same.choices[0].model_dump()["token_ids"], seed
+    for seed in (2**63, -(2**63) - 1, 2**64 - 1):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(seed=seed, **common)
+        error = refused.value.body
+        assert error["param"] == "seed"
+        assert error["message"] == f"seed: must be a signed 64-bit integer, in [-2**63, 2**63), got {seed}"
+
+
+def test_truncation_side_right_keeps_the_first_tokens_and_anything_else_is_a_400(client):
+    """vLLM's truncation_side: left (the default) keeps the prompt's last truncate_prompt_tokens, right its first."""
+    long = list(range(2, 302))
+    common = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True, "truncate_prompt_tokens": 10}
+
+    def completion(prompt, **fields):
+        return client.completions.create(prompt=prompt, **common, extra_body={**extra, **fields}).model_dump()
+
+    for side, kept in (("left", long[-10:]), ("right", long[:10]), (None, long[-10:])):
+        fields = {} if side is None else {"truncation_side": side}
+        cut = completion(long, **fields)["choices"][0]
+        assert cut["prompt_token_ids"] == kept, side
+        assert cut["token_ids"] == completion(kept)["choices"][0]["token_ids"], side
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello there, how are you"}],
+        **common,
+        extra_body={**extra, "truncate_prompt_tokens": 3, "truncation_side": "right"},
+    ).model_dump()
+    whole = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello there, how are you"}],
+        **common,
+        extra_body={"return_token_ids": True},
+    ).model_dump()
+    assert chat["prompt_token_ids"] == whole["prompt_token_ids"][:3]
+    with pytest.raises(openai.BadRequestError) as refused:
+        completion(long, truncation_side="middle")
+    error = refused.value.body
+    assert (
+        error["param"] == "truncation_side"
+        and error["message"] == "truncation_side: must be 'left' or 'right', got 'middle'"
+    )
+
+
 @pytest.mark.parametrize("value", [0, -2, 257, "5"])
 def test_a_bad_truncate_prompt_tokens_is_a_400_naming_it(http, value):
     response = http.post("/v1/completions", json={"prompt": "Hi", "truncate_prompt_tokens": value})
@@ -433,16 +482,26 @@ def test_logit_bias_moves_the_sampled_token_in_both_apis(http, loaded):
 @pytest.mark.parametrize(
     "bias, what",
     [
-        ({"5": 101}, "must be in [-100, 100]"),
-        ({"x": 1}, "keys must be token ids"),
-        ({"5": "high"}, "must be a number"),
-        ({"99999": 1}, "outside the vocabulary"),
+        ({"5": 101}, "logit_bias: biases must be in [-100, 100], got 5: 101"),
+        ({"x": 1}, "logit_bias: keys must be token ids, got 'x'"),
+        ({"5": "high"}, "logit_bias: biases must be numbers, got 5: 'high'"),
+        ({"99999": 1}, "logit_bias: token id 99999 is outside the vocabulary [0, "),
+        # every entry at fault is named, not only the first
+        ({"5": 1, "x": 1, "7": 2, "y": 3}, "logit_bias: keys must be token ids, got 'x', 'y'"),
+        ({"5": 1, "6": "a", "7": [1]}, "logit_bias: biases must be numbers, got 6: 'a', 7: [1]"),
+        ({"5": -101, "6": 1, "7": 250.5}, "logit_bias: biases must be in [-100, 100], got 5: -101, 7: 250.5"),
+        ({"5": 1, "99999": 1, "100000": 2}, "logit_bias: token ids 99999, 100000 are outside the vocabulary [0, "),
+        (
+            {str(t): 1 for t in range(100000, 100011)},
+            "token ids 100000, 100001, 100002, 100003, 100004, 100005, 100006, 100007, and 3 more are outside",
+        ),
     ],
 )
-def test_a_bad_logit_bias_is_a_400_naming_it(http, bias, what):
-    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logit_bias": bias})
-    assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias"), response.text
-    assert what in response.json()["error"]["message"]
+def test_a_bad_logit_bias_is_a_400_naming_it(client, bias, what):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias=bias)
+    error = refused.value.body
+    assert error["param"] == "logit_bias" and what in error["message"], error
 
 
 @pytest.mark.parametrize(
@@ -779,6 +838,37 @@ def test_vllm_request_step_and_cache_metrics(server, http):
         "num_gpu_blocks": str(geometry.num_pages),
     }
     assert after[(PREFIX + "cache_config_info", tuple(sorted(cache.items())))] == 1
+
+
+def test_vllm_request_phase_and_parameter_histograms(server, client, http):
+    """What one prompt with n = 2 adds to vLLM's per-request histograms: its n, each choice's max_tokens, the most
+    tokens a choice generated, and each choice's prefill, decode and inference times (inference = prefill + decode,
+    from the engine's record of admission, first and last token) and time per output token."""
+    before = metric_samples(http.get("/metrics").text)
+    answer = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7, 8, 9], max_tokens=6, n=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [choice.finish_reason for choice in answer.choices] == ["length", "length"]
+    wait_for(lambda: settled(server.engine), SETTLE_S, "the requests to finish")
+    after = metric_samples(http.get("/metrics").text)
+
+    def added(name: str, **labels) -> float:
+        key = (PREFIX + name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert (added("request_params_n_count"), added("request_params_n_sum")) == (1, 2)
+    assert added("request_params_n_bucket", le="1.0") == 0 and added("request_params_n_bucket", le="2.0") == 1
+    assert (added("request_params_max_tokens_count"), added("request_params_max_tokens_sum")) == (2, 12)
+    assert (added("request_max_num_generation_tokens_count"), added("request_max_num_generation_tokens_sum")) == (1, 6)
+    phases = {name: added(f"request_{name}_time_seconds_sum") for name in ("prefill", "decode", "inference")}
+    for name in phases:
+        assert added(f"request_{name}_time_seconds_count") == 2, name
+    assert phases["prefill"] > 0 and phases["decode"] > 0
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-9)
+    assert added("request_time_per_output_token_seconds_count") == 2
+    assert added("request_time_per_output_token_seconds_sum") == pytest.approx(phases["decode"] / 5, rel=1e-9)
+    # each phase of a choice lies within its end-to-end latency, which the server measures from arrival
+    assert phases["inference"] <= added("e2e_request_latency_seconds_sum")
 
 
 def test_version_ping_and_model_retrieval(server, client, http):

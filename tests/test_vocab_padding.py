@@ -175,7 +175,7 @@ def test_a_padded_id_is_never_sampled_or_shown_even_with_a_logit_bias_pushing_it
             assert out.token_id < CFG.vocab_size and all(t < CFG.vocab_size for t, _ in out.logprob.top)
     # Through the engine, such a bias is refused at admission against the real vocabulary, as on one device.
     engine = Engine(ENGINE, loaded.config, runner, loaded.tokenizer.eos_ids)
-    with pytest.raises(InvalidRequest, match=r"logit_bias\[0\]: token id 211 is outside the vocabulary \[0, 211\)"):
+    with pytest.raises(InvalidRequest, match=r"logit_bias: token id 211 is outside the vocabulary \[0, 211\)"):
         engine.check_admission(PROMPTS[0], biased[0])
 
 

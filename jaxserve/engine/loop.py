@@ -24,7 +24,15 @@ from typing import NamedTuple, Protocol
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
-from jaxserve.request import FinishReason, InvalidRequest, Request, RequestStatus, SamplingParams, TokenLogprob
+from jaxserve.request import (
+    FinishReason,
+    InvalidRequest,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+    listed,
+)
 from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepOutput, StepPlan
@@ -437,12 +445,19 @@ class Engine:
         return len(leftover)
 
     # ---- public API (any thread) -----------------------------------------------------------------------------
-    def check_token_ids(self, param: str, ids) -> None:
-        """Raise InvalidRequest naming `param` and the position if an id is outside the model's vocabulary."""
+    def check_token_ids(self, param: str, ids, positions: bool = True) -> None:
+        """Raise InvalidRequest naming `param` (with `positions`, the position of each) and every id outside the
+        model's vocabulary."""
         vocab = self.model_config.vocab_size
-        for i, token in enumerate(ids):
-            if not 0 <= int(token) < vocab:
-                raise InvalidRequest(param, f"{param}[{i}]: token id {token} is outside the vocabulary [0, {vocab})")
+        bad = [(i, int(token)) for i, token in enumerate(ids) if not 0 <= int(token) < vocab]
+        if not bad:
+            return
+        if not positions:  # ids that key a mapping: each named once
+            bad = list({token: (i, token) for i, token in bad}.values())
+        where = listed([f"{param}[{i}]" for i, _ in bad]) if positions else param
+        tokens = listed([token for _, token in bad])
+        what = f"token id {tokens} is" if len(bad) == 1 else f"token ids {tokens} are"
+        raise InvalidRequest(param, f"{where}: {what} outside the vocabulary [0, {vocab})")
 
     def check_admission(self, prompt_ids: list[int], sampling: SamplingParams, priority: int = 0) -> None:
         """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit (or asks for a
@@ -458,7 +473,7 @@ class Engine:
             )
         self.check_token_ids("prompt", prompt_ids)
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
-        self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias])
+        self.check_token_ids("logit_bias", [token for token, _ in sampling.logit_bias], positions=False)
         self.check_token_ids("allowed_token_ids", sampling.allowed_token_ids or ())
         if (constraint := sampling.constraint) is not None:
             if self.grammars is None:
@@ -671,7 +686,7 @@ class Engine:
                     self.scheduler.release(request)
 
     def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
-        request.output_ids.append(token)
+        request.note_token(token)
         self.counters.generation_tokens += 1
         reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids))
         if request.grammar is not None:

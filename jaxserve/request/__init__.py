@@ -10,6 +10,7 @@ from jaxserve.request.params import (
     InvalidRequest,
     SamplingParams,
     TokenLogprob,
+    listed,
 )
 from jaxserve.request.record import LEGAL_TRANSITIONS, IllegalTransition, Request, RequestStatus
 
@@ -25,4 +26,5 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "TokenLogprob",
+    "listed",
 ]

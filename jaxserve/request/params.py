@@ -4,6 +4,7 @@ builds its sampling arrays from them), unlike the live record of jaxserve.reques
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,12 @@ class InvalidRequest(ValueError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+def listed(items: Sequence[object], most: int = 8) -> str:
+    """'a, b, c' for an error naming every entry at fault, the first `most` of a long list ('..., and 12 more')."""
+    shown = ", ".join(str(item) for item in items[:most])
+    return shown if len(items) <= most else f"{shown}, and {len(items) - most} more"
 
 
 @dataclass(frozen=True)
@@ -103,10 +110,6 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
-            "logit_bias": (
-                all(low <= b <= high for _, b in self.logit_bias) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
-                f"biases must be in [{low:g}, {high:g}], for at most {MAX_LOGIT_BIAS} tokens",
-            ),
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             # vLLM's ranges
             "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
@@ -118,6 +121,14 @@ class SamplingParams:
         for name, (ok, rule) in checks.items():
             if not ok:
                 raise InvalidRequest(name, f"{name}={getattr(self, name)!r}: {rule}")
+        if out_of_range := [f"{token}: {bias:g}" for token, bias in self.logit_bias if not low <= bias <= high]:
+            raise InvalidRequest(
+                "logit_bias", f"logit_bias: biases must be in [{low:g}, {high:g}], got {listed(out_of_range)}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                "logit_bias", f"logit_bias: {len(self.logit_bias)} tokens, at most {MAX_LOGIT_BIAS} are allowed"
+            )
         if len(self.logit_bias_at(0)) > MAX_LOGIT_BIAS:
             raise InvalidRequest(
                 "min_tokens",

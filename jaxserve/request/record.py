@@ -74,6 +74,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # when it left the queue (moved to PREFILLING: pages and slot reserved)
+    first_token_time: float | None = None  # when its first output token was delivered
+    last_token_time: float | None = None  # when its latest output token was delivered
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens already scheduled into the KV cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (never prefilled)
@@ -148,10 +150,31 @@ class Request:
             self._occurrences = TokenOccurrences(prompt)
         return self._occurrences.entries(self.output_ids)
 
+    def note_token(self, token: int) -> None:
+        """An output token delivered now."""
+        self.output_ids.append(token)
+        self.last_token_time = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
+
     @property
     def queue_time(self) -> float | None:
         """Seconds from submission to admission (vLLM's queued interval); None if it was never admitted."""
         return None if self.admitted_time is None else self.admitted_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """Seconds from admission to the first output token (vLLM's prefill interval); None before that token."""
+        if self.admitted_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.admitted_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """Seconds from the first output token to the latest (vLLM's decode interval); None before the first."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
     def mark_finished(self, reason: FinishReason | str, stop_reason: int | str | None = None) -> None:
         reason = FinishReason(reason)  # a plain word is checked here (ValueError naming it), never compared as text

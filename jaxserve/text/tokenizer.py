@@ -21,7 +21,16 @@ import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from jaxserve.request.grammar import GrammarCompiler
-from jaxserve.text.chat.encoding import CHAT_TOKENS, DSML, THINK_END, THINK_START, ChatOptions, render_prompt
+from jaxserve.text.chat.encoding import (
+    CHAT_TOKENS,
+    DSML,
+    LATEST_REMINDER_TOKEN,
+    THINK_END,
+    THINK_START,
+    ChatOptions,
+    ChatTemplateError,
+    render_prompt,
+)
 
 log = logging.getLogger("jaxserve.text.tokenizer")
 
@@ -256,6 +265,14 @@ class Tokenizer:
                 f"{self.file}: the tokenizer has no {', '.join(absent)} token(s), so this model "
                 "has no DeepSeek-V4 chat template"
             )
+        if self._tok.token_to_id(LATEST_REMINDER_TOKEN) is None:
+            for k, message in enumerate(messages):
+                if isinstance(message, dict) and message.get("role") == "latest_reminder":
+                    raise ChatTemplateError(
+                        "messages",
+                        f"messages[{k}]: role 'latest_reminder' needs the {LATEST_REMINDER_TOKEN} token, which this "
+                        "model's tokenizer does not have",
+                    )
         return self._encoding(render_prompt(messages, options)).ids
 
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:

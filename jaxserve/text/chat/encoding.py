@@ -4,6 +4,8 @@
 - The prompt is BOS, then each message: system text (with the tools section appended), `<｜User｜>` user text,
   assistant turns as `[reasoning</think>]content[\\n\\n<DSML tool_calls block>]` + EOS. A user or developer turn
   that the assistant answers next is followed by `<｜Assistant｜>` and `<think>` (thinking mode) or `</think>`.
+- A `latest_reminder` message (the release's role) renders as `<｜latest_reminder｜>` and its text; a user turn
+  before it gets the assistant's opening first, as before an assistant turn.
 - `tool` messages are not a role of their own: consecutive tool results (and a user message right after them)
   merge into one user turn of `<tool_result>...</tool_result>` blocks, in the order of the calls that asked for them.
 - Thinking mode drops the reasoning of turns before the last user turn, and developer turns before it, unless
@@ -31,6 +33,9 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 CHAT_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, THINK_START, THINK_END)
+# The release's reminder turn: its token, then its text, right where the model goes on (a turn answered by the
+# assistant or followed by a reminder gets the assistant's opening first). Not every tokenizer has the token.
+LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
 
 DSML = "｜DSML｜"
 TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
@@ -96,7 +101,7 @@ Otherwise, output directly after {THINK_END} with tool calls or final response.
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """  # noqa: E501 - the release's lines, unwrapped
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")  # the release's encoder's
 
 
 class ChatTemplateError(ValueError):
@@ -316,7 +321,9 @@ def _turn(message: Any, k: int) -> _Turn:
     where = f"messages[{k}]"
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ROLES:
-        raise ChatTemplateError("messages", f"{where}: role {role!r} is not supported ({', '.join(ROLES)})")
+        raise ChatTemplateError(
+            "messages", f"{where}: role {role!r} is not one of DeepSeek-V4's chat roles ({', '.join(ROLES)})"
+        )
     content = message.get("content")
     if role == "user":
         return _Turn(role, blocks=[("text", _text(content, where), "")])
@@ -423,6 +430,8 @@ def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
             out.append(USER_TOKEN + turn.text + tools)
         elif turn.role == "user":
             out.append(_render_user(turn))
+        elif turn.role == "latest_reminder":
+            out.append(LATEST_REMINDER_TOKEN + turn.text)
         else:
             reasoning = turn.reasoning + THINK_END if options.thinking and (keep_reasoning or k > last_user) else ""
             calls = (
@@ -433,7 +442,7 @@ def render_prompt(messages: Any, options: ChatOptions = ChatOptions()) -> str:
             left_open = options.continue_final_message and k + 1 == len(turns)  # the model goes on from its end
             out.append(reasoning + turn.text + calls + ("" if left_open else EOS_TOKEN))
         last = k + 1 == len(turns)
-        answered = options.add_generation_prompt if last else turns[k + 1].role == "assistant"
+        answered = options.add_generation_prompt if last else turns[k + 1].role in ("assistant", "latest_reminder")
         if turn.role in ("user", "developer") and answered:
             opens_thinking = options.thinking and (keep_reasoning or k >= last_user)
             out.append(ASSISTANT_TOKEN + (THINK_START if opens_thinking else THINK_END))
