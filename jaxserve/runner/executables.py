@@ -26,14 +26,13 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.kernels.table import OPERATIONS, Kernels
+from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.forward import final_norm, hidden_streams, last_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepKind, StepShape
-from jaxserve.runner.executable_store import ExecutableStore, describe_callable
 from jaxserve.runner.inputs import GroupInputs, StepGroup, TokenRoutes, group_inputs, padding_groups, verify_inputs
 from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from jaxserve.runner.mirror import CompileSync
@@ -85,11 +84,6 @@ class ExecutableCache:
         # By the rows of each group and whether some row cuts by top-k / top-p (the sampler that sorts).
         self._samplers: dict[tuple[tuple[int, ...], bool], jax.stages.Compiled] = {}
         self.compile_sync: CompileSync | None = None  # in a group: each process says when it compiled a shape
-        # Compiled calls kept on disk beside JAX's cache (None without it), under what they compute from: the model,
-        # the cache's geometry, the kernels (with their arguments) and, per call, its abstract arguments.
-        self.store = ExecutableStore.for_mesh(mesh)
-        ops = [(op, describe_callable(getattr(kernels, op))) for op in OPERATIONS]
-        self._computes = repr((cfg, geometry, ops, kernels.implementations))
 
     # ---- the calls ---------------------------------------------------------------------------------------------
     def _forward_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[GroupInputs, ...]):
@@ -235,20 +229,15 @@ class ExecutableCache:
         with jax.set_mesh(self.mesh):
             if self.verifies(shape):
                 return ShapeExecutables(
-                    self._compiled_call("speculate", self._speculate, self._verify_args(shape, sampled=True)),
-                    greedy=self._compiled_call("speculate", self._speculate, self._verify_args(shape, sampled=False)),
+                    self._speculate.lower(**self._verify_args(shape, sampled=True)).compile(),
+                    greedy=self._speculate.lower(**self._verify_args(shape, sampled=False)).compile(),
                 )
-            forward = self._compiled_call("forward", self._forward, self._forward_args(shape))
+            forward = self._forward.lower(**self._forward_args(shape)).compile()
             for cuts in (False, True):
                 if (shape.group_rows, cuts) not in self._samplers:
-                    sampler = self._compiled_call("sampler", self._sampler, self._sampler_args(shape, cuts))
+                    sampler = self._sampler.lower(**self._sampler_args(shape, cuts)).compile()
                     self._samplers[shape.group_rows, cuts] = sampler
         return ShapeExecutables(forward)
-
-    def _compiled_call(self, name: str, jitted: Any, args: dict[str, Any]) -> jax.stages.Compiled:
-        if self.store is None:
-            return jitted.lower(**args).compile()
-        return self.store.compiled(jitted, name, self._computes, args)
 
     def compile(self, shape: StepShape) -> list[list[jax.stages.Compiled]]:
         """`shape` compiled now, as the engine compiles it, whether or not it was before (the engine's steps keep
