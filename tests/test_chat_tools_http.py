@@ -237,6 +237,57 @@ def test_a_named_tool_choice_is_forced_and_parsed(client, engine, tokenizer):
     assert tokenizer.decode(engine.prompts[-1]).endswith('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
 
 
+# A tool schema as pydantic's model_json_schema() writes one: its parameters refer to root definitions.
+ROUTE = {
+    "name": "plan_route",
+    "description": "A route between two points",
+    "parameters": {
+        "$defs": {
+            "Point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            },
+            "Mode": {"type": "string", "enum": ["walk", "drive"]},
+        },
+        "type": "object",
+        "properties": {
+            "start": {"$ref": "#/$defs/Point"},
+            "end": {"$ref": "#/$defs/Point"},
+            "mode": {"$ref": "#/$defs/Mode"},
+        },
+        "required": ["start", "end", "mode"],
+    },
+}
+
+
+def _route_call(start: str, mode: str = '"walk"') -> str:
+    return (
+        f'<｜DSML｜parameter name="start" string="false">{start}</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="end" string="false">{"x": 3, "y": 4}</｜DSML｜parameter>\n'
+        f'<｜DSML｜parameter name="mode" string="false">{mode}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "plan_route"}}])
+def test_a_forced_call_holds_to_a_schema_with_defs_and_refs(client, engine, tokenizer, tool_choice):
+    """Forced (required, or named), the call's grammar compiles from a schema whose parameters are `$ref`s to its
+    `$defs`, and holds the values to the definitions: a call that keeps to them is served, one that breaks them
+    (a point's x as text, a mode not in the enum) is caught by the grammar as the model writes it."""
+    prefix = '<｜DSML｜invoke name="plan_route">\n' if tool_choice == "required" else ""  # named: the prompt opens it
+    tools = [{"type": "function", "function": ROUTE}]
+    script(engine, tokenizer, prefix + _route_call('{"x": 1, "y": 2}'))
+    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice=tool_choice)
+    call = choice.choices[0].message.tool_calls[0]
+    assert choice.choices[0].finish_reason == "tool_calls" and call.function.name == "plan_route"
+    assert json.loads(call.function.arguments) == {"start": {"x": 1, "y": 2}, "end": {"x": 3, "y": 4}, "mode": "walk"}
+    for start, mode in (('{"x": "one", "y": 2}', '"walk"'), ('{"x": 1, "y": 2}', '"fly"')):
+        script(engine, tokenizer, prefix + _route_call(start, mode))
+        with pytest.raises(openai.InternalServerError, match="structured output"):
+            client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice=tool_choice)
+
+
 def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
     script(engine, tokenizer, "No tools.")
     choice = client.chat.completions.create(

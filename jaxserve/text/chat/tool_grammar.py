@@ -4,7 +4,9 @@ each value matching its own schema. A Lark grammar in llguidance's dialect (`%js
 
 Parameters come in the schema's order, the ones it does not require optional; a string parameter is written raw
 (`string="true"`), so its grammar is the string's own (enum, pattern, length) without JSON's quotes; any other value
-is JSON that matches its schema.
+is JSON that matches its schema. A value's schema is embedded on its own, so the definitions the tool's schema keeps
+at its root (`$defs`, or the older `definitions`: what pydantic's `model_json_schema()` writes) go with it, and its
+`$ref`s (`#/$defs/...`) resolve there as they did in the whole schema.
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ def _parameters(function: dict, prefix: str, rules: list[str]) -> str:
     """The grammar of one function's parameter lines (adding a rule per parameter to `rules`)."""
     schema = function.get("parameters") or {}
     required = set(schema.get("required", ()))
+    definitions = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
     parts = []
     for k, (name, value_schema) in enumerate((schema.get("properties") or {}).items()):
         rule = f"{prefix}_p{k}"
         is_string = isinstance(value_schema, dict) and value_schema.get("type") == "string"
-        value = _raw_string(value_schema) if is_string else f"%json {json.dumps(value_schema or {})}"
+        value = _raw_string(value_schema) if is_string else f"%json {json.dumps(_with(definitions, value_schema))}"
         rules.append(f"{rule}: {_literal(parameter_open(name, is_string))} {value} {_literal(PARAMETER_CLOSE)}")
         parts.append((rule, name in required))
     if not parts:
@@ -67,6 +70,13 @@ def _parameters(function: dict, prefix: str, rules: list[str]) -> str:
         item = f'"\\n" {rule}' if text else rule
         text = f"{text} {item}" if needed else f"{text} ({item})?"
     return text.strip()
+
+
+def _with(definitions: dict[str, Any], schema: Any) -> Any:
+    """A parameter's schema carrying the tool schema's root definitions, for the `$ref`s in it."""
+    if not definitions or not isinstance(schema, dict):
+        return schema or {}
+    return {**definitions, **schema}
 
 
 def _raw_string(schema: dict[str, Any]) -> str:
