@@ -320,7 +320,6 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call():
         ({"tools": [], "tool_choice": "none"}, "tools", "empty array"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-        ({"tools": TOOLS, "tool_choice": "required", "thinking": True}, "tool_choice", "thinking"),
     ],
 )
 def test_bad_options_name_the_field(kwargs, field, text):

@@ -288,6 +288,39 @@ def test_a_forced_call_holds_to_a_schema_with_defs_and_refs(client, engine, toke
             client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice=tool_choice)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_in_thinking_mode_comes_after_the_reasoning(client, engine, tokenizer, tool_choice, stream):
+    """As vLLM does: the model reasons first, then the grammar holds it to the call (the prompt opens nothing but the
+    reasoning); an answer that is not the call is caught as the model writes it."""
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    call = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Lima</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    script(engine, tokenizer, "Which city? Lima.</think>" + call)
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, extra_body=thinking)
+    if stream:
+        out = streamed(client.chat.completions.create(**create, stream=True))
+        reasoning, content, finish = out["reasoning_content"], out["content"], out["finish_reason"]
+        calls = [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"].values()]
+    else:
+        choice = client.chat.completions.create(**create).choices[0]
+        reasoning, content, finish = (
+            choice.message.model_extra["reasoning_content"],
+            choice.message.content,
+            choice.finish_reason,
+        )
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert (reasoning, content or "", finish) == ("Which city? Lima.", "", "tool_calls")
+    assert calls == [("get_weather", {"city": "Lima"})]
+    assert tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<｜Assistant｜><think>")
+    script(engine, tokenizer, "Which city? Lima.</think>It is sunny in Lima.")
+    with pytest.raises(openai.InternalServerError, match="structured output"):
+        client.chat.completions.create(**create)
+
+
 def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
     script(engine, tokenizer, "No tools.")
     choice = client.chat.completions.create(
@@ -325,7 +358,6 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": {"thinking": True}}, "tool_choice"),
     ({"chat_template_kwargs": {"reasoning_effort": "extreme"}}, "chat_template_kwargs.reasoning_effort"),
     ({"reasoning_effort": "ultra"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"enable_thinking": "on"}}, "chat_template_kwargs.enable_thinking"),

@@ -137,8 +137,9 @@ class ChatOptions:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
-    def answer_prefix(self) -> str:
-        """The start of the answer written for the model when tool_choice forces a call ("" otherwise)."""
+    def forced_opening(self) -> str:
+        """How the answer's tool-call block opens when tool_choice forces a call (with the named function's invoke
+        opened too); "" when it does not."""
         if not self.uses_tools or self.tool_choice == "auto":
             return ""
         prefix = TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN + "\n"
@@ -146,6 +147,12 @@ class ChatOptions:
             return prefix
         assert self.tool_name is not None  # chat_options names the function whenever tool_choice is "function"
         return prefix + invoke_open(self.tool_name) + "\n"
+
+    @property
+    def answer_prefix(self) -> str:
+        """The start of the answer written for the model: a forced call's opening, unless thinking mode must first
+        reason (the call's grammar then holds the reasoning, `</think>` and the opening: tool_grammar)."""
+        return "" if self.thinking else self.forced_opening
 
 
 def chat_options(
@@ -172,13 +179,6 @@ def chat_options(
     if tools is None and tool_choice not in (None, "none"):  # vLLM's check_tool_usage, the same message
         raise ChatTemplateError("tool_choice", "tool_choice: When using `tool_choice`, `tools` must be set.")
     choice, name = _tool_choice(tool_choice, functions)
-    if thinking and choice in ("required", "function") and functions:
-        raise ChatTemplateError(
-            "tool_choice",
-            "tool_choice: 'required' and a named function are enforced by "
-            "starting the answer with the tool call, which thinking mode must begin with its "
-            "reasoning; use tool_choice 'auto' with thinking, or turn thinking off",
-        )
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError(
             "continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to True."

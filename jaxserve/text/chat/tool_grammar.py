@@ -1,6 +1,9 @@
 """The grammar of a forced tool call (tool_choice "required" or a named function): the DSML block the model writes
 after the answer prefix the prompt ends with (ChatOptions.answer_prefix), its parameters those of the tool's schema,
-each value matching its own schema. A Lark grammar in llguidance's dialect (`%json {...}` embeds a JSON schema).
+each value matching its own schema. In thinking mode the prompt cannot start the answer (the model reasons first, as
+vLLM lets it): the grammar then begins with the reasoning, any text without `</think>`, the `</think>` token and the
+call's opening (ChatOptions.forced_opening). A Lark grammar in llguidance's dialect (`%json {...}` embeds a JSON
+schema, `<...>` names a special token).
 
 Parameters come in the schema's order, the ones it does not require optional; a string parameter is written raw
 (`string="true"`), so its grammar is the string's own (enum, pattern, length) without JSON's quotes; any other value
@@ -12,11 +15,13 @@ at its root (`$defs`, or the older `definitions`: what pydantic's `model_json_sc
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from jaxserve.text.chat.encoding import (
     INVOKE_CLOSE,
     PARAMETER_CLOSE,
+    THINK_END,
     TOOL_CALLS_CLOSE,
     ChatOptions,
     invoke_open,
@@ -32,9 +37,15 @@ def forced_tool_call_grammar(options: ChatOptions) -> str | None:
         return None
     rules: list[str] = []
     end = f"{_literal(chr(10) + TOOL_CALLS_CLOSE)}"
-    if options.tool_choice == "function":  # the prompt opened the named invoke: its parameters come next
+    # What the answer prefix did not write: in thinking mode the reasoning and the call's whole opening.
+    opening = ""
+    if options.thinking:
+        opening = f"REASONING {THINK_END} {_literal(options.forced_opening)} "
+        no_end = re.escape(THINK_END).replace("/", "\\/")  # in a Lark /regex/, "/" is escaped
+        rules.append(f"REASONING: /(?s:.*)/ & ~/(?s:.*{no_end}.*)/")
+    if options.tool_choice == "function":  # the named invoke is open: its parameters come next
         function = next(f for f in options.tools if f["name"] == options.tool_name)
-        rules.append(f"start: {_parameters(function, 'f', rules)} {_literal(chr(10) + INVOKE_CLOSE)} {end}")
+        rules.append(f"start: {opening}{_parameters(function, 'f', rules)} {_literal(chr(10) + INVOKE_CLOSE)} {end}")
     else:
         invokes = []
         for k, function in enumerate(options.tools):
@@ -45,7 +56,7 @@ def forced_tool_call_grammar(options: ChatOptions) -> str | None:
             )
             invokes.append(name)
         rules.append(f"invoke: {' | '.join(invokes)}")
-        rules.append(f'start: invoke ("\\n" invoke)* {end}')
+        rules.append(f'start: {opening}invoke ("\\n" invoke)* {end}')
     return "\n".join(rules)
 
 
