@@ -72,7 +72,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "functions": (),
     "function_call": (),
-    "parallel_tool_calls": (True,),
+    "parallel_tool_calls": (True,),  # chat reads it (ChatOptions); a completion calls no tools
     "store": (False,),
     "service_tier": ("auto", "default"),
 }
@@ -269,7 +269,7 @@ def parse_chat(body: Any) -> ChatRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise bad_request("top_logprobs", "top_logprobs: only allowed when logprobs is true")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    params = _generation_params(fields, max_tokens, name, logprobs, "top_logprobs", echo)
+    params = _generation_params(fields, max_tokens, name, logprobs, "top_logprobs", echo, ("parallel_tool_calls",))
     messages = fields.raw.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
@@ -321,6 +321,7 @@ def _chat_options(fields: _Fields) -> ChatOptions:
             # vLLM's default is true, and refuses only both set true by the client.
             fields.boolean("add_generation_prompt", not continues),
             continues,
+            fields.boolean("parallel_tool_calls", True),
         )
     except ChatTemplateError as error:
         field = effort_field if error.field == "reasoning_effort" else error.field
@@ -335,8 +336,12 @@ def _generation_params(
     logprobs: int | None,
     logprobs_field: str,
     echo: bool,
+    reads: tuple[str, ...] = (),
 ) -> GenerationParams:
+    """`reads`: fields NO_OP_VALUES lists that this endpoint reads itself (chat: parallel_tool_calls)."""
     for name, values in NO_OP_VALUES.items():
+        if name in reads:
+            continue
         value = fields.raw.get(name)
         if value is not None and not any(_same(value, v) for v in values):
             accepted = ", ".join(repr(v) for v in values) or "null"

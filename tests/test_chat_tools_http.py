@@ -321,6 +321,54 @@ def test_a_forced_call_in_thinking_mode_comes_after_the_reasoning(client, engine
         client.chat.completions.create(**create)
 
 
+def test_a_forced_answer_may_write_optional_parameters_or_leave_them_out_and_call_several_tools(
+    client, engine, tokenizer
+):
+    """The forced grammar against the release's DSML: an optional parameter after a required one (days), a call
+    whose first parameter is left out (search with filters only), two calls in one block."""
+    script(engine, tokenizer, CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n"))
+    forced = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.choices[0].message.tool_calls] == CALLS
+    script(
+        engine,
+        tokenizer,
+        '<｜DSML｜parameter name="filters" string="false">{"site": ["a.org"]}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+    )
+    named = {"type": "function", "function": {"name": "search"}}
+    call = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=named)
+    (only,) = call.choices[0].message.tool_calls
+    assert (only.function.name, json.loads(only.function.arguments)) == ("search", {"filters": {"site": ["a.org"]}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_returns_the_first_call_and_a_forced_answer_writes_one(
+    client, engine, tokenizer, stream
+):
+    """OpenAI's parallel_tool_calls false: an answer that writes two calls gives the first; forced (required), the
+    grammar allows one invoke, so a second is caught as the model writes it."""
+    one_only = {"extra_body": {"parallel_tool_calls": False}}
+    script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, **one_only)
+    if stream:
+        out = streamed(client.chat.completions.create(**create, stream=True))
+        calls = [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"].values()]
+        content, finish = out["content"], out["finish_reason"]
+    else:
+        choice = client.chat.completions.create(**create).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        content, finish = choice.message.content, choice.finish_reason
+    assert (calls, content, finish) == (CALLS[:1], "Let me check.", "tool_calls")
+    block = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
+    first = block[: block.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")]
+    script(engine, tokenizer, first + "\n</｜DSML｜tool_calls>")
+    forced = client.chat.completions.create(**create, tool_choice="required").choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == CALLS[:1]
+    script(engine, tokenizer, block)
+    with pytest.raises(openai.InternalServerError, match="structured output"):
+        client.chat.completions.create(**create, tool_choice="required")
+
+
 def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
     script(engine, tokenizer, "No tools.")
     choice = client.chat.completions.create(

@@ -564,6 +564,14 @@ def test_no_op_label_and_unknown_fields_are_accepted_and_the_unknown_ones_logged
     assert "some_future_field" in record.getMessage() and "ignored" in record.getMessage()
 
 
+def test_parallel_tool_calls_false_is_a_chat_option_and_a_400_on_completions(http):
+    """A completion calls no tools; chat reads it (tests/test_chat_tools_http.py)."""
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "parallel_tool_calls": False})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "parallel_tool_calls", response.text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "parallel_tool_calls": False}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -573,7 +581,6 @@ def test_no_op_label_and_unknown_fields_are_accepted_and_the_unknown_ones_logged
         ("skip_special_tokens", False),
         ("logits_processors", ["my.module:Processor"]),
         ("functions", [{"name": "f"}]),
-        ("parallel_tool_calls", False),
         ("store", True),
         ("modalities", ["text", "audio"]),
         ("suffix", "!"),

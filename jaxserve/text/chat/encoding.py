@@ -130,6 +130,7 @@ class ChatOptions:
     tool_name: str | None = None  # the function tool_choice names
     add_generation_prompt: bool = True  # vLLM's: a last user turn is followed by the assistant's opening
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to go on
+    parallel_tool_calls: bool = True  # OpenAI's: false, an answer calls one tool at most (the first call it writes)
 
     @property
     def uses_tools(self) -> bool:
@@ -162,6 +163,7 @@ def chat_options(
     tool_choice: Any = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    parallel_tool_calls: bool = True,
 ) -> ChatOptions:
     """Validated options from the request's raw `tools`, `tool_choice` and reasoning settings."""
     if reasoning_effort is not None and (
@@ -189,7 +191,14 @@ def chat_options(
             "continue_final_message: a forced tool_choice starts a new answer, so it cannot continue the last one",
         )
     return ChatOptions(
-        bool(thinking), reasoning_effort, functions, choice, name, add_generation_prompt, continue_final_message
+        bool(thinking),
+        reasoning_effort,
+        functions,
+        choice,
+        name,
+        add_generation_prompt,
+        continue_final_message,
+        parallel_tool_calls,
     )
 
 

@@ -120,6 +120,7 @@ class ChatOutputParser:
 
     def __init__(self, options: ChatOptions):
         self._tools = options.uses_tools
+        self._calls_left = None if options.parallel_tool_calls else 1  # parallel_tool_calls false: the first only
         # A continued assistant message has its reasoning closed already: the model goes on with the answer.
         self._state = _REASONING if options.thinking and not options.continue_final_message else _CONTENT
         self._buffer = ""
@@ -154,6 +155,8 @@ class ChatOutputParser:
                 if calls is None:  # not DSML after all: the block is text
                     out.content += self._block_lead + self._buffer[:block_end]
                 else:
+                    if self._calls_left is not None:
+                        calls, self._calls_left = calls[: self._calls_left], max(0, self._calls_left - len(calls))
                     out.tool_calls += [
                         ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in calls
                     ]

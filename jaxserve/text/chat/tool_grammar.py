@@ -28,8 +28,6 @@ from jaxserve.text.chat.encoding import (
     parameter_open,
 )
 
-RAW_STRING_MAX = 4096  # characters of a string parameter without its own maxLength (it stops before a '<')
-
 
 def forced_tool_call_grammar(options: ChatOptions) -> str | None:
     """The Lark grammar of the rest of the answer when `options` force a tool call (None when they do not)."""
@@ -41,46 +39,62 @@ def forced_tool_call_grammar(options: ChatOptions) -> str | None:
     opening = ""
     if options.thinking:
         opening = f"REASONING {THINK_END} {_literal(options.forced_opening)} "
-        no_end = re.escape(THINK_END).replace("/", "\\/")  # in a Lark /regex/, "/" is escaped
-        rules.append(f"REASONING: /(?s:.*)/ & ~/(?s:.*{no_end}.*)/")
+        rules.append(f"REASONING: /(?s:.*)/ & ~/(?s:.*{_regex_literal(THINK_END)}.*)/")
     if options.tool_choice == "function":  # the named invoke is open: its parameters come next
         function = next(f for f in options.tools if f["name"] == options.tool_name)
         rules.append(f"start: {opening}{_parameters(function, 'f', rules)} {_literal(chr(10) + INVOKE_CLOSE)} {end}")
     else:
-        invokes = []
+        # Each call also in a form with the newline before it in its opening literal, as parameters have (_parameters).
         for k, function in enumerate(options.tools):
-            name = f"invoke_{k}"
-            body = _parameters(function, f"f{k}", rules)
-            rules.append(
-                f"{name}: {_literal(invoke_open(function['name']) + chr(10))} {body} {_literal(chr(10) + INVOKE_CLOSE)}"
-            )
-            invokes.append(name)
-        rules.append(f"invoke: {' | '.join(invokes)}")
-        rules.append(f'start: {opening}invoke ("\\n" invoke)* {end}')
+            opening_line = invoke_open(function["name"]) + chr(10)
+            rules.append(f"invoke_{k}_body: {_parameters(function, f'f{k}', rules)} {_literal(chr(10) + INVOKE_CLOSE)}")
+            rules.append(f"invoke_{k}: {_literal(opening_line)} invoke_{k}_body")
+            rules.append(f"invoke_{k}_nl: {_literal(chr(10) + opening_line)} invoke_{k}_body")
+        calls = range(len(options.tools))
+        rules.append(f"invoke: {' | '.join(f'invoke_{k}' for k in calls)}")
+        rules.append(f"invoke_nl: {' | '.join(f'invoke_{k}_nl' for k in calls)}")
+        more = " (invoke_nl)*" if options.parallel_tool_calls else ""  # parallel_tool_calls false: one call
+        rules.append(f"start: {opening}invoke{more} {end}")
     return "\n".join(rules)
 
 
 def _parameters(function: dict, prefix: str, rules: list[str]) -> str:
-    """The grammar of one function's parameter lines (adding a rule per parameter to `rules`)."""
+    """The grammar of one function's parameter lines (adding its rules to `rules`): in the schema's order, one line
+    each, joined by newlines, the ones the schema does not require optional. Each parameter has a rule with its
+    newline in front too (one literal: the lexer tells `\n<｜DSML｜parameter` from the invoke's closing `\n</...` by
+    their bytes, where a separate newline lexeme would make it guess)."""
     schema = function.get("parameters") or {}
     required = set(schema.get("required", ()))
     definitions = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
-    parts = []
+    params: list[tuple[str, bool]] = []
     for k, (name, value_schema) in enumerate((schema.get("properties") or {}).items()):
         rule = f"{prefix}_p{k}"
         is_string = isinstance(value_schema, dict) and value_schema.get("type") == "string"
-        value = _raw_string(value_schema) if is_string else f"%json {json.dumps(_with(definitions, value_schema))}"
-        rules.append(f"{rule}: {_literal(parameter_open(name, is_string))} {value} {_literal(PARAMETER_CLOSE)}")
-        parts.append((rule, name in required))
-    if not parts:
+        if is_string:
+            value = f"{rule.upper()}_VALUE"  # a lexeme (an upper-case name)
+            rules.append(f"{value}: {_raw_string(value_schema)}")
+        else:
+            value = f"{rule}_value {_literal(PARAMETER_CLOSE)}"
+            rules.append(f"{rule}_value: %json {json.dumps(_with(definitions, value_schema))}")
+        opening = parameter_open(name, is_string)
+        rules.append(f"{rule}: {_literal(opening)} {value}")
+        rules.append(f"{rule}_nl: {_literal(chr(10) + opening)} {value}")
+        params.append((rule, name in required))
+    if not params:
         return '""'
-    # Lines joined by newlines: the first present one has none before it, so optional parameters are written in
-    # order, each with its separator, after the required ones it follows.
-    text = ""
-    for rule, needed in parts:
-        item = f'"\\n" {rule}' if text else rule
-        text = f"{text} {item}" if needed else f"{text} ({item})?"
-    return text.strip()
+
+    def after(i: int) -> str:  # the parameters from the i-th on, each on a new line
+        return " ".join(f"{rule}_nl" if needed else f"({rule}_nl)?" for rule, needed in params[i:])
+
+    # Which parameter comes first decides which has no newline before it: any up to the first required one.
+    firsts = []
+    for k, (rule, needed) in enumerate(params):
+        firsts.append(f"{rule} {after(k + 1)}".strip())
+        if needed:
+            break
+    else:
+        firsts.append('""')  # none required: none at all
+    return "(" + " | ".join(firsts) + ")"
 
 
 def _with(definitions: dict[str, Any], schema: Any) -> Any:
@@ -91,12 +105,25 @@ def _with(definitions: dict[str, Any], schema: Any) -> Any:
 
 
 def _raw_string(schema: dict[str, Any]) -> str:
+    """A string parameter's raw value and the parameter's closing tag, as one lexeme: a free text may hold any
+    character, '<' included, and ends at the first closing tag (a lexeme that stopped before the tag would let the
+    lexer run on into it)."""
+    close = _regex_literal(PARAMETER_CLOSE)
     if "enum" in schema:
-        return "(" + " | ".join(_literal(str(v)) for v in schema["enum"]) + ")"
+        return f"/({'|'.join(_regex_literal(str(v)) for v in schema['enum'])}){close}/"
     if "pattern" in schema:
-        return f"/{schema['pattern'].removeprefix('^').removesuffix('$')}/"
-    low, high = int(schema.get("minLength", 0)), int(schema.get("maxLength", RAW_STRING_MAX))
-    return f"/[^<]{{{low},{high}}}/"
+        return f"/({schema['pattern'].removeprefix('^').removesuffix('$')}){close}/"
+    if "minLength" in schema or "maxLength" in schema:
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        text = f"(?s:.{{{low},{'' if high is None else int(high)}}})"
+    else:
+        text = "(?s:.*)"  # unbounded: a bound of thousands makes llguidance's lexeme checks run out of fuel
+    return f"/{text}{close}/ & ~/(?s:.*{close}.+)/"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/ (where "/" is escaped too)."""
+    return re.escape(text).replace("/", "\\/")
 
 
 def _literal(text: str) -> str:
