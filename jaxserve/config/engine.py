@@ -278,9 +278,9 @@ class EngineConfig:
     def active_step_policies(self) -> dict[str, float]:
         """The step policies' options that turn theirs on (a positive value), in the registry's order."""
         return {
-            STEP_POLICIES[name].option: value
-            for name in STEP_POLICIES
-            if (value := self.step_policies.get(STEP_POLICIES[name].option)) is not None and value > 0
+            option: value
+            for option in step_policy_options()
+            if (value := self.step_policies.get(option)) is not None and value > 0
         }
 
     @property
