@@ -33,6 +33,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepKind, StepShape
+from jaxserve.runner.export_store import ExportStore, JitSpec, describe, store_folder
 from jaxserve.runner.inputs import GroupInputs, StepGroup, TokenRoutes, group_inputs, padding_groups, verify_inputs
 from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from jaxserve.runner.mirror import CompileSync
@@ -65,13 +66,14 @@ class ExecutableCache:
             cache=shape_dtype_structs(abstract_cache, mesh),
             slot_tokens=self.abstract((geometry.num_slots,), jnp.int32),
         )
-        self._forward = jax.jit(
+        # The calls, each jitted from one spec (the export store makes its thin call of the same spec).
+        self._forward = JitSpec(
             self._forward_fn,
             donate_argnames=("cache",),
             out_shardings=(self.replicated, self.replicated, self.cache_shardings),
         )
-        self._sampler = jax.jit(self._sampler_fn, static_argnames=("cuts",), out_shardings=self.replicated)
-        self._speculate = jax.jit(
+        self._sampler = JitSpec(self._sampler_fn, static_argnames=("cuts",), out_shardings=self.replicated)
+        self._speculate = JitSpec(
             self._speculate_fn,
             static_argnames=("sampled",),
             donate_argnames=("cache",),
@@ -201,8 +203,8 @@ class ExecutableCache:
         inputs, params = self._abstract_like((verify_inputs(group, self.geometry), self._samplings(padding)[0]))
         return dict(**self._state, inputs=inputs, params=params, sampled=sampled)
 
-    def _lowerings(self, shape: StepShape) -> list[tuple[Any, dict[str, Any]]]:
-        """The calls of `shape`, each a jitted function and its abstract arguments: the forward and the sampler that
+    def _lowerings(self, shape: StepShape) -> list[tuple[JitSpec, dict[str, Any]]]:
+        """The calls of `shape`, each its jit's spec and its abstract arguments: the forward and the sampler that
         sorts, or the sampled verify step."""
         if self.verifies(shape):
             return [(self._speculate, self._verify_args(shape, sampled=True))]
@@ -229,15 +231,24 @@ class ExecutableCache:
         with jax.set_mesh(self.mesh):
             if self.verifies(shape):
                 return ShapeExecutables(
-                    self._speculate.lower(**self._verify_args(shape, sampled=True)).compile(),
-                    greedy=self._speculate.lower(**self._verify_args(shape, sampled=False)).compile(),
+                    self._compile_call("speculate", self._speculate, self._verify_args(shape, sampled=True)),
+                    greedy=self._compile_call("speculate", self._speculate, self._verify_args(shape, sampled=False)),
                 )
-            forward = self._forward.lower(**self._forward_args(shape)).compile()
+            forward = self._compile_call("forward", self._forward, self._forward_args(shape))
             for cuts in (False, True):
                 if (shape.group_rows, cuts) not in self._samplers:
-                    sampler = self._sampler.lower(**self._sampler_args(shape, cuts)).compile()
+                    sampler = self._compile_call("sampler", self._sampler, self._sampler_args(shape, cuts))
                     self._samplers[shape.group_rows, cuts] = sampler
         return ShapeExecutables(forward)
+
+    def _compile_call(self, name: str, spec: JitSpec, args: dict[str, Any]) -> jax.stages.Compiled:
+        """One call compiled, through the export store while JAX's persistent compilation cache is on (a later
+        start then skips tracing it)."""
+        folder = store_folder()
+        if folder is None:
+            return spec.jitted.lower(**args).compile()
+        context = describe((self.cfg, self.geometry, self.kernels, self.mesh))
+        return ExportStore(folder, context).compile(name, spec, args)
 
     def compile(self, shape: StepShape) -> list[list[jax.stages.Compiled]]:
         """`shape` compiled now, as the engine compiles it, whether or not it was before (the engine's steps keep
@@ -264,14 +275,14 @@ class ExecutableCache:
     def jaxprs(self, shape: StepShape) -> list[ClosedJaxpr]:
         """The calls of `shape` as traced, before XLA sees them (see _lowerings)."""
         with jax.set_mesh(self.mesh):
-            return [jitted.trace(**args).jaxpr for jitted, args in self._lowerings(shape)]
+            return [spec.jitted.trace(**args).jaxpr for spec, args in self._lowerings(shape)]
 
     def temp_bytes(self, shape: StepShape, compiler_options: dict[str, Any]) -> int:
         """XLA's temporaries of the calls of `shape` (per device), compiled with `compiler_options`."""
         total = 0
         with jax.set_mesh(self.mesh):
-            for jitted, args in self._lowerings(shape):
-                analysis = jitted.lower(**args).compile(compiler_options=compiler_options).memory_analysis()
+            for spec, args in self._lowerings(shape):
+                analysis = spec.jitted.lower(**args).compile(compiler_options=compiler_options).memory_analysis()
                 if analysis is None:
                     raise RuntimeError("XLA has no memory analysis of the compiled step on these devices")
                 total += int(analysis.temp_size_in_bytes)
