@@ -4,7 +4,9 @@ With vLLM's `return_token_ids`, completions carry `prompt_token_ids` (first chun
 `token_ids` in the choice; chat carries `prompt_token_ids` at the top level and `token_ids` in the choice.
 
 Chat output goes through DeepSeek-V4's output parser: `reasoning_content`, `content` and `tool_calls` (each call
-whole, in the chunk where its block closed), and `finish_reason: tool_calls` when the model called tools.
+streamed as OpenAI streams them: id and name first, then `arguments` fragments; see jaxserve.text.chat.output for when
+a call streams as it is written and when it is held whole), and `finish_reason: tool_calls` when the model called
+tools.
 
 Logprobs come in the shapes OpenAI's API uses. Completions: `{tokens, token_logprobs, top_logprobs,
 text_offset}`, where each `top_logprobs` entry maps token text to logprob for the top k and the chosen token (a
@@ -286,7 +288,6 @@ class ChatFormat(_Format):
         self._still_reasoning = [options.thinking and not options.continue_final_message] * n
         self._reasoning_tokens = [0] * n
         self._parsers = [ChatOutputParser(options) for _ in range(n)]
-        self._num_calls = [0] * n
 
     def _prompt_ids(self) -> dict:
         return {"prompt_token_ids": self.prompts[0]} if self.return_token_ids else {}
@@ -317,12 +318,9 @@ class ChatFormat(_Format):
         body: dict = {"content": parsed.content}  # always a string, as before: clients concatenate it
         if parsed.reasoning and self.include_reasoning:
             body.update(self._reasoning(parsed.reasoning))
-        if parsed.tool_calls:
-            body["tool_calls"] = [
-                {"index": self._num_calls[index] + k, **call.to_openai()} for k, call in enumerate(parsed.tool_calls)
-            ]
-            self._num_calls[index] += len(parsed.tool_calls)
-        finish = self._finish_reason(delta.finish_reason, self._num_calls[index] > 0)
+        if parsed.tool_calls:  # a call's id and name first, then its arguments as they come
+            body["tool_calls"] = [piece.to_openai() for piece in parsed.tool_calls]
+        finish = self._finish_reason(delta.finish_reason, parser.num_calls > 0)
         logprobs = self._logprobs(delta.logprobs) if self.logprobs and delta.token_ids else None
         return self._envelope(
             self.chunk_object,
@@ -341,7 +339,7 @@ class ChatFormat(_Format):
                 self._choice(
                     index,
                     {"message": message},
-                    self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
+                    self._finish_reason(output.finish_reason, bool(message.get("tool_calls"))),
                     output.stop_reason,
                     output.token_ids,
                     self._logprobs(output.logprobs) if self.logprobs else None,
@@ -391,8 +389,8 @@ class ChatFormat(_Format):
             "content": parsed.content if parsed.content or not parsed.tool_calls else None,
             **(cls._reasoning(parsed.reasoning or None) if include_reasoning else {}),
         }
-        if parsed.tool_calls:
-            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        if calls := parsed.calls():
+            message["tool_calls"] = [call.to_openai() for call in calls]
         return message
 
     @staticmethod

@@ -368,7 +368,7 @@ def test_past_arguments_that_are_not_json_render_as_one_string_parameter():
 
 
 def _calls(parsed: ParsedDelta) -> list[tuple[str, dict]]:
-    return [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
+    return [(call.name, json.loads(call.arguments)) for call in parsed.calls()]
 
 
 THINKING_TOOLS = chat_options(thinking=True, tools=TOOLS)
@@ -406,8 +406,8 @@ OUTPUTS = [  # (options, model output, reasoning, content, calls)
 def test_whole_outputs_parse_into_reasoning_content_and_calls(options, text, reasoning, content, calls):
     parsed = parse_output(text, options)
     assert (parsed.reasoning, parsed.content, _calls(parsed)) == (reasoning, content, calls)
-    assert all(call.id.startswith("call_") for call in parsed.tool_calls)
-    assert len({call.id for call in parsed.tool_calls}) == len(calls)
+    assert all(call.id.startswith("call_") for call in parsed.calls())
+    assert len({call.id for call in parsed.calls()}) == len(calls)
 
 
 MALFORMED = [
@@ -467,7 +467,10 @@ def _stream(pieces, options) -> tuple[ParsedDelta, list[ParsedDelta]]:
 
 
 def _same(a: ParsedDelta, b: ParsedDelta) -> bool:
-    return (a.reasoning, a.content, _calls(a)) == (b.reasoning, b.content, _calls(b))
+    def whole(parsed: ParsedDelta) -> tuple:
+        return parsed.reasoning, parsed.content, [(c.name, c.arguments) for c in parsed.calls()]
+
+    return whole(a) == whole(b)
 
 
 def _utf8_pieces(text: str, cuts: list[int]) -> list[str]:
@@ -477,7 +480,17 @@ def _utf8_pieces(text: str, cuts: list[int]) -> list[str]:
     return [decoder.decode(raw[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-STREAMED = [(o, t) for o, t, *_ in OUTPUTS] + [(AUTO_TOOLS, "Before.\n\n" + b) for b in MALFORMED]
+REQUIRED = chat_options(tools=TOOLS, tool_choice="required")  # the grammar holds the calls: they stream as written
+THINKING_REQUIRED = chat_options(thinking=True, tools=TOOLS, tool_choice="required")
+# What the model writes after a forced call's answer prefix (the block's opening, in the prompt).
+REQUIRED_OUTPUT = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
+HELD = [
+    (REQUIRED, REQUIRED_OUTPUT),
+    (THINKING_REQUIRED, "Two cities.</think>\n\n" + CALLS_DSML),
+    (REQUIRED, REQUIRED_OUTPUT.split("line <two>")[0]),  # the output ends inside a string value
+    (REQUIRED, REQUIRED_OUTPUT.split("safe")[0]),  # inside a JSON value
+]
+STREAMED = [(o, t) for o, t, *_ in OUTPUTS] + [(AUTO_TOOLS, "Before.\n\n" + b) for b in MALFORMED] + HELD
 
 
 @pytest.mark.parametrize("options, text", STREAMED)
@@ -493,7 +506,7 @@ def test_every_byte_split_streams_to_the_whole_parse(options, text):
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, size), k=min(size - 1, rng.randint(2, 8))))
         assert _same(_stream(_utf8_pieces(text, cuts), options)[0], whole), f"cuts {cuts}"
-    if whole.tool_calls:  # well-formed calls: no markup in any streamed piece
+    if whole.calls():  # well-formed calls: no markup in any streamed piece
         assert not any("｜DSML｜" in d.content + d.reasoning or END_THINK in d.content + d.reasoning for d in deltas)
 
 
@@ -506,3 +519,48 @@ def test_streaming_through_the_tokenizer_token_by_token():
     assert (total.reasoning, total.content, _calls(total)) == ("Hmm… 🤔", "Sure.", CALLS)
     # Without keep_markup the </think> special token vanishes from the text, which is why chat keeps it.
     assert END_THINK not in tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("options, output", HELD[:2])
+def test_held_calls_parse_as_the_whole_block_parses_the_same_calls(options, output):
+    """The streamed form of a grammar-held block and the whole-block form of the same calls agree to the byte."""
+    held = parse_output(output, options)
+    whole = parse_output("\n\n" + CALLS_DSML, AUTO_TOOLS)
+    assert [(c.name, c.arguments) for c in held.calls()] == [(c.name, c.arguments) for c in whole.calls()]
+    assert _calls(held) == CALLS and held.content == ""
+    assert held.reasoning == ("Two cities." if options.thinking else "")
+
+
+def test_a_held_call_streams_its_name_first_and_its_arguments_as_they_are_written():
+    parser = ChatOutputParser(REQUIRED)
+    value_end = REQUIRED_OUTPUT.index("</｜DSML｜parameter>")
+    name_end = REQUIRED_OUTPUT.index("\n<｜DSML｜parameter")
+    # Up to the invoke's closing '>': no call yet (its name may still grow); then its id and name.
+    head = parser.feed(REQUIRED_OUTPUT[: name_end - 1])
+    assert head.tool_calls == []
+    opened = parser.feed(REQUIRED_OUTPUT[name_end - 1 : name_end])
+    (first,) = opened.tool_calls
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "") and first.id.startswith("call_")
+    assert first.to_openai() == {
+        "index": 0,
+        "id": first.id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
+    # A string value's text as it comes, before its closing tag (and long before the invoke's).
+    written = parser.feed(REQUIRED_OUTPUT[name_end:value_end])
+    assert "".join(p.arguments for p in written.tool_calls) == '{"city": "São Paulo 東京 \\"quoted\\" \\\\ back'
+    assert all(p.id is None and p.to_openai()["function"].keys() == {"arguments"} for p in written.tool_calls)
+    # A tag's first characters are held back until they turn out to be the closing tag.
+    assert parser.feed("</｜DSML").tool_calls == []
+    rest = parser.feed(REQUIRED_OUTPUT[value_end + len("</｜DSML") :])
+    rest.extend(parser.finish())
+    assert [p.index for p in rest.tool_calls if p.id is not None] == [1] and parser.num_calls == 2
+
+
+def test_a_held_call_cut_short_ends_as_far_as_it_was_written_in_stream_and_whole_alike():
+    parsed = parse_output(REQUIRED_OUTPUT.split("line <two>")[0], REQUIRED)
+    (weather, search) = parsed.calls()
+    assert json.loads(weather.arguments) == CALLS[0][1]
+    assert search.arguments == '{"query": "line one\\n'  # as far as the model wrote it (finish_reason "length")
+    assert parsed.content == ""

@@ -511,3 +511,37 @@ def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(http, path, body,
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
     assert http.post("/tokenize", json={"prompt": "a", "model": "other"}).status_code == 404
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_forced_call_streams_its_name_first_then_its_arguments_as_the_model_writes_them(
+    client, engine, tokenizer, thinking
+):
+    """tool_choice required: the grammar holds the block, so each call streams as OpenAI's do: index, id, type and
+    name in its first delta, then `arguments` fragments, the first of them long before the call's closing tag; the
+    fragments add up to the non-streamed call's arguments, byte for byte."""
+    block = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
+    answer = "Two lookups.</think>\n\n<｜DSML｜tool_calls>\n" + block if thinking else block
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required")
+    if thinking:
+        create["extra_body"] = {"chat_template_kwargs": {"thinking": True}}
+    script(engine, tokenizer, answer)
+    whole = client.chat.completions.create(**create).choices[0].message.tool_calls
+    script(engine, tokenizer, answer)
+    out = streamed(client.chat.completions.create(**create, stream=True))
+    assert out["finish_reason"] == "tool_calls" and out["content"] == ""
+    assert out["reasoning_content"] == ("Two lookups." if thinking else "")
+    assert [(c["name"], c["arguments"]) for _, c in sorted(out["tool_calls"].items())] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(out["tool_calls"].items())] == CALLS
+    pieces = [(d["index"], d) for delta in out["deltas"] for d in delta.get("tool_calls", [])]
+    for index in (0, 1):
+        mine = [d for i, d in pieces if i == index]
+        first, rest = mine[0], mine[1:]
+        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert first["function"] == {"name": CALLS[index][0], "arguments": ""}
+        assert rest and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+        # The arguments arrive in many pieces: the call's text was streamed before its closing tag was written.
+        so_far = [sum(len(d["function"]["arguments"]) for d in rest[: k + 1]) for k in range(len(rest))]
+        assert len(rest) > 5 and so_far[0] < so_far[-1] // 4

@@ -347,8 +347,8 @@ def test_a_forced_tool_calls_arguments_validate_against_its_schema(server, loade
         tokens, reason, _ = server.engine.submit(loaded.tokenizer.encode("Weather?"), sampling).wait(timeout=120)
         assert reason == "stop", loaded.tokenizer.decode(tokens)
         parsed = parse_output(loaded.tokenizer.decode(tokens), chat.options)  # it reads the prefix itself
-        assert parsed.tool_calls, loaded.tokenizer.decode(tokens)
-        for call in parsed.tool_calls:
+        assert parsed.calls(), loaded.tokenizer.decode(tokens)
+        for call in parsed.calls():
             if isinstance(tool_choice, dict):
                 assert call.name == "weather"
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -1,7 +1,7 @@
 """DeepSeek-V4's chat format: rendering requests into prompts (encoding.py) and reading outputs back (output.py)."""
 
 from jaxserve.text.chat.encoding import ChatOptions, ChatTemplateError, chat_options, render_prompt
-from jaxserve.text.chat.output import ChatOutputParser, ParsedDelta, ToolCall, parse_output
+from jaxserve.text.chat.output import ChatOutputParser, ParsedDelta, ToolCall, ToolCallDelta, parse_output
 
 __all__ = [
     "ChatOptions",
@@ -11,5 +11,6 @@ __all__ = [
     "ChatOutputParser",
     "ParsedDelta",
     "ToolCall",
+    "ToolCallDelta",
     "parse_output",
 ]

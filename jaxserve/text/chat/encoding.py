@@ -138,10 +138,16 @@ class ChatOptions:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def calls_held_by_grammar(self) -> bool:
+        """A grammar holds the answer's tool calls to the tools and their schemas (tool_grammar), so the output parser
+        may stream them as they are written: tool_choice "required" or a named function."""
+        return self.uses_tools and self.tool_choice in ("required", "function")
+
+    @property
     def forced_opening(self) -> str:
         """How the answer's tool-call block opens when tool_choice forces a call (with the named function's invoke
         opened too); "" when it does not."""
-        if not self.uses_tools or self.tool_choice == "auto":
+        if not self.calls_held_by_grammar:
             return ""
         prefix = TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN + "\n"
         if self.tool_choice != "function":

@@ -31,7 +31,7 @@ from jaxserve.text.chat.encoding import (
 
 def forced_tool_call_grammar(options: ChatOptions) -> str | None:
     """The Lark grammar of the rest of the answer when `options` force a tool call (None when they do not)."""
-    if not options.uses_tools or options.tool_choice not in ("required", "function"):
+    if not options.calls_held_by_grammar:
         return None
     rules: list[str] = []
     end = f"{_literal(chr(10) + TOOL_CALLS_CLOSE)}"
