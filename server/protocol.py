@@ -42,7 +42,7 @@ from jaxserve.request import MAX_LOGPROBS, InvalidRequest, SamplingParams, liste
 from jaxserve.request.grammar import Constraint, ConstraintKind
 from jaxserve.server.errors import bad_request
 from jaxserve.text.chat import ChatOptions, ChatTemplateError, chat_options
-from jaxserve.text.chat.tool_grammar import forced_tool_call_grammar
+from jaxserve.text.chat.tool_grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -274,15 +274,23 @@ def parse_chat(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"messages: must be a non-empty list of messages, got {_show(messages)}")
     options = _chat_options(fields)
-    tool_call = forced_tool_call_grammar(options)
-    if tool_call is not None:  # the call's parameters must match the tool's schema
-        if params.constraint is not None:
+    if params.constraint is not None and options.uses_tools:
+        if options.forces_call:
             raise bad_request(
                 params.constraint.field,
                 f"{params.constraint.field}: tool_choice {options.tool_choice!r} already constrains the answer to a "
                 "tool call; a request takes one structured output constraint",
             )
-        params = dataclasses.replace(params, constraint=Constraint(ConstraintKind.GRAMMAR, tool_call, "tool_choice"))
+        log.warning(
+            "%s constrains the answer, so no grammar holds its tool calls to the tools' schemas (tool_choice auto): "
+            "a call the model writes is parsed once its block closes",
+            params.constraint.field,
+        )
+        options = dataclasses.replace(options, own_constraint=True)
+    tool_call = tool_call_grammar(options)
+    if tool_call is not None:  # the calls the model writes must be the tools', their parameters the tools' schemas
+        held_by = "tool_choice" if options.forces_call else "tools"  # the field a grammar error names
+        params = dataclasses.replace(params, constraint=Constraint(ConstraintKind.GRAMMAR, tool_call, held_by))
     include_reasoning = fields.boolean("include_reasoning", True)
     fields.warn_unread("/v1/chat/completions")
     return ChatRequest(messages, options, params, include_reasoning, _echoed(messages) if echo else "")

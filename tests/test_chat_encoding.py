@@ -5,6 +5,7 @@ by the code under test. Streaming is checked by feeding each output split at eve
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import random
 
@@ -372,7 +373,9 @@ def _calls(parsed: ParsedDelta) -> list[tuple[str, dict]]:
 
 
 THINKING_TOOLS = chat_options(thinking=True, tools=TOOLS)
-AUTO_TOOLS = chat_options(tools=TOOLS)
+AUTO_TOOLS = chat_options(tools=TOOLS)  # a grammar holds the calls (tool_grammar): they stream as written
+# The request's own structured output constrains the answer: no grammar holds the calls, a block is parsed whole.
+UNHELD_TOOLS = dataclasses.replace(AUTO_TOOLS, own_constraint=True)
 OUTPUTS = [  # (options, model output, reasoning, content, calls)
     (AUTO_TOOLS, "Let me look.\n\n" + CALLS_DSML, "", "Let me look.", CALLS),
     (AUTO_TOOLS, CALLS_DSML, "", "", CALLS),
@@ -396,6 +399,8 @@ OUTPUTS = [  # (options, model output, reasoning, content, calls)
     # Without tools, DSML is not parsed: it is text like any other.
     (ChatOptions(), "x\n\n" + CALLS_DSML, "", "x\n\n" + CALLS_DSML, []),
     (AUTO_TOOLS, "a\n\n" + CALLS_DSML + "\ntrailing", "", "a\ntrailing", CALLS),
+    (UNHELD_TOOLS, "Let me look.\n\n" + CALLS_DSML, "", "Let me look.", CALLS),
+    (UNHELD_TOOLS, "a\n\n" + CALLS_DSML + "\ntrailing", "", "a\ntrailing", CALLS),
     # Stray think tags in an answer are dropped, as they were when special tokens were skipped.
     (ChatOptions(), "a</think>b<think>c<thin", "", "abc<thin", []),
     (chat_options(thinking=True), "r</think>a</think>b", "r", "ab", []),
@@ -427,7 +432,7 @@ MALFORMED = [
 @pytest.mark.parametrize("block", MALFORMED)
 def test_malformed_tool_calls_come_back_verbatim_as_content(block):
     text = "Before.\n\n" + block
-    parsed = parse_output(text, AUTO_TOOLS)
+    parsed = parse_output(text, UNHELD_TOOLS)
     assert (parsed.content, parsed.tool_calls, parsed.reasoning) == (text, [], "")
 
 
@@ -486,11 +491,12 @@ THINKING_REQUIRED = chat_options(thinking=True, tools=TOOLS, tool_choice="requir
 REQUIRED_OUTPUT = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
 HELD = [
     (REQUIRED, REQUIRED_OUTPUT),
+    (AUTO_TOOLS, "Let me look.\n\n" + CALLS_DSML.split("line <two>")[0]),  # under auto, cut short
     (THINKING_REQUIRED, "Two cities.</think>\n\n" + CALLS_DSML),
     (REQUIRED, REQUIRED_OUTPUT.split("line <two>")[0]),  # the output ends inside a string value
     (REQUIRED, REQUIRED_OUTPUT.split("safe")[0]),  # inside a JSON value
 ]
-STREAMED = [(o, t) for o, t, *_ in OUTPUTS] + [(AUTO_TOOLS, "Before.\n\n" + b) for b in MALFORMED] + HELD
+STREAMED = [(o, t) for o, t, *_ in OUTPUTS] + [(UNHELD_TOOLS, "Before.\n\n" + b) for b in MALFORMED] + HELD
 
 
 @pytest.mark.parametrize("options, text", STREAMED)
@@ -521,11 +527,11 @@ def test_streaming_through_the_tokenizer_token_by_token():
     assert END_THINK not in tokenizer.decode(ids)
 
 
-@pytest.mark.parametrize("options, output", HELD[:2])
+@pytest.mark.parametrize("options, output", HELD[:1] + HELD[2:3] + [(AUTO_TOOLS, "\n\n" + CALLS_DSML)])
 def test_held_calls_parse_as_the_whole_block_parses_the_same_calls(options, output):
     """The streamed form of a grammar-held block and the whole-block form of the same calls agree to the byte."""
     held = parse_output(output, options)
-    whole = parse_output("\n\n" + CALLS_DSML, AUTO_TOOLS)
+    whole = parse_output("\n\n" + CALLS_DSML, UNHELD_TOOLS)
     assert [(c.name, c.arguments) for c in held.calls()] == [(c.name, c.arguments) for c in whole.calls()]
     assert _calls(held) == CALLS and held.content == ""
     assert held.reasoning == ("Two cities." if options.thinking else "")

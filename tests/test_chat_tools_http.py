@@ -137,7 +137,8 @@ def test_a_tool_call_round_trip_streaming(client, engine, tokenizer):
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(out["tool_calls"].items())] == CALLS
     assert all(c["id"].startswith("call_") for c in out["tool_calls"].values())
     assert not any("DSML" in d.get("content", "") for d in out["deltas"])
-    assert chunks[-1].usage.completion_tokens == len(tokenizer.encode("Let me check.\n\n" + CALLS_DSML)) + 1
+    # The grammar that holds the calls is complete at the block's closing tag, which ends the answer: no EOS step.
+    assert chunks[-1].usage.completion_tokens == len(tokenizer.encode("Let me check.\n\n" + CALLS_DSML))
 
 
 def test_reasoning_arrives_apart_from_the_answer(client, engine, tokenizer):
@@ -342,14 +343,16 @@ def test_a_forced_answer_may_write_optional_parameters_or_leave_them_out_and_cal
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_parallel_tool_calls_false_returns_the_first_call_and_a_forced_answer_writes_one(
+def test_parallel_tool_calls_false_writes_one_call_and_without_a_grammar_returns_the_first(
     client, engine, tokenizer, stream
 ):
-    """OpenAI's parallel_tool_calls false: an answer that writes two calls gives the first; forced (required), the
-    grammar allows one invoke, so a second is caught as the model writes it."""
-    one_only = {"extra_body": {"parallel_tool_calls": False}}
+    """OpenAI's parallel_tool_calls false: the grammar that holds the calls (auto or forced) allows one invoke, so a
+    second is caught as the model writes it; where the request's own structured output replaces that grammar, an
+    answer that writes two calls gives the first."""
+    one_only = {"parallel_tool_calls": False}
+    anything = {"structured_outputs": {"regex": "(?s:.*)"}}  # the request's own constraint: no tool grammar
     script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
-    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, **one_only)
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, extra_body={**one_only, **anything})
     if stream:
         out = streamed(client.chat.completions.create(**create, stream=True))
         calls = [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"].values()]
@@ -361,12 +364,14 @@ def test_parallel_tool_calls_false_returns_the_first_call_and_a_forced_answer_wr
     assert (calls, content, finish) == (CALLS[:1], "Let me check.", "tool_calls")
     block = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
     first = block[: block.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")]
-    script(engine, tokenizer, first + "\n</｜DSML｜tool_calls>")
-    forced = client.chat.completions.create(**create, tool_choice="required").choices[0]
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == CALLS[:1]
-    script(engine, tokenizer, block)
-    with pytest.raises(openai.InternalServerError, match="structured output"):
-        client.chat.completions.create(**create, tool_choice="required")
+    held = dict(model=MODEL, messages=QUESTION, tools=TOOLS, extra_body=one_only)
+    for tool_choice, answer in (("auto", "Let me check.\n\n<｜DSML｜tool_calls>\n" + first), ("required", first)):
+        script(engine, tokenizer, answer + "\n</｜DSML｜tool_calls>")
+        choice = client.chat.completions.create(**held, tool_choice=tool_choice).choices[0]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == CALLS[:1]
+        script(engine, tokenizer, answer + "\n" + block[len(first) + 1 :])
+        with pytest.raises(openai.InternalServerError, match="structured output"):
+            client.chat.completions.create(**held, tool_choice=tool_choice)
 
 
 def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, tokenizer):
@@ -382,10 +387,20 @@ def test_tool_choice_none_neither_renders_nor_parses_tools(client, engine, token
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_malformed_tool_output_is_plain_content(client, engine, tokenizer, stream):
+def test_malformed_tool_output_is_caught_by_the_grammar_or_without_one_is_plain_content(
+    client, engine, tokenizer, stream
+):
     text = 'Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\noops'
     script(engine, tokenizer, text)
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
+    with pytest.raises((openai.InternalServerError, openai.APIError), match="structured output"):
+        response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
+        if stream:
+            list(response)
+    script(engine, tokenizer, text)
+    anything = {"structured_outputs": {"regex": "(?s:.*)"}}  # the request's own constraint: no tool grammar
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream, extra_body=anything
+    )
     if stream:
         out = streamed(response)
         assert (out["content"], out["tool_calls"], out["finish_reason"]) == (text, {}, "stop")
@@ -394,11 +409,35 @@ def test_malformed_tool_output_is_plain_content(client, engine, tokenizer, strea
         assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
 
 
-def test_a_tool_call_cut_by_max_tokens_is_text_and_length(client, engine, tokenizer):
-    script(engine, tokenizer, "Let me check.\n\n" + CALLS_DSML)
-    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=30).choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith("Let me check.\n\n<｜DSML｜tool_calls>")
+def test_a_tool_call_cut_by_max_tokens_ends_with_length_as_far_as_it_was_written(client, engine, tokenizer):
+    """Held by the grammar, a call streams as it is written, so one cut short by max_tokens is returned as far as
+    the model wrote it (finish_reason length), streamed and not alike; without the grammar the block is text."""
+    answer = "Let me check.\n\n" + CALLS_DSML
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    opened = len(tokenizer.encode(answer[: answer.index("São")], add_special_tokens=False))
+    cut = opened + 3  # tokens: inside the first call's string value
+    written = tokenizer.decode(ids[:cut])
+    city = written.split('string="true">')[1]
+    assert city and city in 'São Paulo 東京 "quoted" \\ back'
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=cut)
+    script(engine, tokenizer, answer)
+    choice = client.chat.completions.create(**create).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (choice.finish_reason, choice.message.content) == ("length", "Let me check.")
+    assert (call.function.name, call.function.arguments) == (
+        "get_weather",
+        '{"city": ' + json.dumps(city, ensure_ascii=False)[:-1],
+    )
+    script(engine, tokenizer, answer)
+    out = streamed(client.chat.completions.create(**create, stream=True))
+    assert [(c["name"], c["arguments"]) for c in out["tool_calls"].values()] == [
+        ("get_weather", call.function.arguments)
+    ]
+    assert out["finish_reason"] == "length"
+    script(engine, tokenizer, answer)
+    anything = {"structured_outputs": {"regex": "(?s:.*)"}}
+    unheld = client.chat.completions.create(**create, extra_body=anything).choices[0]
+    assert (unheld.finish_reason, unheld.message.tool_calls, unheld.message.content) == ("length", None, written)
 
 
 BAD = [
@@ -513,23 +552,28 @@ def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(http, path, body,
     assert http.post("/tokenize", json={"prompt": "a", "model": "other"}).status_code == 404
 
 
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
 @pytest.mark.parametrize("thinking", [False, True])
-def test_a_forced_call_streams_its_name_first_then_its_arguments_as_the_model_writes_them(
-    client, engine, tokenizer, thinking
+def test_a_held_call_streams_its_name_first_then_its_arguments_as_the_model_writes_them(
+    client, engine, tokenizer, thinking, tool_choice
 ):
-    """tool_choice required: the grammar holds the block, so each call streams as OpenAI's do: index, id, type and
-    name in its first delta, then `arguments` fragments, the first of them long before the call's closing tag; the
+    """The grammar holds the block (forced or auto), so each call streams as OpenAI's do: index, id, type and name
+    in its first delta, then `arguments` fragments, the first of them long before the call's closing tag; the
     fragments add up to the non-streamed call's arguments, byte for byte."""
-    block = CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n")
-    answer = "Two lookups.</think>\n\n<｜DSML｜tool_calls>\n" + block if thinking else block
-    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required")
+    text = "" if tool_choice == "required" else "Let me look."
+    answer = (
+        CALLS_DSML.removeprefix("<｜DSML｜tool_calls>\n") if tool_choice == "required" else text + "\n\n" + CALLS_DSML
+    )
+    if thinking:
+        answer = "Two lookups.</think>" + (text + "\n\n" + CALLS_DSML)
+    create = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice)
     if thinking:
         create["extra_body"] = {"chat_template_kwargs": {"thinking": True}}
     script(engine, tokenizer, answer)
     whole = client.chat.completions.create(**create).choices[0].message.tool_calls
     script(engine, tokenizer, answer)
     out = streamed(client.chat.completions.create(**create, stream=True))
-    assert out["finish_reason"] == "tool_calls" and out["content"] == ""
+    assert out["finish_reason"] == "tool_calls" and out["content"] == text
     assert out["reasoning_content"] == ("Two lookups." if thinking else "")
     assert [(c["name"], c["arguments"]) for _, c in sorted(out["tool_calls"].items())] == [
         (c.function.name, c.function.arguments) for c in whole
@@ -545,3 +589,19 @@ def test_a_forced_call_streams_its_name_first_then_its_arguments_as_the_model_wr
         # The arguments arrive in many pieces: the call's text was streamed before its closing tag was written.
         so_far = [sum(len(d["function"]["arguments"]) for d in rest[: k + 1]) for k in range(len(rest))]
         assert len(rest) > 5 and so_far[0] < so_far[-1] // 4
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '<｜DSML｜invoke name="fly">\n</｜DSML｜invoke>',  # no such tool
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>",  # city is required
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">"three"</｜DSML｜parameter>\n</｜DSML｜invoke>',  # an integer
+    ],
+)
+def test_under_auto_a_call_the_tools_do_not_allow_is_caught_as_the_model_writes_it(client, engine, tokenizer, call):
+    script(engine, tokenizer, "Let me check.\n\n<｜DSML｜tool_calls>\n" + call + "\n</｜DSML｜tool_calls>")
+    with pytest.raises(openai.InternalServerError, match="structured output"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)

@@ -131,6 +131,7 @@ class ChatOptions:
     add_generation_prompt: bool = True  # vLLM's: a last user turn is followed by the assistant's opening
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to go on
     parallel_tool_calls: bool = True  # OpenAI's: false, an answer calls one tool at most (the first call it writes)
+    own_constraint: bool = False  # the request's own structured output constrains the answer (no tool grammar)
 
     @property
     def uses_tools(self) -> bool:
@@ -138,16 +139,22 @@ class ChatOptions:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the answer is a tool call."""
+        return self.uses_tools and self.tool_choice in ("required", "function")
+
+    @property
     def calls_held_by_grammar(self) -> bool:
         """A grammar holds the answer's tool calls to the tools and their schemas (tool_grammar), so the output parser
-        may stream them as they are written: tool_choice "required" or a named function."""
-        return self.uses_tools and self.tool_choice in ("required", "function")
+        may stream them as they are written: a forced call, or under auto unless the request's own structured output
+        constrains the answer instead."""
+        return self.forces_call or (self.uses_tools and not self.own_constraint)
 
     @property
     def forced_opening(self) -> str:
         """How the answer's tool-call block opens when tool_choice forces a call (with the named function's invoke
         opened too); "" when it does not."""
-        if not self.calls_held_by_grammar:
+        if not self.forces_call:
             return ""
         prefix = TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN + "\n"
         if self.tool_choice != "function":

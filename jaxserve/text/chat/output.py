@@ -10,9 +10,11 @@ to exactly what the whole output parses to, wherever the text was split.
   `</think>` tags in the answer are dropped, as skipping special tokens did before the parser saw them.
 - Tool calls come out as OpenAI streams them: a call's first delta carries its index, id and name, the next ones
   fragments of its `arguments` (a JSON object's text once joined). Where a grammar holds the block to the tools'
-  calls (`ChatOptions.calls_held_by_grammar`: a forced tool_choice), the block cannot turn out malformed, so each
-  call is streamed as the model writes it: the name once its invoke tag is complete, a string parameter's text as it
-  comes (only what may be the start of its closing tag held back), any other value once its closing tag is read.
+  calls (`ChatOptions.calls_held_by_grammar`: whenever tools may be called, unless the request's own structured
+  output constrains the answer instead), the block cannot turn out malformed, so each call is streamed as the model
+  writes it: the name once its invoke tag is complete, a string parameter's text as it comes (only what may be the
+  start of its closing tag held back), any other value once its closing tag is read; a call cut short (max_tokens)
+  ends as far as it was written.
   Elsewhere the block is held whole until its closing tag and then checked, so that a block that breaks DSML's
   grammar, or that the output ends inside, comes back verbatim as content, never half a call in `tool_calls`:
   malformed model output is the client's to see, never a server error.

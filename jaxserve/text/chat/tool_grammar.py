@@ -1,9 +1,16 @@
-"""The grammar of a forced tool call (tool_choice "required" or a named function): the DSML block the model writes
-after the answer prefix the prompt ends with (ChatOptions.answer_prefix), its parameters those of the tool's schema,
-each value matching its own schema. In thinking mode the prompt cannot start the answer (the model reasons first, as
-vLLM lets it): the grammar then begins with the reasoning, any text without `</think>`, the `</think>` token and the
-call's opening (ChatOptions.forced_opening). A Lark grammar in llguidance's dialect (`%json {...}` embeds a JSON
-schema, `<...>` names a special token).
+"""The grammar of an answer's tool calls: wherever the answer may call tools (ChatOptions.calls_held_by_grammar), the
+DSML block the model writes is held to calls of the declared tools, their parameters those of each tool's schema,
+each value matching its own schema.
+
+- tool_choice "required" or a named function: the whole answer is the block, after the answer prefix the prompt ends
+  with (ChatOptions.answer_prefix).
+- "auto": the answer is free text, which may end with a block; from the block's opening tag on, the grammar holds
+  it (vLLM's auto leaves the block to the model).
+
+In thinking mode the answer comes after the reasoning (the model reasons first, as vLLM lets it): the grammar then
+begins with the reasoning, any text without `</think>` or a block's opening, then the `</think>` token (under auto
+the output may also end in its reasoning). A Lark
+grammar in llguidance's dialect (`%json {...}` embeds a JSON schema, `<...>` names a special token).
 
 Parameters come in the schema's order, the ones it does not require optional; a string parameter is written raw
 (`string="true"`), so its grammar is the string's own (enum, pattern, length) without JSON's quotes; any other value
@@ -23,38 +30,55 @@ from jaxserve.text.chat.encoding import (
     PARAMETER_CLOSE,
     THINK_END,
     TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
     ChatOptions,
     invoke_open,
     parameter_open,
 )
 
 
-def forced_tool_call_grammar(options: ChatOptions) -> str | None:
-    """The Lark grammar of the rest of the answer when `options` force a tool call (None when they do not)."""
+def tool_call_grammar(options: ChatOptions) -> str | None:
+    """The Lark grammar of the answer when `options` hold its tool calls (None when they do not)."""
     if not options.calls_held_by_grammar:
         return None
     rules: list[str] = []
     end = f"{_literal(chr(10) + TOOL_CALLS_CLOSE)}"
-    # What the answer prefix did not write: in thinking mode the reasoning and the call's whole opening.
-    opening = ""
-    if options.thinking:
-        opening = f"REASONING {THINK_END} {_literal(options.forced_opening)} "
-        rules.append(f"REASONING: /(?s:.*)/ & ~/(?s:.*{_regex_literal(THINK_END)}.*)/")
+    # Neither the reasoning nor an answer's text may open a block the grammar does not hold.
+    unheld = f"{_regex_literal(THINK_END)}|{_regex_literal(TOOL_CALLS_OPEN)}"
+    reasoning = ""
+    if options.thinking and not options.continue_final_message:
+        reasoning = f"REASONING {THINK_END} "
+        rules.append(f"REASONING: /(?s:.*)/ & ~/(?s:.*({unheld}).*)/")
     if options.tool_choice == "function":  # the named invoke is open: its parameters come next
         function = next(f for f in options.tools if f["name"] == options.tool_name)
-        rules.append(f"start: {opening}{_parameters(function, 'f', rules)} {_literal(chr(10) + INVOKE_CLOSE)} {end}")
-    else:
-        # Each call also in a form with the newline before it in its opening literal, as parameters have (_parameters).
-        for k, function in enumerate(options.tools):
-            opening_line = invoke_open(function["name"]) + chr(10)
-            rules.append(f"invoke_{k}_body: {_parameters(function, f'f{k}', rules)} {_literal(chr(10) + INVOKE_CLOSE)}")
-            rules.append(f"invoke_{k}: {_literal(opening_line)} invoke_{k}_body")
-            rules.append(f"invoke_{k}_nl: {_literal(chr(10) + opening_line)} invoke_{k}_body")
-        calls = range(len(options.tools))
-        rules.append(f"invoke: {' | '.join(f'invoke_{k}' for k in calls)}")
-        rules.append(f"invoke_nl: {' | '.join(f'invoke_{k}_nl' for k in calls)}")
-        more = " (invoke_nl)*" if options.parallel_tool_calls else ""  # parallel_tool_calls false: one call
-        rules.append(f"start: {opening}invoke{more} {end}")
+        opening = _literal(options.forced_opening) + " " if reasoning else ""
+        rules.append(
+            f"start: {reasoning}{opening}{_parameters(function, 'f', rules)} {_literal(chr(10) + INVOKE_CLOSE)} {end}"
+        )
+        return "\n".join(rules)
+    # Each call also in a form with the newline before it in its opening literal, as parameters have (_parameters).
+    for k, function in enumerate(options.tools):
+        opening_line = invoke_open(function["name"]) + chr(10)
+        rules.append(f"invoke_{k}_body: {_parameters(function, f'f{k}', rules)} {_literal(chr(10) + INVOKE_CLOSE)}")
+        rules.append(f"invoke_{k}: {_literal(opening_line)} invoke_{k}_body")
+        rules.append(f"invoke_{k}_nl: {_literal(chr(10) + opening_line)} invoke_{k}_body")
+    calls = range(len(options.tools))
+    rules.append(f"invoke: {' | '.join(f'invoke_{k}' for k in calls)}")
+    rules.append(f"invoke_nl: {' | '.join(f'invoke_{k}_nl' for k in calls)}")
+    more = " (invoke_nl)*" if options.parallel_tool_calls else ""  # parallel_tool_calls false: one call
+    if options.tool_choice == "required":
+        opening = _literal(options.forced_opening) + " " if reasoning else ""
+        rules.append(f"start: {reasoning}{opening}invoke{more} {end}")
+        return "\n".join(rules)
+    # auto: text, then maybe a block. The text before a block is one lexeme with the block's opening tag at its end
+    # (as a string value's closing tag is, _raw_string): a lexeme that stopped before the tag would let the lexer
+    # run on into it.
+    opening_tag = _regex_literal(TOOL_CALLS_OPEN)
+    rules.append(f"ANSWER: /(?s:.*)/ & ~/(?s:.*{opening_tag}.*)/")
+    rules.append(f"ANSWER_THEN_BLOCK: /(?s:.*){opening_tag}/ & ~/(?s:.*{opening_tag}.+)/")
+    answer = f"(ANSWER | ANSWER_THEN_BLOCK invoke_nl{more} {end})"
+    # An output may end in its reasoning (the parser then has reasoning alone), as it may without the grammar.
+    rules.append(f"start: REASONING | {reasoning}{answer}" if reasoning else f"start: {answer}")
     return "\n".join(rules)
 
 
