@@ -29,6 +29,7 @@ Structured outputs: OpenAI's `response_format` (`json_object`, `json_schema` wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -256,7 +257,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     return CompletionRequest(prompts, params)
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, tool_grammar: bool = True) -> ChatRequest:
+    """`tool_grammar`: whether the engine takes constraints, so that one may hold the tool calls
+    (Engine.takes_constraints)."""
     fields = _Fields(body)
     # vLLM's bench chat client sends max_completion_tokens, others max_tokens; the newer name wins.
     name = "max_completion_tokens" if fields.raw.get("max_completion_tokens") is not None else "max_tokens"
@@ -286,7 +289,10 @@ def parse_chat(body: Any) -> ChatRequest:
             "a call the model writes is parsed once its block closes",
             params.constraint.field,
         )
-        options = dataclasses.replace(options, own_constraint=True)
+        options = dataclasses.replace(options, tool_grammar_off=True)
+    elif not tool_grammar and options.uses_tools and not options.forces_call:
+        _warn_tool_calls_unheld()
+        options = dataclasses.replace(options, tool_grammar_off=True)  # a forced call is refused by the engine
     tool_call = tool_call_grammar(options)
     if tool_call is not None:  # the calls the model writes must be the tools', their parameters the tools' schemas
         held_by = "tool_choice" if options.forces_call else "tools"  # the field a grammar error names
@@ -294,6 +300,16 @@ def parse_chat(body: Any) -> ChatRequest:
     include_reasoning = fields.boolean("include_reasoning", True)
     fields.warn_unread("/v1/chat/completions")
     return ChatRequest(messages, options, params, include_reasoning, _echoed(messages) if echo else "")
+
+
+@functools.cache
+def _warn_tool_calls_unheld() -> None:
+    """Once per process: every tools request under auto is served this way."""
+    log.warning(
+        "this server takes no structured output constraints (speculative decoding, or no grammar compiler), so no "
+        "grammar holds tool calls to the tools' schemas under tool_choice auto: a call the model writes is parsed "
+        "once its block closes"
+    )
 
 
 def _echoed(messages: list) -> str:

@@ -10,6 +10,7 @@ delivers every other request's tokens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -101,7 +102,8 @@ async def completions(request: Request) -> Response:
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
-    state, parsed = await _parse(request, parse_chat)
+    engine = request.app.state.server.engine
+    state, parsed = await _parse(request, functools.partial(parse_chat, tool_grammar=engine.takes_constraints))
     params = parsed.params
     prompt_ids = params.truncated(await run_in_threadpool(chat_prompt_ids, state, parsed), state.context_limit)
     fmt = ChatFormat(

@@ -375,7 +375,7 @@ def _calls(parsed: ParsedDelta) -> list[tuple[str, dict]]:
 THINKING_TOOLS = chat_options(thinking=True, tools=TOOLS)
 AUTO_TOOLS = chat_options(tools=TOOLS)  # a grammar holds the calls (tool_grammar): they stream as written
 # The request's own structured output constrains the answer: no grammar holds the calls, a block is parsed whole.
-UNHELD_TOOLS = dataclasses.replace(AUTO_TOOLS, own_constraint=True)
+UNHELD_TOOLS = dataclasses.replace(AUTO_TOOLS, tool_grammar_off=True)
 OUTPUTS = [  # (options, model output, reasoning, content, calls)
     (AUTO_TOOLS, "Let me look.\n\n" + CALLS_DSML, "", "Let me look.", CALLS),
     (AUTO_TOOLS, CALLS_DSML, "", "", CALLS),

@@ -5,6 +5,7 @@ without compiling a model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -32,19 +33,27 @@ def tokenizer():
     return load_tokenizer(default_checkpoint_path())
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer):
+@contextlib.contextmanager
+def scripted_server(tokenizer, grammars: bool = True):
+    """A server over the scripted model; `grammars` false: an engine that takes no structured output constraints."""
     cfg = EngineConfig(max_num_seqs=4, chunked_prefill_size=256, max_prefill_rows=1, page_size=16, max_model_len=2048)
     model_cfg = load_config(default_checkpoint_path())
     runner = FakeRunner(
         kv_geometry(cfg, model_cfg), Buckets.for_config(cfg), model_cfg.vocab_size, ScriptedModel(tokenizer.eos_ids[0])
     )
-    engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids, tokenizer.grammar_compiler(model_cfg.vocab_size)).start()
+    compiler = tokenizer.grammar_compiler(model_cfg.vocab_size) if grammars else None
+    engine = Engine(cfg, model_cfg, runner, tokenizer.eos_ids, compiler).start()
     try:
         with serve_app(create_app(engine, tokenizer, MODEL), engine) as server:
             yield server
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    with scripted_server(tokenizer) as server:
+        yield server
 
 
 @pytest.fixture
@@ -605,3 +614,26 @@ def test_under_auto_a_call_the_tools_do_not_allow_is_caught_as_the_model_writes_
     script(engine, tokenizer, "Let me check.\n\n<｜DSML｜tool_calls>\n" + call + "\n</｜DSML｜tool_calls>")
     with pytest.raises(openai.InternalServerError, match="structured output"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+
+
+def test_an_engine_that_takes_no_constraints_serves_auto_tool_calls_parsed_whole(tokenizer, caplog):
+    """Without a grammar (here no grammar compiler; likewise with speculative decoding) tools under auto still work:
+    a block is held whole until it parses, said once in the log; a forced call is a 400 naming tool_choice."""
+    with scripted_server(tokenizer, grammars=False) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = server.engine.runner.model
+        for stream in (False, True):
+            model.scripts.append(tokenizer.encode("Let me check.\n\n" + CALLS_DSML, add_special_tokens=False))
+            response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
+            if stream:
+                out = streamed(response)
+                calls = [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"].values()]
+                pieces = [d for delta in out["deltas"] for d in delta.get("tool_calls", [])]
+                assert [d["id"] is not None for d in pieces] == [True, True]  # each call whole, in one piece
+            else:
+                message = response.choices[0].message
+                calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+            assert calls == CALLS
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required")
+    assert "no grammar holds tool calls" in caplog.text

@@ -459,6 +459,12 @@ class Engine:
         what = f"token id {tokens} is" if len(bad) == 1 else f"token ids {tokens} are"
         raise InvalidRequest(param, f"{where}: {what} outside the vocabulary [0, {vocab})")
 
+    @property
+    def takes_constraints(self) -> bool:
+        """Whether a request may carry a structured output constraint here: check_admission refuses one without a
+        grammar compiler or with speculative decoding."""
+        return self.grammars is not None and not self.config.draft_tokens
+
     def check_admission(self, prompt_ids: list[int], sampling: SamplingParams, priority: int = 0) -> None:
         """Raise InvalidRequest, naming the field, for a request that is invalid or could never fit (or asks for a
         priority the queue order does not use)."""

@@ -131,7 +131,9 @@ class ChatOptions:
     add_generation_prompt: bool = True  # vLLM's: a last user turn is followed by the assistant's opening
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the model to go on
     parallel_tool_calls: bool = True  # OpenAI's: false, an answer calls one tool at most (the first call it writes)
-    own_constraint: bool = False  # the request's own structured output constrains the answer (no tool grammar)
+    # No grammar holds the calls under auto: the request's own structured output constrains the answer instead, or
+    # the engine takes no constraints (speculative decoding, a tokenizer without a grammar compiler).
+    tool_grammar_off: bool = False
 
     @property
     def uses_tools(self) -> bool:
@@ -146,9 +148,8 @@ class ChatOptions:
     @property
     def calls_held_by_grammar(self) -> bool:
         """A grammar holds the answer's tool calls to the tools and their schemas (tool_grammar), so the output parser
-        may stream them as they are written: a forced call, or under auto unless the request's own structured output
-        constrains the answer instead."""
-        return self.forces_call or (self.uses_tools and not self.own_constraint)
+        may stream them as they are written: a forced call, or under auto unless tool_grammar_off."""
+        return self.forces_call or (self.uses_tools and not self.tool_grammar_off)
 
     @property
     def forced_opening(self) -> str:
