@@ -570,3 +570,10 @@ def test_a_held_call_cut_short_ends_as_far_as_it_was_written_in_stream_and_whole
     assert json.loads(weather.arguments) == CALLS[0][1]
     assert search.arguments == '{"query": "line one\\n'  # as far as the model wrote it (finish_reason "length")
     assert parsed.content == ""
+
+
+def test_a_held_call_cut_inside_a_tag_leaves_no_markup_in_the_content():
+    cut = REQUIRED_OUTPUT[: REQUIRED_OUTPUT.index("</｜DSML｜invoke>") + len("</｜DSML")]
+    parsed = parse_output(cut, REQUIRED)
+    assert parsed.content == ""  # the cut "</｜DSML" is markup: dropped, not content
+    assert parsed.calls()[0].arguments == '{"city": "São Paulo 東京 \\"quoted\\" \\\\ back", "days": 3'

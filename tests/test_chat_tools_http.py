@@ -9,6 +9,7 @@ import contextlib
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from fake_runner import FakeRunner, ScriptedModel
@@ -19,8 +20,10 @@ from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
 from jaxserve.model.cache import kv_geometry
+from jaxserve.request.grammar import mask_words
 from jaxserve.runner import Buckets
 from jaxserve.server import create_app
+from jaxserve.server.protocol import parse_chat
 from jaxserve.text.chat import chat_options, render_prompt
 from jaxserve.text.tokenizer import load_tokenizer
 
@@ -637,3 +640,25 @@ def test_an_engine_that_takes_no_constraints_serves_auto_tool_calls_parsed_whole
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required")
     assert "no grammar holds tool calls" in caplog.text
+
+
+def test_a_schema_no_value_satisfies_ends_the_answer_with_an_error_not_a_stop(client, engine, tokenizer):
+    """A tool whose parameter refers only to itself: no value can be written, so llguidance's matcher fails while
+    computing the mask after the parameter's opening tag. That matcher is stopped but its text is not complete: the
+    answer ends with an error, never as a finished call (found by benchmarks/tool_calls.py, where such a call ended
+    as "tool_calls" with empty arguments)."""
+    looping = {"type": "object", "properties": {"x": {"$ref": "#/$defs/D"}}, "required": ["x"]}
+    looping["$defs"] = {"D": {"$ref": "#/$defs/D"}}
+    tools = [{"type": "function", "function": {"name": "loop", "parameters": looping}}]
+    opened = '<｜DSML｜invoke name="loop">\n<｜DSML｜parameter name="x" string="false">'
+    chat = parse_chat({"messages": QUESTION, "tools": tools, "tool_choice": "required"})
+    vocab = load_config(default_checkpoint_path()).vocab_size
+    matcher = tokenizer.grammar_compiler(vocab).matcher(chat.params.constraint)
+    for token in tokenizer.encode(opened, add_special_tokens=False):
+        assert matcher.accept(token) is None
+    matcher.fill_mask(np.zeros(mask_words(vocab), np.int32))  # fails: nothing may follow
+    assert not matcher.finished
+    assert matcher.accept(tokenizer.eos_ids[0]) is not None
+    script(engine, tokenizer, opened)  # then EOS, as the model that found this wrote it
+    with pytest.raises(openai.InternalServerError, match="structured output"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice="required")

@@ -135,12 +135,15 @@ class GrammarMatcher:
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
     def accept(self, token: int) -> str | None:
-        """Advance past a delivered token; returns None, or why the token broke the constraint."""
-        if not self._matcher.consume_token(token):
+        """Advance past a delivered token; returns None, or why the token broke the constraint. A matcher that failed
+        while computing its mask (nothing can follow, e.g. a schema no text satisfies) breaks on any token: its mask
+        allowed everything."""
+        if self._matcher.is_error() or not self._matcher.consume_token(token) or self._matcher.is_error():
             return self._matcher.get_error() or f"token {token} is not allowed here"
         return None
 
     @property
     def finished(self) -> bool:
-        """The text is complete and nothing may follow: the request ends here ("stop")."""
-        return self._matcher.is_stopped()
+        """The text is complete and nothing may follow: the request ends here ("stop"). A failed matcher is stopped
+        too, but its text is not complete."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()

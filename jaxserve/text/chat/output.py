@@ -298,11 +298,14 @@ class ChatOutputParser:
                     self._state, self._value_key = _VALUE, key
                 return True
             expected = (INVOKE_CLOSE, _PARAMETER_START)
-        if not final and any(
+        if any(
             marker.startswith(self._buffer) or (self._buffer.startswith(marker) and ">" not in self._buffer)
             for marker in expected
         ):
-            return False  # a tag still being written
+            if not final:
+                return False  # a tag still being written
+            self._buffer, self._state = "", _CONTENT  # the output ended inside a tag: markup, not content
+            return True
         # Not what the grammar allows (the output ended inside the block): the rest is text.
         out.content += self._buffer
         self._buffer, self._state = "", _CONTENT
