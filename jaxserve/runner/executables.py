@@ -86,6 +86,8 @@ class ExecutableCache:
         # By the rows of each group and whether some row cuts by top-k / top-p (the sampler that sorts).
         self._samplers: dict[tuple[tuple[int, ...], bool], jax.stages.Compiled] = {}
         self.compile_sync: CompileSync | None = None  # in a group: each process says when it compiled a shape
+        # What every call closes over, for the export store's keys (fixed for this cache: described once).
+        self._closure = describe((cfg, geometry, kernels, mesh))
 
     # ---- the calls ---------------------------------------------------------------------------------------------
     def _forward_fn(self, weights, cache, slot_tokens: jax.Array, groups: tuple[GroupInputs, ...]):
@@ -247,8 +249,7 @@ class ExecutableCache:
         folder = store_folder()
         if folder is None:
             return spec.jitted.lower(**args).compile()
-        context = describe((self.cfg, self.geometry, self.kernels, self.mesh))
-        return ExportStore(folder, context).compile(name, spec, args)
+        return ExportStore(folder, self._closure).compile(name, spec, args)
 
     def compile(self, shape: StepShape) -> list[list[jax.stages.Compiled]]:
         """`shape` compiled now, as the engine compiles it, whether or not it was before (the engine's steps keep
