@@ -250,6 +250,23 @@ def test_a_named_tool_choice_is_forced_and_parsed(client, engine, tokenizer):
     assert tokenizer.decode(engine.prompts[-1]).endswith('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
 
 
+def test_a_call_the_grammar_completes_on_the_last_token_max_tokens_allows_is_whole_not_cut(client, engine, tokenizer):
+    """The grammar is complete at the block's closing tag, as EOS would end it: on the last token max_tokens allows
+    the answer is whole (finish_reason tool_calls), one token short it is cut (length)."""
+    answer = (
+        '<｜DSML｜parameter name="city" string="true">Lima</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    length = len(tokenizer.encode(answer, add_special_tokens=False))
+    for max_tokens, finish in ((length, "tool_calls"), (length - 1, "length")):
+        script(engine, tokenizer, answer)
+        choice = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=named, max_tokens=max_tokens
+        ).choices[0]
+        assert choice.finish_reason == finish and choice.message.tool_calls[0].function.name == "get_weather"
+
+
 # A tool schema as pydantic's model_json_schema() writes one: its parameters refer to root definitions.
 ROUTE = {
     "name": "plan_route",
@@ -611,6 +628,10 @@ def test_a_held_call_streams_its_name_first_then_its_arguments_as_the_model_writ
         "</｜DSML｜invoke>",  # city is required
         '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
         '<｜DSML｜parameter name="days" string="false">"three"</｜DSML｜parameter>\n</｜DSML｜invoke>',  # an integer
+        # Valid JSON, but not as DeepSeek's encoder writes it (json.dumps): whitespace left free lets a random model
+        # pad an object until max_tokens (found by benchmarks/tool_calls.py).
+        '<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="filters" string="false">{\n  "depth": 2}'
+        "</｜DSML｜parameter>\n</｜DSML｜invoke>",
     ],
 )
 def test_under_auto_a_call_the_tools_do_not_allow_is_caught_as_the_model_writes_it(client, engine, tokenizer, call):

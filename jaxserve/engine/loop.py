@@ -701,8 +701,9 @@ class Engine:
                 log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
                 self._finish(request, FinishReason.ERROR, error=f"structured output: {broken}")
                 return
-            if reason is None and request.grammar.finished:  # the text is complete; nothing may follow
-                reason = FinishReason.STOP
+            if request.grammar.finished and reason is not FinishReason.STOP:
+                # The text is complete and nothing may follow: a stop, as EOS is, on max_tokens' last token too.
+                reason, stop_reason = FinishReason.STOP, None
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:

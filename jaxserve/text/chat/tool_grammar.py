@@ -25,6 +25,7 @@ import json
 import re
 from typing import Any
 
+from jaxserve.request.grammar import JSON_OPTIONS
 from jaxserve.text.chat.encoding import (
     INVOKE_CLOSE,
     PARAMETER_CLOSE,
@@ -99,7 +100,7 @@ def _parameters(function: dict, prefix: str, rules: list[str]) -> str:
             rules.append(f"{value}: {_raw_string(value_schema)}")
         else:
             value = f"{rule}_value {_literal(PARAMETER_CLOSE)}"
-            rules.append(f"{rule}_value: %json {json.dumps(_with(definitions, value_schema))}")
+            rules.append(f"{rule}_value: %json {json.dumps(_embedded(definitions, value_schema))}")
         opening = parameter_open(name, is_string)
         rules.append(f"{rule}: {_literal(opening)} {value}")
         rules.append(f"{rule}_nl: {_literal(chr(10) + opening)} {value}")
@@ -121,11 +122,12 @@ def _parameters(function: dict, prefix: str, rules: list[str]) -> str:
     return "(" + " | ".join(firsts) + ")"
 
 
-def _with(definitions: dict[str, Any], schema: Any) -> Any:
-    """A parameter's schema carrying the tool schema's root definitions, for the `$ref`s in it."""
-    if not definitions or not isinstance(schema, dict):
-        return schema or {}
-    return {**definitions, **schema}
+def _embedded(definitions: dict[str, Any], schema: Any) -> dict[str, Any]:
+    """A parameter's schema as the grammar embeds it: with the tool schema's root definitions, for the `$ref`s in it,
+    and JSON written as DeepSeek's encoder writes a value (`json.dumps`: ", " and ": ", no other whitespace), which
+    structured outputs also hold to (JSON_OPTIONS): whitespace left free lets a model pad an object until max_tokens."""
+    own = schema if isinstance(schema, dict) else {}
+    return {**definitions, **own, "x-guidance": JSON_OPTIONS}
 
 
 def _raw_string(schema: dict[str, Any]) -> str:
