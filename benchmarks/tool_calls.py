@@ -3,12 +3,14 @@
 Each of `--sets` tool sets (1 to 3 tools, 1 to 4 parameters each, drawn from enums, bounded strings and integers,
 booleans, arrays, nested objects, `$defs`/`$ref` and `anyOf`) is asked four ways: tool_choice required and auto,
 each streamed and not (the same seed, so the same tokens), with thinking mode on for every other set. The model is
-the embedded default's shape with random weights: nothing but the grammar makes its calls valid. Under auto a random
-model seldom opens a block, so auto's figures count the blocks it did open. Reported:
+the embedded default's shape with random weights: nothing but the grammar makes its calls valid. A random model
+never opens a block under auto (none in 200 answers), so one bigram chain is planted in its weights (`planted`):
+after `</think>` it tends to spell a block's opening, which 40 of its 200 auto answers complete, the grammar holding
+the rest. Reported:
 
 - calls valid / total: every call's arguments parse as JSON and validate against its tool's schema (jsonschema);
 - streamed == whole: each streamed answer's calls (ids aside), content and reasoning equal the non-streamed one's;
-- reasoning kept apart: no DSML markup and no `</think>` in any content, reasoning or arguments piece.
+- reasoning kept apart: no DSML tag and no `</think>` in any content, reasoning or arguments piece.
 
     python benchmarks/tool_calls.py [--sets 200]
 """
@@ -18,17 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 
 from common import configure_jax, machine_info, markdown_table, write_results
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "north", "south", "red", "blue", "green", "fast", "slow"]
-# A forced answer ends when its block closes: room enough that none is cut (a random model adds another call after
-# each with odds near one half, about 120 tokens each in this tokenizer). Under auto a random model seldom opens a
-# block and writes text to max_tokens: fewer tokens there. Requests run one at a time: a streamed and a whole answer
-# must see the same batches to give the same tokens (batch invariance is not promised yet).
-MAX_TOKENS = {"required": 2048, "auto": 64}
+# An answer ends when its block closes: room enough that none is cut (a random model adds another call after each
+# with odds near one half, about 120 tokens each in this tokenizer); an auto answer that opens no block is text up to
+# max_tokens. Requests run one at a time: a streamed and a whole answer must see the same batches to give the same
+# tokens (batch invariance is not promised yet).
+MAX_TOKENS = {"required": 2048, "auto": 1024}
+EMBED_SCALE = 2000.0  # the embedding over the blocks' outputs: each last hidden state mostly its own token's
+CHAIN_LOGIT = 20.0  # a chain token's successor's logit: far over the 4,096 random ones (e^20 against their ~2e4)
 
 
 def _value_schema(rng: random.Random, defs: dict, depth: int) -> dict:
@@ -74,6 +79,25 @@ def tool_set(seed: int) -> list[dict]:
     return tools
 
 
+def planted(weights, chain: list[int]):
+    """`weights` with a bigram chain planted: the embedding scaled up until each position's last hidden state is
+    mostly its own token's embedding (normed), and each chain token's successor given CHAIN_LOGIT more along that
+    direction in the head. The opening's `｜` bytes come twice, followed once by `DSML` and once by `tool_calls`, so
+    the chain completes the opening at most one time in four; otherwise the answer goes on as text."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    embed = np.asarray(weights.embed) * EMBED_SCALE
+    head = np.array(weights.head)
+    norm = np.asarray(weights.norm)
+    for token, successor in set(zip(chain, chain[1:])):
+        hidden = norm * embed[token] / np.sqrt(np.mean(embed[token] ** 2))  # the final norm's output
+        head[:, successor] += CHAIN_LOGIT * hidden / np.sum(hidden * hidden)
+    return dataclasses.replace(weights, embed=jnp.asarray(embed), head=jnp.asarray(head))
+
+
 def streamed(chunks) -> dict:
     out: dict = {"content": "", "reasoning": "", "calls": {}, "pieces": []}
     for chunk in chunks:
@@ -112,12 +136,14 @@ def main() -> int:
     from jaxserve.server import create_app
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.serving import BackgroundServer, bind
-    from jaxserve.text.chat.encoding import THINK_END
+    from jaxserve.text.chat.encoding import DSML, THINK_END, TOOL_CALLS_OPEN
 
     mesh = make_mesh(1, 1)
     loaded = load_model(None, mesh, dtype="float32")
     model_cfg, tokenizer = loaded.config, loaded.tokenizer
-    weights = place(init_weights(jax.random.key(0), model_cfg, std=0.15), abstract_weights(model_cfg), mesh)
+    chain = [tokenizer.token_to_id(THINK_END), *tokenizer.encode(TOOL_CALLS_OPEN, add_special_tokens=False)]
+    drawn = planted(init_weights(jax.random.key(0), model_cfg, std=0.15), chain)
+    weights = place(drawn, abstract_weights(model_cfg), mesh)
     cfg = EngineConfig(
         dtype="float32",
         max_num_seqs=8,
@@ -139,8 +165,10 @@ def main() -> int:
     http.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.address[1]}/v1", api_key="-", max_retries=0, timeout=600)
     think_end = tokenizer.token_to_id(THINK_END)
+    # A DSML tag (text may hold the chain's stray pieces, such as `<｜DSML｜DSML`) or the end of the reasoning.
+    markup = re.compile(f"</?{DSML}(tool_calls|invoke|parameter)|{THINK_END}")
     figures = {
-        choice: {"answers": 0, "calls": 0, "valid": 0, "same": 0, "apart": 0, "cut": 0}
+        choice: {"answers": 0, "calling": 0, "calls": 0, "valid": 0, "same": 0, "apart": 0, "cut": 0}
         for choice in ("required", "auto")
     }
     failures: list[str] = []
@@ -173,6 +201,7 @@ def main() -> int:
                 reasoning = message.model_extra.get("reasoning_content") or ""
                 fig = figures[choice]
                 fig["answers"] += 1
+                fig["calling"] += bool(calls)
                 cut = choice_out.finish_reason == "length"
                 fig["cut"] += cut
                 for name, arguments in calls:
@@ -197,10 +226,10 @@ def main() -> int:
                 if not same:
                     failures.append(f"set {seed} {choice}: streamed {stream['calls']} != whole {calls}")
                 texts = stream["pieces"] + [message.content or "", reasoning] + [a for _, a in calls]
-                apart = not any("｜DSML｜" in t or THINK_END in t for t in texts)
+                bad = [t for t in texts if markup.search(t)]
+                apart = not bad
                 fig["apart"] += apart
                 if not apart:
-                    bad = [t for t in texts if "｜DSML｜" in t or THINK_END in t]
                     failures.append(f"set {seed} {choice}: markup in a piece: {bad[0][:160]!r}")
     finally:
         http.stop()
@@ -210,6 +239,7 @@ def main() -> int:
         [
             choice,
             f"{f['answers']}",
+            f"{f['calling']}",
             f"{f['calls']}",
             f"{f['valid']} / {f['calls']}",
             f"{f['cut']}",
@@ -222,6 +252,7 @@ def main() -> int:
         [
             "tool_choice",
             "answers",
+            "answers with calls",
             "calls",
             "calls valid / total",
             "cut by max_tokens",
