@@ -32,6 +32,9 @@ from jaxserve.model.weights import FP4_BLOCK, FP8_BLOCK, ArrayInfo, Weights, rel
 from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
+# The drafter's tensors (after transformers' `model.`): V4's MTP blocks, or 0731/0813's DSpark stages (also `mtp.*`)
+# with their Markov and confidence heads.
+DRAFTER_PREFIXES = ("mtp.", "markov_head.", "confidence_head.")
 
 FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -388,9 +391,11 @@ def load_weights(
     sources = weight_sources(cfg)
 
     check_complete(reader, [sources[leaf.name] for leaf in leaves], folder)
-    mtp = [k for k in reader.folder.keys() if k.startswith(("mtp.", "model.mtp."))]
-    if mtp and not cfg.mtp_layers:
-        log.info("skipping %d MTP tensors (nothing drafts with them: see --speculative-config)", len(mtp))
+    drafter = [k for k in reader.folder.keys() if k.removeprefix("model.").startswith(DRAFTER_PREFIXES)]
+    if drafter and cfg.dspark is not None:
+        log.info("skipping %d DSpark drafter tensors (DSpark drafting is not supported yet)", len(drafter))
+    elif drafter and not cfg.mtp_layers:
+        log.info("skipping %d MTP tensors (nothing drafts with them: see --speculative-config)", len(drafter))
 
     builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxserve.config import ConfigError, config_from_dict, load_config, to_hf_dict
+from jaxserve.config import ConfigError, DSparkConfig, config_from_dict, load_config, to_hf_dict
 from jaxserve.presets import preset, preset_dict
 
 
@@ -19,6 +19,30 @@ def test_legacy_and_current_keys_agree():
     assert cfg.layer_kinds[:4] == ("swa", "swa", "csa", "hca") and cfg.layer_kinds[-1] == "csa"
     assert sum(k == "csa" for k in cfg.layer_kinds) == 21 and sum(k == "hca" for k in cfg.layer_kinds) == 20
     assert cfg.hash_layers[:4] == (True, True, True, False)
+
+
+# DeepSeek-V4-Flash-0731's keys (the issue's reading of its config.json): the backbone's compress_ratios and the three
+# DSpark stages' zeros at the tail, and the drafter's own keys; num_nextn_predict_layers stays 1.
+FLASH_0731 = {
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+
+
+def test_a_0731_config_is_the_backbone_with_a_dspark_drafter_mtp_cannot_run():
+    cfg = config_from_dict(preset_dict("flash", **FLASH_0731))
+    flash = config_from_dict(preset_dict("flash"))
+    assert len(FLASH_0731["compress_ratios"]) == 46 and cfg.layer_kinds == flash.layer_kinds
+    assert cfg.dspark == DSparkConfig(
+        block_size=5, noise_token_id=128799, target_layer_ids=(40, 41, 42), markov_rank=256
+    )
+    assert config_from_dict(to_hf_dict(cfg)) == cfg and flash.dspark is None
+    assert cfg.with_mtp(0) == cfg
+    with pytest.raises(ConfigError, match=r"dspark_block_size=5: the checkpoint ships a DSpark drafter .* not MTP"):
+        cfg.with_mtp(1)
 
 
 def test_transformers_rope_parameters_form(tmp_path):
@@ -54,6 +78,15 @@ def test_transformers_rope_parameters_form(tmp_path):
         ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type='linear'"),
         ({"vocab_size": 0}, "vocab_size=0"),
+        (
+            {"dspark_block_size": 5},
+            "'dspark_markov_rank', 'dspark_noise_token_id', 'dspark_target_layer_ids']: missing",
+        ),
+        ({**{k: v for k, v in FLASH_0731.items() if k.startswith("dspark")}}, "dspark_noise_token_id=128799"),
+        (
+            {**{k: v for k, v in FLASH_0731.items() if k.startswith("dspark")}, "dspark_noise_token_id": 7},
+            "dspark_target_layer_ids=[40, 41, 42]: must be distinct layer indices below num_hidden_layers=5",
+        ),
     ],
 )
 def test_bad_config_names_field_and_value(override, field):

@@ -213,6 +213,7 @@ def test_the_speculative_config_flag_is_checked():
     assert parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}') == SpeculativeConfig("mtp", 2)
     for text, message in (
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method='eagle'"),
+        ('{"method": "dspark", "num_speculative_tokens": 7}', "method='dspark': DSpark drafting is not supported yet"),
         ('{"method": "mtp", "num_speculative_tokens": 4}', "num_speculative_tokens=4: must be an integer in 1..3"),
         ('{"method": "mtp"}', "num_speculative_tokens is missing"),
         ('{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}', "unknown fields \\['model'\\]"),

@@ -44,6 +44,20 @@ class YarnConfig:
 
 @jax.tree_util.register_static
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark block drafter that DeepSeek-V4-Flash-0731 and -Pro-0813 ship in place of the MTP block (config.json's
+    `dspark_*` keys): a block of `block_size` tokens drafted at once, its query the last accepted token and copies of
+    `noise_token_id`, from the target's hidden states at `target_layer_ids`, with a Markov head of rank
+    `markov_rank`. Read and checked; jaxserve does not draft with it yet."""
+
+    block_size: int
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -93,6 +107,9 @@ class ModelConfig:
     # block is a whole MoE layer's weights.
     nextn_layers: int = 0
     mtp_layers: int = 0
+    # The DSpark drafter the checkpoint ships instead of MTP blocks (V4 0731 and 0813; None: V4's MTP blocks, if any):
+    # its tensors (`mtp.*`, the Markov and confidence heads) are a different block, which MTP cannot run.
+    dspark: DSparkConfig | None = None
 
     def __post_init__(self):
         self.validate()
@@ -125,7 +142,15 @@ class ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
 
     def with_mtp(self, layers: int) -> ModelConfig:
-        """`cfg` holding its first `layers` MTP blocks (ConfigError when the checkpoint declares fewer)."""
+        """`cfg` holding its first `layers` MTP blocks (ConfigError when the checkpoint declares fewer, or ships a
+        DSpark drafter instead)."""
+        if layers and self.dspark is not None:
+            raise ConfigError(
+                f"dspark_block_size={self.dspark.block_size}: the checkpoint ships a DSpark drafter (as "
+                "DeepSeek-V4-Flash-0731 and -Pro-0813 do), not MTP blocks (its mtp.* tensors have no enorm, hnorm, "
+                "e_proj or h_proj), so MTP cannot draft with it; serve it without --speculative-config (DSpark "
+                "drafting is not supported yet)"
+            )
         if not 0 <= layers <= self.nextn_layers:
             raise ConfigError(
                 f"num_nextn_predict_layers={self.nextn_layers}: the checkpoint has {self.nextn_layers} MTP blocks, "
@@ -183,6 +208,24 @@ class ModelConfig:
             self.mtp_layers,
             f"must be in [0, num_nextn_predict_layers={self.nextn_layers}]",
         )
+        if self.dspark is not None:
+            draft = self.dspark
+            need(draft.block_size >= 2, "dspark_block_size", draft.block_size, "must be >= 2")
+            need(
+                0 <= draft.noise_token_id < self.vocab_size,
+                "dspark_noise_token_id",
+                draft.noise_token_id,
+                f"must be a token id below vocab_size={self.vocab_size}",
+            )
+            need(
+                bool(draft.target_layer_ids)
+                and len(set(draft.target_layer_ids)) == len(draft.target_layer_ids)
+                and all(0 <= i < self.num_layers for i in draft.target_layer_ids),
+                "dspark_target_layer_ids",
+                list(draft.target_layer_ids),
+                f"must be distinct layer indices below num_hidden_layers={self.num_layers}",
+            )
+            need(draft.markov_rank > 0, "dspark_markov_rank", draft.markov_rank, "must be a positive integer")
         need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
         need(
             self.linear_format in (None, FP8),
@@ -363,6 +406,22 @@ def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
     return FP8, _EXPERT_DTYPES[expert]
 
 
+def _dspark(raw: dict[str, Any]) -> DSparkConfig | None:
+    """The DSpark drafter's keys (all four, or none: V4's MTP)."""
+    keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+    present = [key for key in keys if raw.get(key) is not None]
+    if not present:
+        return None
+    if len(present) < len(keys):
+        raise ConfigError(f"{sorted(set(keys) - set(present))}: missing beside {present} (a DSpark drafter has all)")
+    return DSparkConfig(
+        block_size=int(raw["dspark_block_size"]),
+        noise_token_id=int(raw["dspark_noise_token_id"]),
+        target_layer_ids=tuple(int(i) for i in raw["dspark_target_layer_ids"]),
+        markov_rank=int(raw["dspark_markov_rank"]),
+    )
+
+
 def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfig:
     """Parse a DeepSeek-V4 config.json dict, accepting the legacy and the current HF key sets."""
     model_type = raw.get("model_type")
@@ -420,6 +479,7 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
             linear_format=linear_format,
             expert_format=expert_format,
             nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            dspark=_dspark(raw),
         )
     except KeyError as missing:
         raise ConfigError(f"{missing.args[0]}: required field missing from config.json") from None
@@ -489,6 +549,11 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": cfg.nextn_layers,
     }
+    if cfg.dspark is not None:
+        out["dspark_block_size"] = cfg.dspark.block_size
+        out["dspark_noise_token_id"] = cfg.dspark.noise_token_id
+        out["dspark_target_layer_ids"] = list(cfg.dspark.target_layer_ids)
+        out["dspark_markov_rank"] = cfg.dspark.markov_rank
     if cfg.quantized:
         out["quantization_config"] = {
             "quant_method": "fp8",

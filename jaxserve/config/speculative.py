@@ -20,6 +20,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int
 
     def __post_init__(self):
+        if self.method == "dspark":  # vLLM's method for DeepSeek-V4-Flash-0731 and -Pro-0813's drafter
+            raise ConfigError(
+                "speculative_config.method='dspark': DSpark drafting is not supported yet; jaxserve serves those "
+                "checkpoints' backbone without drafts (leave out --speculative-config)"
+            )
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_config.method={self.method!r}: jaxserve drafts with the checkpoint's own MTP block; "

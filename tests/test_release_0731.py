@@ -1,0 +1,111 @@
+"""DeepSeek-V4-Flash-0731's layout (and -Pro-0813's): V4's backbone with a DSpark block drafter in place of the MTP
+block. A tiny checkpoint written that way (compress_ratios with the three draft stages' zeros at the tail, the
+`dspark_*` keys, the drafter's tensors beside the backbone's, FP8/FP4 as the release stores them) serves over HTTP
+the greedy tokens of transformers' backbone on the same weights, the drafter's tensors skipped with one log line;
+drafting on it (MTP, or DSpark, which jaxserve lacks yet) is one clear error before anything is read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+import jax
+import numpy as np
+import pytest
+from reference import reference_greedy
+from test_quantized_weights import PROMPTS, _greedy_over_http
+
+from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.load import load_model
+from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_config
+from jaxserve.config import SWA, ConfigError, DSparkConfig, load_config
+from jaxserve.kernels.quant import FP4, FP8
+from jaxserve.model.sharding import make_mesh
+from jaxserve.model.weights import init_weights
+from jaxserve.presets import preset
+
+# hidden 160 and experts 64 wide, as tests/test_quantized_weights.py, for full and partial FP8 / FP4 blocks; HCA at
+# the release's rate, 128, which the legacy compress_ratios key says.
+RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+BACKBONE = preset("tiny", dtype="float32", hidden_size=160, moe_intermediate_size=64, compress_rates=RATES)
+DSPARK = DSparkConfig(block_size=5, noise_token_id=3, target_layer_ids=(2, 3, 4), markov_rank=16)
+RELEASE = dataclasses.replace(BACKBONE, nextn_layers=1, dspark=DSPARK)
+STAGES = 3
+RATIOS = {"swa": 0, "csa": 4, "hca": 128}
+
+
+def drafter_tensors(quantize: bool, dtype: str) -> dict[str, np.ndarray]:
+    """The DSpark drafter's tensors: three V4 decoder layers with sliding-window attention only (`mtp.{0,1,2}.*`,
+    stored as the backbone's layers are), the first with the projection of the target's features, the last with the
+    final norm and HC head; and the Markov and confidence heads."""
+    stages = dataclasses.replace(
+        BACKBONE, num_layers=STAGES, layer_kinds=(SWA,) * STAGES, hash_layers=(False,) * STAGES
+    )
+    tensors = checkpoint_tensors(init_weights(jax.random.key(9), stages, std=0.15), stages, quantize, dtype)
+    out = {re.sub(r"^layers\.", "mtp.", name): t for name, t in tensors.items() if name.startswith("layers.")}
+    last = f"mtp.{STAGES - 1}."
+    out |= {last + name: t for name, t in tensors.items() if name.startswith(("norm.", "hc_head_"))}
+    rng = np.random.default_rng(0)
+    d, vocab, rank = BACKBONE.hidden_size, BACKBONE.vocab_size, DSPARK.markov_rank
+    out["mtp.0.main_proj.weight"] = rng.normal(0, 0.1, (d, STAGES * d)).astype(np.float32)
+    out["mtp.0.main_norm.weight"] = np.ones(d, np.float32)
+    out["markov_head.markov_w1.weight"] = rng.normal(0, 0.1, (vocab, rank)).astype(np.float32)
+    out["markov_head.markov_w2.weight"] = rng.normal(0, 0.1, (vocab, rank)).astype(np.float32)
+    out["confidence_head.weight"] = rng.normal(0, 0.1, (1, d + rank)).astype(np.float32)
+    return out
+
+
+def write_release(weights, folder, quantize: bool, dtype: str = "bfloat16"):
+    """`weights` and a drafter written as the 0731 release lays them out, in one sharded, indexed folder."""
+    drafter = drafter_tensors(quantize, dtype)
+    save_tensors(checkpoint_tensors(weights, BACKBONE, quantize, dtype) | drafter, folder, max_shard_bytes=400_000)
+    formats = (FP8, FP4) if quantize else (None, None)
+    file = write_config(dataclasses.replace(RELEASE, linear_format=formats[0], expert_format=formats[1]), folder)
+    raw = json.loads(file.read_text())
+    raw["compress_ratios"] = [RATIOS[kind] for kind in BACKBONE.layer_kinds] + [0] * STAGES
+    del raw["layer_types"], raw["compress_rates"]
+    file.write_text(json.dumps(raw, indent=2))
+    return folder, sorted(drafter)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    weights = init_weights(jax.random.key(5), BACKBONE, std=0.1)
+    folder, drafter = write_release(weights, tmp_path_factory.mktemp("v4_0731"), quantize=True)
+    return dict(folder=folder, drafter=drafter)
+
+
+def test_the_config_reads_the_backbone_and_the_drafter(release):
+    cfg = load_config(release["folder"], dtype="float32")
+    assert (cfg.layer_kinds, cfg.hca_rate, cfg.nextn_layers) == (BACKBONE.layer_kinds, 128, 1)
+    assert (cfg.dspark, cfg.linear_format, cfg.expert_format) == (DSPARK, FP8, FP4)
+
+
+def test_the_backbone_serves_transformers_greedy_tokens_with_the_drafter_skipped(release, tmp_path, caplog):
+    from transformers import DeepseekV4ForCausalLM
+
+    caplog.set_level(logging.INFO, logger="jaxserve.checkpoints")
+    # Pages of 128 tokens: a page holds whole compressed entries of every rate.
+    knobs = dict(kernels="reference", dtype="float32", page_size=128, max_model_len=128)
+    served = _greedy_over_http(release["folder"], "auto", PROMPTS, **knobs)
+    mentions = [r.getMessage() for r in caplog.records if "drafter" in r.getMessage() or "MTP" in r.getMessage()]
+    assert mentions == [
+        f"skipping {len(release['drafter'])} DSpark drafter tensors (DSpark drafting is not supported yet)"
+    ]
+    # transformers reads the same weights, decoded, from a float32 copy laid out as the release (drafter included).
+    dequantized, _ = load_weights(release["folder"], load_config(release["folder"], "float32").dequantized())
+    folder, drafter = write_release(dequantized, tmp_path, quantize=False, dtype="float32")
+    model, info = DeepseekV4ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert set(info["unexpected_keys"]) <= set(drafter) and not any(
+        k.startswith("mtp.") for k in info["unexpected_keys"]
+    )
+    model = model.float().eval()
+    assert served == [reference_greedy(model, prompt, 20)[0] for prompt in PROMPTS]
+
+
+def test_drafting_on_it_is_one_clear_error_before_anything_is_read(release):
+    with pytest.raises(ConfigError, match="dspark_block_size=5: the checkpoint ships a DSpark drafter"):
+        load_model(release["folder"], make_mesh(1, 1), "float32", mtp_layers=1, skip_tokenizer=True)
