@@ -404,6 +404,9 @@ def test_stop_rules_and_the_bias_follow_min_tokens():
     assert p.stop_reason(1, 2) == (None, None) and p.stop_reason(7, 2) == (None, None)  # held back
     assert p.stop_reason(1, 3) == ("stop", None) and p.stop_reason(7, 3) == ("stop", 7)
     assert p.stop_reason(9, 8) == ("length", None)
+    # A complete structured output stops whatever min_tokens, and outranks max_tokens as EOS does.
+    assert p.stop_reason(9, 2, complete=True) == ("stop", None) and p.stop_reason(9, 8, complete=True) == ("stop", None)
+    assert p.stop_reason(7, 3, complete=True) == ("stop", 7)
     minus = float("-inf")
     assert p.logit_bias_at(2) == ((5, 2.0), (1, minus), (2, minus), (7, minus))  # the bias on 7 is overridden
     assert p.logit_bias_at(3) == ((5, 2.0), (7, 1.0))

@@ -694,16 +694,14 @@ class Engine:
     def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.note_token(token)
         self.counters.generation_tokens += 1
-        reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids))
         if request.grammar is not None:
             broken = request.grammar.accept(token)
             if broken is not None:  # the mask allowed only what the grammar accepts: a bug, not the client's
                 log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
                 self._finish(request, FinishReason.ERROR, error=f"structured output: {broken}")
                 return
-            if request.grammar.finished and reason is not FinishReason.STOP:
-                # The text is complete and nothing may follow: a stop, as EOS is, on max_tokens' last token too.
-                reason, stop_reason = FinishReason.STOP, None
+        complete = request.grammar is not None and request.grammar.finished
+        reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids), complete)
         logprobs = None if logprob is None else (logprob,)
         prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
         if reason is None:

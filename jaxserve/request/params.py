@@ -161,14 +161,19 @@ class SamplingParams:
         engine asks for tokens, the text side for stop strings; max_tokens always ends it)."""
         return num_generated >= self.min_tokens
 
-    def stop_reason(self, token: int, num_generated: int) -> tuple[FinishReason | None, int | None]:
+    def stop_reason(
+        self, token: int, num_generated: int, complete: bool = False
+    ) -> tuple[FinishReason | None, int | None]:
         """(finish reason, stop token) once `token` made `num_generated` output tokens, or (None, None) to go on. EOS
-        is reported without a stop token, as vLLM does."""
+        is reported without a stop token, as vLLM does. `complete`: the structured output is complete, so nothing may
+        follow: a stop whatever min_tokens, and like EOS a stop on max_tokens' last token too."""
         if self.may_stop(num_generated):
             if not self.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP, None
             if token in self.stop_token_ids:
                 return FinishReason.STOP, token
+        if complete:
+            return FinishReason.STOP, None
         if num_generated >= self.max_tokens:  # admission kept prompt + max_tokens within the context
             return FinishReason.LENGTH, None
         return None, None
