@@ -122,11 +122,14 @@ def write_checkpoint(
     quantize: bool = False,
     dtype: str = "bfloat16",
     max_shard_bytes: int | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `config.json` and the weights (see `checkpoint_tensors`, `save_tensors`) into `folder`; a quantized
-    checkpoint's config says so as the release's does (quantization_config, expert_dtype)."""
+    checkpoint's config says so as the release's does (quantization_config, expert_dtype). `extra_tensors`: stored
+    beside the weights, as a release stores what `cfg` does not hold (a drafter)."""
     folder = Path(folder)
-    save_tensors(checkpoint_tensors(weights, cfg, quantize=quantize, dtype=dtype), folder, max_shard_bytes)
+    tensors = checkpoint_tensors(weights, cfg, quantize=quantize, dtype=dtype) | (extra_tensors or {})
+    save_tensors(tensors, folder, max_shard_bytes)
     formats = (FP8_E4M3, FP4) if quantize else (None, None)
     write_config(dataclasses.replace(cfg, linear_format=formats[0], expert_format=formats[1]), folder)
     return folder

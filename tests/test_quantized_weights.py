@@ -181,10 +181,12 @@ def test_orbax_conversion_keeps_the_quantization(folder, tmp_path):
         restore_weights(dst, CFG, mesh)
 
 
-def _greedy_over_http(folder, quantization: str, prompts: list[list[int]], **engine) -> list[list[int]]:
-    """Each prompt's 20 greedy tokens, served over HTTP from `folder` (`engine`: EngineConfig fields to change)."""
-    knobs = dict(dtype="bfloat16", max_num_seqs=4, chunked_prefill_size=32, max_prefill_rows=1, page_size=16)
-    cfg = EngineConfig(**{**knobs, "max_model_len": 64, **engine}, model=str(folder), quantization=quantization)
+def _greedy_over_http(folder, quantization: str, prompts: list[list[int]], **overrides) -> list[list[int]]:
+    """Each prompt's 20 greedy tokens, served over HTTP from `folder` (`overrides`: EngineConfig fields to change)."""
+    knobs = dict(
+        dtype="bfloat16", max_num_seqs=4, chunked_prefill_size=32, max_prefill_rows=1, page_size=16, max_model_len=64
+    )
+    cfg = EngineConfig(**(knobs | overrides), model=str(folder), quantization=quantization)
     model = loaded(folder, quantization, cfg.dtype)
     engine = Engine(
         cfg, model.config, build_runner(cfg, model.config, model.weights, make_mesh(1, 1)), model.tokenizer.eos_ids

@@ -19,8 +19,8 @@ from test_quantized_weights import PROMPTS, _greedy_over_http
 
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.load import load_model
-from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_config
-from jaxserve.config import SWA, ConfigError, DSparkConfig, load_config
+from jaxserve.checkpoints.writer import checkpoint_tensors, write_checkpoint
+from jaxserve.config import CSA, HCA, SWA, ConfigError, DSparkConfig, load_config
 from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import init_weights
@@ -33,7 +33,7 @@ BACKBONE = preset("tiny", dtype="float32", hidden_size=160, moe_intermediate_siz
 DSPARK = DSparkConfig(block_size=5, noise_token_id=3, target_layer_ids=(2, 3, 4), markov_rank=16)
 RELEASE = dataclasses.replace(BACKBONE, nextn_layers=1, dspark=DSPARK)
 STAGES = 3
-RATIOS = {"swa": 0, "csa": 4, "hca": 128}
+RATIOS = {SWA: 0, CSA: 4, HCA: 128}  # the legacy key's values, written here as the release writes them
 
 
 def drafter_tensors(quantize: bool, dtype: str) -> dict[str, np.ndarray]:
@@ -60,9 +60,8 @@ def drafter_tensors(quantize: bool, dtype: str) -> dict[str, np.ndarray]:
 def write_release(weights, folder, quantize: bool, dtype: str = "bfloat16"):
     """`weights` and a drafter written as the 0731 release lays them out, in one sharded, indexed folder."""
     drafter = drafter_tensors(quantize, dtype)
-    save_tensors(checkpoint_tensors(weights, BACKBONE, quantize, dtype) | drafter, folder, max_shard_bytes=400_000)
-    formats = (FP8, FP4) if quantize else (None, None)
-    file = write_config(dataclasses.replace(RELEASE, linear_format=formats[0], expert_format=formats[1]), folder)
+    write_checkpoint(weights, RELEASE, folder, quantize, dtype, max_shard_bytes=400_000, extra_tensors=drafter)
+    file = folder / "config.json"
     raw = json.loads(file.read_text())
     raw["compress_ratios"] = [RATIOS[kind] for kind in BACKBONE.layer_kinds] + [0] * STAGES
     del raw["layer_types"], raw["compress_rates"]
