@@ -141,7 +141,8 @@ def main() -> int:
     mesh = make_mesh(1, 1)
     loaded = load_model(None, mesh, dtype="float32")
     model_cfg, tokenizer = loaded.config, loaded.tokenizer
-    chain = [tokenizer.token_to_id(THINK_END), *tokenizer.encode(TOOL_CALLS_OPEN, add_special_tokens=False)]
+    think_end = tokenizer.token_to_id(THINK_END)
+    chain = [think_end, *tokenizer.encode(TOOL_CALLS_OPEN, add_special_tokens=False)]
     drawn = planted(init_weights(jax.random.key(0), model_cfg, std=0.15), chain)
     weights = place(drawn, abstract_weights(model_cfg), mesh)
     cfg = EngineConfig(
@@ -164,7 +165,6 @@ def main() -> int:
     http = BackgroundServer(app, bind("127.0.0.1", 0))
     http.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.address[1]}/v1", api_key="-", max_retries=0, timeout=600)
-    think_end = tokenizer.token_to_id(THINK_END)
     # A DSML tag (text may hold the chain's stray pieces, such as `<｜DSML｜DSML`) or the end of the reasoning.
     markup = re.compile(f"</?{DSML}(tool_calls|invoke|parameter)|{THINK_END}")
     figures = {
@@ -264,7 +264,8 @@ def main() -> int:
     limits = f"max_tokens {MAX_TOKENS['required']} (required) and {MAX_TOKENS['auto']} (auto)"
     markdown = (
         f"# Tool calls under stress\n\n{args.sets} seeded tool sets, each asked with tool_choice required and auto, "
-        "streamed and not, thinking on for every other set; random weights (the embedded default's shape, std 0.15), "
+        "streamed and not, thinking on for every other set; random weights (the embedded default's shape, std 0.15) "
+        "with a bigram chain planted that spells a block's opening after </think>, "
         f"temperature 1, {limits}. Compile {compile_s:.0f} s, run {run_s:.0f} s.\n\n{table}\n"
     )
     if failures:
