@@ -1,12 +1,47 @@
-"""mHC's Sinkhorn normalisation of the residual-mixing matrices (DeepSeek-V4's hyper-connections).
+"""mHC, DeepSeek-V4's hyper-connections: the collapse of the residual streams into one sublayer input, with the
+Sinkhorn normalisation of the residual-mixing matrices.
 
-Letters: ... any leading axes (rows, tokens), n the hyper-connection streams (an n x n matrix per token).
+Letters: ... any leading axes (rows, tokens), n the hyper-connection streams, d embed, x the flattened streams
+(n * d), m the mixes (2n + n^2: pre | post | comb, the comb row-major n x n).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from .quant import one_layer
+
+F32 = jnp.float32
+
+
+def hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """The unweighted-RMS-normalised projection of the flattened streams: h [..., n, d], fn [n * d, m] -> [..., m]
+    float32."""
+    flat = h.reshape(*h.shape[:-2], -1).astype(F32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
+    return jnp.einsum("...x,xm->...m", flat, fn.astype(F32)) * inv_rms
+
+
+def hc_pre(
+    h: jax.Array, fn: Any, base: Any, scale: Any, *, norm_eps: float, hc_eps: float, iters: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]; both float32):
+    mixes = hc_mixes(h, fn) * scale (per part) + base; pre = sigmoid(mixes_pre) + hc_eps, x = sum_n pre_n h_n;
+    post = 2 sigmoid(mixes_post); comb = sinkhorn(mixes_comb). The weights (fn [n * d, m], base [m], scale [3]) may
+    be `LayerOf` views of stacks (sliced here)."""
+    fn, base, scale = (one_layer(a) for a in (fn, base, scale))
+    n = h.shape[-2]
+    mixes = hc_mixes(h, fn, norm_eps)
+    base, scale = base.astype(F32), scale.astype(F32)
+    pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
+    comb = sinkhorn(comb_logits, iters, hc_eps)
+    x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
+    return x, post, comb
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:

@@ -44,6 +44,9 @@ F32 = jnp.float32
 # up to a few rows an expert (Flash's 4 layers decoding 64 rows, 1.5 rows an expert, on a deviceless H200: 217.7 ->
 # 17.5 ms in XLA's cost model).
 FUSED_GATHER_ROWS_PER_EXPERT = 4
+# The most routed rows (tokens x top-k) a step sends through `expert_rows` instead of sorting them into groups: the
+# Pallas kernel multiplies every row of the step by each touched expert (masked), so its dots grow with the rows.
+EXPERT_ROWS_MAX = 64
 
 
 def grouped_matmul(
@@ -122,12 +125,20 @@ def _row_products(x: jax.Array, w: Any, fused_decode: bool) -> jax.Array:
 def gathered_matmul(
     x: jax.Array, w: Any, group_sizes: jax.Array, expert_offset: jax.Array | int = 0, fused_decode: bool = False
 ) -> jax.Array:
-    """grouped_matmul reading only the rows' own expert matrices: one [d, f] gather per row, summed against the row
-    (`_row_products`); where the backend decodes into memory, in passes over slices of the input axis."""
-    m, d = x.shape
-    e, f = group_sizes.shape[0], w.shape[2]
+    """grouped_matmul reading only the rows' own expert matrices (`row_matmul`)."""
+    m = x.shape[0]
+    e = group_sizes.shape[0]
     group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right", method="compare_all")  # e: no group
-    experts = expert_offset + jnp.minimum(group, e - 1)
+    out = row_matmul(x, w, expert_offset + jnp.minimum(group, e - 1), fused_decode)
+    return jnp.where((group < e)[:, None], out, 0.0)
+
+
+def row_matmul(x: jax.Array, w: Any, experts: jax.Array, fused_decode: bool = False) -> jax.Array:
+    """x [m, d], w [n, d, f], experts [m] (indices into w) -> [m, f] float32: each row times its own expert's matrix,
+    one [d, f] gather per row, summed against the row (`_row_products`); where the backend decodes into memory, in
+    passes over slices of the input axis."""
+    m, d = x.shape
+    f = w.shape[2]
     size = d if fused_decode else _input_slice_rows(w, m * f * jnp.dtype(x.dtype).itemsize)
 
     def one_slice(start) -> jax.Array:
@@ -135,12 +146,37 @@ def gathered_matmul(
         return _row_products(x_slice, _take_input_slice(w, experts, start, size), fused_decode)
 
     if size == d:
-        out = _row_products(x, take(w, experts), fused_decode)
-    else:
-        # The first slice is the initial sum, so the loop's carry has the body's type (under shard_map, varying
-        # over the same mesh axes: a zeros carry would not be).
-        out = jax.lax.fori_loop(1, d // size, lambda i, acc: acc + one_slice(i * size), one_slice(0))
-    return jnp.where((group < e)[:, None], out, 0.0)
+        return _row_products(x, take(w, experts), fused_decode)
+    # The first slice is the initial sum, so the loop's carry has the body's type (under shard_map, varying over the
+    # same mesh axes: a zeros carry would not be).
+    return jax.lax.fori_loop(1, d // size, lambda i, acc: acc + one_slice(i * size), one_slice(0))
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def expert_rows(
+    x: jax.Array,
+    stacks: tuple[Any, ...],
+    experts: jax.Array,
+    fused_decode: bool = False,
+    *,
+    swiglu_limit: float | None = None,
+    out_dtype: Any = F32,
+) -> jax.Array:
+    """Routed rows in any order, each times its own expert: x [a, d] (one row per assignment), `stacks` one expert
+    stack [n, d, f] (an array or Quantized), or two (gate, up) with `swiglu_limit`, experts [a] int32 indices into the
+    stacks -> [a, f] in `out_dtype`, float32 accumulation: x W[experts], or clamped_swiglu(x W_gate, x W_up, limit).
+    A row whose index is outside [0, n) belongs to no expert; its result is unspecified (zero here; a kernel may
+    leave it unwritten), so callers mask it. No sort, no groups: the decode-sized form (`EXPERT_ROWS_MAX` rows)."""
+    if (len(stacks) == 2) != (swiglu_limit is not None):
+        raise ValueError("expert_rows takes one stack, or two (gate, up) with a swiglu_limit")
+    valid = (experts >= 0) & (experts < stacks[0].shape[0])
+    safe = jnp.where(valid, experts, 0)
+    outs = [row_matmul(x, w, safe, fused_decode) for w in stacks]
+    out = outs[0] if swiglu_limit is None else clamped_swiglu(outs[0], outs[1], swiglu_limit)
+    return jnp.where(valid[:, None], out, 0.0).astype(out_dtype)
 
 
 def tiled_matmul(

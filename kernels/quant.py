@@ -49,12 +49,12 @@ class Quantized:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerOf:
-    """Layer `layer` of a stack of one weight's layers (`stack` [layers, ...]), not sliced out of it: a kernel that
-    can reads that layer in place (kernels.pallas.block_scaled_matmul, as the expert kernel reads a layer's
-    experts), where slicing it out first would copy the layer's weight on every step; anything else takes the slice
-    (`one_layer`)."""
+    """Layer `layer` of a stack of one weight's layers (`stack` [layers, ...]), not sliced out of it: a kernel that can
+    reads that layer in place (kernels.pallas.block_scaled_matmul, as the expert kernel reads a layer's experts;
+    kernels.pallas.mhc, a hyper-connection's weights), where slicing it out first would copy the layer's weight on every
+    step; anything else takes the slice (`one_layer`)."""
 
-    stack: Any  # Quantized [layers, ...] (Any: vmap's in_axes give a LayerOf of axes)
+    stack: Any  # Quantized or array [layers, ...] (Any: vmap's in_axes give a LayerOf of axes)
     layer: Any  # int32 scalar
 
 

@@ -34,10 +34,11 @@ class Kernels:
     """One implementation per operation, each with its reference's signature."""
 
     grouped_matmul: Callable  # kernels.moe.grouped_matmul: rows sorted by expert times their experts' matrices
+    expert_rows: Callable  # kernels.moe.expert_rows: a decode step's routed rows, unsorted, times their experts
     einsum: Callable  # kernels.quant.einsum: an activation times a weight that may be block-scaled FP8 / FP4
     sink_attention: Callable  # kernels.attention.sink_attention: shared + selected keys, per-head sinks
     indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
-    sinkhorn: Callable  # kernels.mhc.sinkhorn: mHC's residual-mixing matrices made doubly stochastic
+    hc_pre: Callable  # kernels.mhc.hc_pre: mHC's collapse of the streams, with its Sinkhorn mixing matrices
     implementations: tuple[tuple[str, str], ...] = ()  # (operation, "reference" or "pallas"), for logs and reports
 
     def describe(self) -> str:
@@ -48,31 +49,38 @@ OPERATIONS = tuple(f.name for f in fields(Kernels) if f.name != "implementations
 
 REFERENCES: dict[str, Callable] = {
     "grouped_matmul": moe.grouped_matmul,
+    "expert_rows": moe.expert_rows,
     "einsum": quant.einsum,
     "sink_attention": attention.sink_attention,
     "indexer_topk": indexer.indexer_topk,
-    "sinkhorn": mhc.sinkhorn,
+    "hc_pre": mhc.hc_pre,
 }
 
 
 def _pallas_kernels() -> dict[str, Callable]:
     """The operations that have a Pallas kernel (imported on first use: Pallas is only loaded when asked for)."""
-    from .pallas import block_scaled_matmul, grouped_matmul, sinkhorn, sparse_attention
+    from .pallas import block_scaled_matmul, expert_rows, grouped_matmul, mhc, sparse_attention
 
     return {
         "grouped_matmul": grouped_matmul.grouped_matmul,
+        "expert_rows": expert_rows.expert_rows,
         "einsum": block_scaled_matmul.einsum,
         "sink_attention": sparse_attention.sink_attention,
-        "sinkhorn": sinkhorn.sinkhorn,
+        "hc_pre": mhc.hc_pre,
     }
 
 
 def pallas_hbm_bytes() -> dict[str, Callable]:
     """Pallas kernels that read less than their whole operands, by kernel name: each one's own statement of the HBM
     bytes a call moves, from its operands' shapes and bytes as compiled (for static profiles of compiled steps)."""
-    from .pallas import grouped_matmul
+    from .pallas import expert_rows, grouped_matmul, mhc
 
-    return {"grouped_matmul": grouped_matmul.hbm_bytes}
+    return {
+        "grouped_matmul": grouped_matmul.hbm_bytes,
+        "expert_rows": expert_rows.hbm_bytes,
+        "hc_mixes": mhc.mixes_hbm_bytes,
+        "hc_collapse": mhc.collapse_hbm_bytes,
+    }
 
 
 def check_choice(choice: str) -> None:
@@ -90,6 +98,7 @@ def kernels_for(choice: str, platform: str) -> Kernels:
     chosen = dict(REFERENCES)
     if native:  # XLA fuses the expert gather and decode into the reduction that consumes them (kernels.moe)
         chosen["grouped_matmul"] = functools.partial(moe.grouped_matmul, fused_decode=True)
+        chosen["expert_rows"] = functools.partial(moe.expert_rows, fused_decode=True)
     implementations = {op: REFERENCE for op in OPERATIONS}
     if use_pallas:
         for op, kernel in _pallas_kernels().items():

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.kernels.pallas import expert_rows as xr
 from jaxserve.kernels.pallas import grouped_matmul as gmm
-from jaxserve.kernels.quant import FP4, Quantized
+from jaxserve.kernels.quant import FP4, FP8, Quantized
 from jaxserve.runner.hlo_profile import array_bytes, static_profile
 from jaxserve.runner.targets import compile_for_target, target_devices
 
@@ -153,6 +154,24 @@ def _fp4_grouped_matmul(x, codes, scales, sizes, every_row_grouped):
     return gmm.grouped_matmul(x, Quantized(codes, scales, FP4, (1, 32, 1)), sizes, every_row_grouped=every_row_grouped)
 
 
+def test_a_vmapped_grouped_matmul_states_one_expert_a_batch(mesh):
+    """The model's per-group output projection (wo_a) maps the kernel over its groups, each group's matrices a
+    stack of the segment's layers read in place: each batch reads one matrix of its stack, not the stack."""
+    groups, layers, m, d, f = 4, 3, 8, 128, 256
+    x = jnp.zeros((groups, m, d), jnp.bfloat16)
+    codes = jnp.zeros((groups, layers, d, f), jnp.float8_e4m3fn)
+    scales = jnp.zeros((groups, layers, 1, 2), jnp.uint8)
+    sizes = jnp.full((1,), m, jnp.int32)
+
+    def per_group(x, c, s):
+        call = lambda x, c, s: gmm.grouped_matmul(x, Quantized(c, s, FP8, (1, 128, 128)), sizes, 1)  # noqa: E731
+        return jax.vmap(call)(x, c, s)
+
+    (call,) = [k for k in _profile(mesh, per_group, x, codes, scales).kernels if k.pallas]
+    one_each = groups * (codes.nbytes + scales.nbytes) / (groups * layers)
+    assert one_each <= call.bytes < one_each + 4 * x.nbytes + 4 * groups * m * f * 2
+
+
 def test_the_grouped_matmul_statement_reads_its_operands_with_or_without_the_zeros(mesh):
     m, e, d, f = 48, 4, 64, 32
     x = jnp.zeros((m, d), jnp.bfloat16)
@@ -169,3 +188,22 @@ def test_the_grouped_matmul_statement_reads_its_operands_with_or_without_the_zer
         calls.append(call)
     assert calls[0].bytes == calls[1].bytes  # the aliased zeros are written, never read: the same statement
     assert calls[1].bytes >= codes.nbytes + scales.nbytes + x.nbytes + m * f * 4
+
+
+@pytest.mark.parametrize("a, e", [(6, 256), (48, 256), (64, 16)])
+def test_the_expert_rows_statement_bounds_the_experts_its_programs_load(mesh, a, e):
+    """Each program whose row is the first of its expert loads that expert (the touched experts, at most
+    min(rows, stack) of them: tests/test_pallas_expert_rows.py checks the rows sharing one are computed together):
+    the profile counts that statement, not the stack of two layers of e experts."""
+    d, f = 64, 32
+    x = jnp.zeros((a, d), jnp.bfloat16)
+    codes, scales = jnp.zeros((2 * e, d // 2, f), jnp.uint8), jnp.zeros((2 * e, d // 32, f), jnp.uint8)
+    experts = jnp.zeros((a,), jnp.int32)
+
+    def fp4_rows(x, c, s, ids):
+        return xr.expert_rows(x, (Quantized(c, s, FP4, (1, 32, 1)),), ids)
+
+    (call,) = [k for k in _profile(mesh, fp4_rows, x, codes, scales, experts).kernels if k.pallas]
+    per_expert = (codes.nbytes + scales.nbytes) / (2 * e)
+    stated = xr.experts_read_at_most(a, 2 * e)
+    assert stated * per_expert <= call.bytes < (stated + 8) * per_expert + 4 * x.nbytes + 4 * a * f * 4

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.extend.core import jaxprs_in_params
 
-from jaxserve.kernels import attention, indexer, moe, quant
+from jaxserve.kernels import attention, indexer, mhc, moe, quant
 from jaxserve.kernels.table import KERNEL_CHOICES, kernels_for
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.sharding import make_mesh, shape_dtype_structs
@@ -24,22 +24,26 @@ from jaxserve.runner import Buckets
 from jaxserve.runner.plan import AbstractRunner
 
 REPO = Path(__file__).parent.parent
-PALLAS_OPS = ("grouped_matmul", "einsum", "sink_attention")
+PALLAS_OPS = ("grouped_matmul", "expert_rows", "einsum", "sink_attention", "hc_pre")
 
 
 def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():
     cpu = kernels_for("auto", "cpu")
-    assert (cpu.grouped_matmul, cpu.einsum, cpu.sink_attention, cpu.indexer_topk) == (
+    assert (cpu.grouped_matmul, cpu.expert_rows, cpu.einsum, cpu.sink_attention, cpu.indexer_topk, cpu.hc_pre) == (
         moe.grouped_matmul,
+        moe.expert_rows,
         quant.einsum,
         attention.sink_attention,
         indexer.indexer_topk,
+        mhc.hc_pre,
     )
     reference_gpu = kernels_for("reference", "gpu")
-    # On a GPU the reference expert matmul decodes inside XLA's reduction (kernels.moe's fused_decode form).
-    assert reference_gpu.grouped_matmul.func is moe.grouped_matmul
-    assert reference_gpu.grouped_matmul.keywords == {"fused_decode": True}
-    assert dataclasses.replace(reference_gpu, grouped_matmul=moe.grouped_matmul) == cpu
+    # On a GPU the reference expert matmuls decode inside XLA's reduction (kernels.moe's fused_decode form).
+    for op, function in (("grouped_matmul", moe.grouped_matmul), ("expert_rows", moe.expert_rows)):
+        assert getattr(reference_gpu, op).func is function and getattr(reference_gpu, op).keywords == {
+            "fused_decode": True
+        }
+    assert dataclasses.replace(reference_gpu, grouped_matmul=moe.grouped_matmul, expert_rows=moe.expert_rows) == cpu
     gpu = dict(kernels_for("auto", "gpu").implementations)
     assert all(gpu[op] == "pallas" for op in PALLAS_OPS) and gpu["indexer_topk"] == "reference"
     assert kernels_for("pallas", "gpu") == kernels_for("auto", "gpu")

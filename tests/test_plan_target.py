@@ -69,7 +69,7 @@ def test_plan_compiles_every_step_shape_for_an_h200_and_estimates_the_largest_de
     h200 = TARGETS["h200"]
     assert report["target"] == "h200" and report["fits"] and report["devices"] == 1
     assert report["device_memory"] == usable_memory(h200.memory_bytes)  # --device-memory defaults to the GPU's
-    for kernel in ("grouped_matmul", "einsum", "sink_attention", "sinkhorn"):
+    for kernel in ("grouped_matmul", "einsum", "sink_attention", "hc_pre"):
         assert f"{kernel} pallas" in report["kernels"]  # natively, through Triton: not "pallas (interpret)"
 
     shapes = [str(shape) for shape in Buckets.for_config(EngineConfig(**KNOBS, mixed_batches=True)).shapes()]

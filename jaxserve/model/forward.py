@@ -20,7 +20,15 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
-from jaxserve.model.weights import MTP_KIND, Layer, MTPBlock, RoutedExperts, Weights, is_quantized
+from jaxserve.model.weights import (
+    MTP_KIND,
+    HyperConnection,
+    Layer,
+    MTPBlock,
+    RoutedExperts,
+    Weights,
+    is_quantized,
+)
 
 F32 = jnp.float32
 
@@ -72,24 +80,27 @@ def run_segment(
     cfg: ModelConfig,
     kernels: Kernels,
 ):
-    """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights
-    are its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced,
-    every layer's experts would be copied every step: most of a decode step's bytes), and, on one device, the
-    quantized projections, which reach their kernels as `LayerOf` views (a Pallas kernel reads the layer in place;
-    sliced, each projection would be copied every step). Under a mesh that splits weights, a kernel call outside
-    shard_map gets its operands gathered whole, so the projections are sliced there. The stacked cache rides in the
-    carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache every
+    """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights are
+    its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced, every
+    layer's experts would be copied every step: most of a decode step's bytes), and, on one device, the quantized
+    projections and the hyper-connections, which reach their kernels as `LayerOf` views (a Pallas kernel reads the layer
+    in place; sliced, each would be copied every step, a launch each). Under a mesh that splits weights, a kernel call
+    outside shard_map gets its operands gathered whole, so the projections are sliced there. The stacked cache rides in
+    the carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache every
     step)."""
     stacks, experts = zip(*(RoutedExperts.split(w) for w in weights))
     mesh = jax.sharding.get_abstract_mesh()
     in_place = mesh.empty or mesh.size == 1
 
-    def kept_whole(a) -> bool:
-        return in_place and is_quantized(a)
+    def read_in_place(a) -> bool:
+        return is_quantized(a) or isinstance(a, HyperConnection)
 
-    # Per position: its weights as leaves (a Quantized is one), those the scan slices (the rest left None) and the
-    # structure to put a repeat's layer back together.
-    flat = [jax.tree.flatten(stack, is_leaf=is_quantized) for stack in stacks]
+    def kept_whole(a) -> bool:
+        return in_place and read_in_place(a)
+
+    # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), those the scan slices (the
+    # rest left None) and the structure to put a repeat's layer back together.
+    flat = [jax.tree.flatten(stack, is_leaf=read_in_place) for stack in stacks]
     sliced = [[None if kept_whole(a) else a for a in leaves] for leaves, _ in flat]
 
     def one_repeat(carry, xs):

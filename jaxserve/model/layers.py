@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SWA, ModelConfig
+from jaxserve.kernels.mhc import hc_mixes
+from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.weights import HyperConnection
 
@@ -72,28 +74,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: b
 # ---- mHC -----------------------------------------------------------------------------------------------------------
 
 
-def _hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """The unweighted-RMS-normalised projection of the flattened streams: [b, t, n, d] -> [b, t, m]."""
-    flat = h.reshape(*h.shape[:-2], -1).astype(F32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return jnp.einsum("btx,xm->btm", flat, fn.astype(F32)) * inv_rms
-
-
 def hc_pre(
-    h: jax.Array, hc: HyperConnection, cfg: ModelConfig, kernels: Kernels
+    h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig, kernels: Kernels
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Collapse the streams into one block input; return it with the post weights and the comb matrix."""
-    n = cfg.hc_mult
+    """Collapse the streams into one block input; return it with the post weights and the comb matrix. `hc` is one
+    layer's weights, or a layer of the segment's stacked ones (kernels that can read it in place)."""
+    if isinstance(hc, LayerOf):
+        fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
+    else:
+        fn, base, scale = hc.fn, hc.base, hc.scale
     with jax.named_scope("hc_pre"):
-        mixes = _hc_mixes(h, hc.fn, cfg.rms_norm_eps)
-        base = hc.base.astype(F32)
-        scale = hc.scale.astype(F32)
-        pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-        post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-        comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
-        comb = kernels.sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        x = jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)
-    return x, post, comb
+        return kernels.hc_pre(
+            h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
+        )
 
 
 def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
@@ -101,13 +94,18 @@ def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> j
     with jax.named_scope("hc_post"):
         dt = h.dtype
         expanded = post.astype(dt)[..., None] * out[..., None, :]
-        mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), h)
-    return expanded + mixed
+        # The n-term sum written out, in float32 and rounded once as a matmul would: elementwise work that XLA
+        # fuses with the expansion and the add into one kernel (as an einsum it is a matmul kernel of its own).
+        comb = comb.astype(dt).astype(F32)
+        mixed = comb[..., 0, :, None] * h[..., 0, None, :].astype(F32)
+        for j in range(1, h.shape[-2]):
+            mixed += comb[..., j, :, None] * h[..., j, None, :].astype(F32)
+    return expanded + mixed.astype(dt)
 
 
 def hc_head(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final collapse of the streams (sigmoid weights, no Sinkhorn)."""
     with jax.named_scope("hc_head"):
-        mixes = _hc_mixes(h, fn, cfg.rms_norm_eps)
+        mixes = hc_mixes(h, fn, cfg.rms_norm_eps)
         pre = jax.nn.sigmoid(mixes * scale.astype(F32)[0] + base.astype(F32)) + cfg.hc_eps
         return jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)

@@ -14,15 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.kernels.moe import EXPERT_ROWS_MAX, clamped_swiglu
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.sharding import expert_axes, logical_spec
 from jaxserve.model.weights import MoE, RoutedExperts
 
 F32 = jnp.float32
-
-
-def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
 def route(x: jax.Array, tokens: jax.Array, w: MoE, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -45,17 +42,27 @@ def _flat_layers(stack: Any) -> Any:
 
 
 def _local_experts(
-    x, local_ids, weights, stacks: tuple, layer: jax.Array, limit: float, kernels: Kernels, all_local: bool
+    x, local_ids, weights, stacks: tuple, layer: jax.Array, cfg: ModelConfig, kernels: Kernels, all_local: bool
 ) -> jax.Array:
     """Assignments to experts [0, n_local) of layer `layer` of the given stacks ([layers, n_local, ...] each: w_gate,
     w_up, w_down); others contribute nothing. `all_local`: every assignment is to these experts (no expert
     parallelism), so every sorted row is in a group."""
+    limit = cfg.swiglu_limit
     n, k = local_ids.shape
     n_local = stacks[0].shape[1]
     w_gate, w_up, w_down = (_flat_layers(stack) for stack in stacks)
     offset = layer * n_local  # where this layer's experts start in the flat run
     flat = local_ids.reshape(-1)
     mine = (flat >= 0) & (flat < n_local)
+    # Decode-sized (few rows, fewer than the experts: about one row an expert at most): the rows in token order with
+    # their experts, no sort, no groups. More rows an expert are cheaper sorted into groups.
+    if n * k <= min(EXPERT_ROWS_MAX, cfg.n_routed_experts):
+        experts = jnp.where(mine, offset + flat, -1)  # -1: another device's expert, no row of this one
+        rows = jnp.repeat(x, k, axis=0)
+        hidden = kernels.expert_rows(rows, (w_gate, w_up), experts, swiglu_limit=limit, out_dtype=x.dtype)
+        out = jnp.where(mine[:, None], kernels.expert_rows(hidden, (w_down,), experts, out_dtype=x.dtype), 0)
+        out = out * weights.reshape(-1, 1).astype(x.dtype)
+        return out.astype(F32).reshape(n, k, -1).sum(axis=1)
     flat = jnp.where(mine, flat, n_local)  # foreign assignments sort last, into no group
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
@@ -80,8 +87,10 @@ def routed_experts(
     cfg: ModelConfig,
     kernels: Kernels,
 ) -> jax.Array:
-    """Sort (token, expert) assignments by expert, run each group through its expert, scatter back. `stacks` holds
-    every layer of the segment ([layers, E, ...]); layer `layer`'s experts are read in place.
+    """Run each (token, expert) assignment through its expert and sum a token's back, weighted: a decode step's few
+    assignments (at most EXPERT_ROWS_MAX, and no more than the experts) in token order through `expert_rows`; more
+    are sorted by expert into groups for `grouped_matmul` and scattered back. `stacks` holds every layer of the
+    segment ([layers, E, ...]); layer `layer`'s experts are read in place.
 
     Under a mesh whose expert axes divide the experts, each device runs only its own experts (routing is
     replicated) and the partial outputs are summed over the expert axes: explicit expert parallelism.
@@ -91,13 +100,13 @@ def routed_experts(
     ways = 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in axes]))
     stacked = (stacks.w_gate, stacks.w_up, stacks.w_down)
     if ways == 1 or cfg.n_routed_experts % ways:
-        out = _local_experts(x, experts, weights, stacked, layer, cfg.swiglu_limit, kernels, all_local=True)
+        out = _local_experts(x, experts, weights, stacked, layer, cfg, kernels, all_local=True)
         return out.astype(x.dtype)
 
     def per_device(x, experts, weights, layer, w_gate, w_up, w_down):
         first = jax.lax.axis_index(axes) * w_gate.shape[1]
         partial = _local_experts(
-            x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg.swiglu_limit, kernels, all_local=False
+            x, experts - first, weights, (w_gate, w_up, w_down), layer, cfg, kernels, all_local=False
         )
         return jax.lax.psum(partial, axes)
 

@@ -27,9 +27,10 @@ the rows of its tile that lie in its group; items of one tile write disjoint row
 and the output starts as zeros (an aliased input) so rows in no group stay zero (unless the caller says every row
 is in a group: then every row is written and no zeros are made). The sums are rounded once to the output's dtype.
 
-FP4 packing: the nibbles of one byte are inputs 2k and 2k+1, so instead of interleaving decoded rows the kernel
-splits x into its even and odd columns (two [m, d/2] arrays, made outside the kernel: activations are small next to
-the expert stack) and adds x_even @ low nibbles + x_odd @ high nibbles, both [bm, bk/2] @ [bk/2, bf].
+FP4 packing: the nibbles of one byte are inputs 2k and 2k+1, so instead of interleaving decoded rows the kernel splits x
+into its even and odd columns (one [2, m, d/2] array, made outside the kernel by one XLA fusion: activations are small
+next to the expert stack; other formats pass x as [1, m, d]) and adds x_even @ low nibbles + x_odd @ high nibbles, both
+[bm, bk/2] @ [bk/2, bf].
 
 Bytes read per item (row tile t, group g): the x rows of t ([bm, d], once per f tile) and expert o + g's codes and
 scales once in all (each f tile reads its [d, bf] slice): d f bytes of FP8 codes plus d f / 128^2 scale bytes,
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -78,8 +80,8 @@ I32 = jnp.int32
 class _Layout:
     """The static shape of the work, in the units the kernel indexes.
 
-    The x operand(s) have `kc` columns and the code ref `kc` rows (plain, FP8: kc = d; FP4: kc = d / 2 bytes, and
-    x is split into even and odd columns); `bkc` is the k step in those units. Scales: `scale_shape` is the
+    The x operand ([halves, m, kc]) has `kc` columns and the code ref `kc` rows (plain, FP8: kc = d; FP4: kc = d / 2
+    bytes, and x is split into even and odd columns); `bkc` is the k step in those units. Scales: `scale_shape` is the
     per-expert [rows, cols] of the scale ref, `scale_block` how many code rows / columns one scale covers."""
 
     fmt: str | None  # None for a plain array, else FP8 / FP4
@@ -134,17 +136,17 @@ def grouped_matmul(
     of x (FP4: two per code byte)."""
     m, e, f = x.shape[0], group_sizes.shape[0], w.shape[-1]
     bm = block_m or min(128, max(16, pl.next_power_of_2(pl.cdiv(m, e))))
-    layout, x_operands, w_operands = _operands(x, w, bm, block_k, block_f)
+    layout, x_halves, w_operands = _operands(x, w, bm, block_k, block_f)
     n_tiles = pl.cdiv(m, bm)
     metadata = _work_items(group_sizes.astype(I32), expert_offset, bm, n_tiles)
     # Under shard_map (expert parallelism) the result varies over the mesh axes the expert stack does.
     varying = jax.typeof(w_operands[0]).manual_axis_type
-    inputs = (*metadata, *x_operands, *w_operands)
+    inputs = (*metadata, x_halves, *w_operands)
     aliases = {}
     if not every_row_grouped:  # rows in no group keep these zeros
         inputs, aliases = (*inputs, jnp.zeros((m, f), out_dtype)), {len(inputs): 0}
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, n_x=len(x_operands), n_w=len(w_operands)),
+        functools.partial(_kernel, layout=layout, n_w=len(w_operands)),
         out_shape=jax.ShapeDtypeStruct((m, f), out_dtype, manual_axis_type=varying),
         grid=(n_tiles + e, pl.cdiv(f, layout.bf)),
         input_output_aliases=aliases,
@@ -155,27 +157,33 @@ def grouped_matmul(
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled (5 metadata arrays, x (FP4: its even and odd
-    columns), the weights (3-D: a plain stack, or codes and scales), any zeros aliased to the output): each work
-    item reads its expert's codes and scales once (each f tile its own slice), and there are at most min(items,
-    rows) items that meet a row; x is read and the output written once. The expert stack itself, n experts of every
-    layer, is never read whole: only the experts the rows use (this is what "only the experts the step touches are
-    read" means above, bounded for any routing)."""
-    weights = [i for i, shape in enumerate(operand_shapes) if len(shape) == 3]
-    items, rows, stack = operand_shapes[1][0], operand_shapes[5][0], operand_shapes[weights[0]][0]
-    per_expert = sum(operand_bytes[i] for i in weights) / stack
-    x = sum(operand_bytes[5 : weights[0]])
-    return experts_read_at_most(items, rows, stack) * per_expert + x + out_bytes + sum(operand_bytes[:5])
+    """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x
+    [*batch, halves, m, kc] (FP4: its even and odd columns; batch: axes a vmap of the call added, as the model's
+    per-group output projection has), the weights (a plain stack, or codes and scales: [*batch, n, ...]), any zeros
+    aliased to the output. Each work item reads its expert's codes and scales once (each f tile its own slice), and
+    there are at most min(items - 1, rows) items that meet a row, in each batch's own stack; x is read and the output written once. The expert
+    stack itself, n experts of every layer, is never read whole: only the experts the rows use (this is what "only
+    the experts the step touches are read" means above, bounded for any routing)."""
+    x_dims = operand_shapes[5]
+    zeros = len(operand_shapes) > 7 and operand_bytes[-1] == out_bytes and len(operand_shapes[-1]) == len(x_dims) - 1
+    weights = range(6, len(operand_shapes) - zeros)
+    batch = math.prod(x_dims[:-3])
+    experts = math.prod(operand_shapes[6][:-2])  # every batch's stack
+    per_expert = sum(operand_bytes[i] for i in weights) / experts
+    reads = batch * experts_read_at_most(operand_shapes[1][0], x_dims[-2], experts // batch)
+    return reads * per_expert + operand_bytes[5] + out_bytes + sum(operand_bytes[:5])
 
 
 def experts_read_at_most(items: int, rows: int, stack: int) -> int:
-    """Expert loads of one call with `items` work-item slots over `rows` sorted rows and a stack of `stack`
-    experts, for any group sizes: one per used work item, and a used item holds at least one row."""
-    return min(items, rows, stack)
+    """Expert loads of one call with `items` work-item slots (n_tiles + e) over `rows` sorted rows and a stack of
+    `stack` experts, for any group sizes: one per used work item, at most n_tiles + e - 1 of them (consecutive groups
+    share at most their boundary tile), and a used item holds at least one row."""
+    return min(items - 1, rows, stack)
 
 
-def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout, tuple, tuple]:
-    """Checks the tiles against the format; returns the layout, the x operand(s) and the weight operand(s)."""
+def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout, jax.Array, tuple]:
+    """Checks the tiles against the format; returns the layout, the x operand [halves, m, kc] and the weight
+    operand(s)."""
     m, d = x.shape
     f = w.shape[-1]
     fp4 = isinstance(w, Quantized) and w.format == FP4
@@ -184,23 +192,24 @@ def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout,
             raise ValueError(f"{name} must be a power of two >= {least} (Triton's dot minimum); got {size}")
     if not isinstance(w, Quantized):
         dtype = jnp.promote_types(x.dtype, w.dtype)
-        return _Layout(None, m, d, f, bm, bk, bf, dtype), (x,), (w,)
+        return _Layout(None, m, d, f, bm, bk, bf, dtype), x[None], (w,)
     if w.format == FP8:
         scale_block = (w.blocks[-2], w.blocks[-1])
         layout = _Layout(FP8, m, d, f, bm, bk, bf, x.dtype, w.scales.shape[-2:], scale_block)
-        x_operands: tuple[jax.Array, ...] = (x,)
+        x_halves = x[None]
     elif w.format == FP4:
         if w.blocks[-2] % 2:
             raise ValueError(f"FP4 scale blocks must cover whole code bytes (an even input count); got {w.blocks}")
         scale_block = (w.blocks[-2] // 2, w.blocks[-1])
         layout = _Layout(FP4, m, d // 2, f, bm, bk // 2, bf, x.dtype, w.scales.shape[-2:], scale_block)
-        x_operands = (x[:, 0::2], x[:, 1::2])  # inputs 2k (low nibbles), 2k+1 (high nibbles)
+        # Inputs 2k (low nibbles) and 2k+1 (high nibbles) as one array: one XLA fusion makes both halves.
+        x_halves = jnp.stack([x[:, 0::2], x[:, 1::2]])
     else:
         raise ValueError(f"unknown weight format {w.format!r}")
     for tile, block in zip((layout.bkc, bf), scale_block):
         if tile % block and block % tile:
             raise ValueError(f"tiles (block_k={bk}, block_f={bf}) and scale blocks {w.blocks} must divide one another")
-    return layout, x_operands, (w.codes, w.scales)
+    return layout, x_halves, (w.codes, w.scales)
 
 
 def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int, n_tiles: int) -> tuple[jax.Array, ...]:
@@ -222,9 +231,9 @@ def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int,
     return (items_end[-1:], *(jnp.where(used, a, 0).astype(I32) for a in per_item))
 
 
-def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: _Layout, n_x: int, n_w: int):
+def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, x_ref, *refs, layout: _Layout, n_w: int):
     """Program (item, f tile): out[tile rows in the group, f tile] = x[tile rows] @ W[expert][:, f tile]."""
-    x_refs, w_refs, out_ref = refs[:n_x], refs[n_x : n_x + n_w], refs[-1]  # any ref between: zeros aliased to out
+    w_refs, out_ref = refs[:n_w], refs[-1]  # any ref between: zeros aliased to out
     item, f_tile = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode can't lower it inside
     lo = layout
 
@@ -239,7 +248,12 @@ def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, *refs, layout: 
             k0 = step * lo.bkc
             x_mask = (rows < lo.m) & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
             w_mask = (k0 + lax.broadcasted_iota(I32, (lo.bkc, 1), 0) < lo.kc) & (cols < lo.f)
-            x_tiles = [plgpu.load(r.at[pl.ds(row0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0) for r in x_refs]
+            x_tiles = [
+                plgpu.load(
+                    x_ref.at[jnp.asarray(half, I32), pl.ds(row0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0
+                )
+                for half in range(x_ref.shape[0])
+            ]
             w_tiles = _weight_tiles(w_refs, expert, k0, col0, w_mask, lo)
             for x_tile, w_tile in zip(x_tiles, w_tiles, strict=True):
                 acc += jnp.dot(

@@ -1,0 +1,66 @@
+"""kernels.pallas.expert_rows (interpret mode on CPU) equals the reference kernels.moe.expert_rows on every row that
+has an expert: float32, bfloat16, FP8 and FP4 stacks, one stack or gate and up with the clamped SwiGLU, rows sharing
+an expert (in any order, not adjacent), rows of another device's expert (-1) or past the stack, one row, an odd
+count and the most it takes, d and f that are not multiples of the tiles; it refuses more rows than that and
+mismatched gate / up stacks. Its HBM statement: tests/test_hlo_profile.py; compiled for an H200 in the model's every
+step: tests/test_plan_target.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels.moe import EXPERT_ROWS_MAX, expert_rows
+from jaxserve.kernels.pallas.expert_rows import expert_rows as kernel
+from jaxserve.kernels.quant import FP4, FP8, quantize
+
+N, D, F = 12, 70, 45  # two layers of 6 experts; d and f not multiples of any tile (FP4 needs an even d)
+LIMIT = 7.0
+reference = jax.jit(expert_rows, static_argnames=("swiglu_limit", "out_dtype"))
+
+
+def _stack(fmt: str, seed: int):
+    rng = np.random.default_rng(seed)
+    dense = jnp.asarray(rng.normal(size=(N, D, F)) * rng.uniform(0.1, 3, size=(N, 1, F)), jnp.float32)
+    if fmt in ("float32", "bfloat16"):
+        return dense.astype(fmt)
+    return quantize(dense, fmt, (1, 128, 128) if fmt == FP8 else (1, 32, 1))
+
+
+ROUTINGS = {
+    "one row": [7],
+    "shared experts, odd count": [3, 9, 3, 0, 11, 9, 9, 5, 3, 0, 1],
+    "another device's rows": [-1, 4, -1, 4, 12, 2, -1],  # -1 and 12 (past the stack): no expert here
+    "the most rows": list(np.random.default_rng(0).integers(-1, N, EXPERT_ROWS_MAX)),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", FP8, FP4])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pallas_expert_rows_equals_the_reference(routing, fmt, swiglu):
+    experts = jnp.asarray(ROUTINGS[routing], jnp.int32)
+    dtype = jnp.float32 if fmt == "float32" else jnp.bfloat16
+    x = jnp.asarray(np.random.default_rng(len(experts)).normal(size=(len(experts), D)), dtype)
+    stacks = (_stack(fmt, 1), _stack(fmt, 2)) if swiglu else (_stack(fmt, 3),)
+    limit = LIMIT if swiglu else None
+    got = np.asarray(kernel(x, stacks, experts, swiglu_limit=limit, interpret=True, block_k=32, block_f=16))
+    want = np.asarray(reference(x, stacks, experts, swiglu_limit=limit))
+    valid = (np.asarray(experts) >= 0) & (np.asarray(experts) < N)
+    assert got.shape == want.shape == (len(experts), F) and valid.any()
+    # Float32 sums in another order (k tiles, FP4's even / odd split), then the SwiGLU: relative to the magnitudes.
+    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5 * np.abs(want[valid]).max())
+    assert np.abs(want[valid]).max() > 1.0
+
+
+def test_too_many_rows_and_mismatched_stacks_are_refused():
+    x = jnp.zeros((EXPERT_ROWS_MAX + 1, D), jnp.float32)
+    with pytest.raises(ValueError, match=f"at most {EXPERT_ROWS_MAX} rows"):
+        kernel(x, (_stack("float32", 0),), jnp.zeros(len(x), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="one stack, or two"):
+        kernel(x[:4], (_stack("float32", 0), _stack("float32", 1)), jnp.zeros(4, jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="one shape and format"):
+        kernel(x[:4], (_stack("float32", 0), _stack(FP8, 1)), jnp.zeros(4, jnp.int32), swiglu_limit=LIMIT,
+               interpret=True)  # fmt: skip
