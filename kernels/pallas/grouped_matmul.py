@@ -157,13 +157,13 @@ def grouped_matmul(
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x
-    [*batch, halves, m, kc] (FP4: its even and odd columns; batch: axes a vmap of the call added, as the model's
-    per-group output projection has), the weights (a plain stack, or codes and scales: [*batch, n, ...]), any zeros
-    aliased to the output. Each work item reads its expert's codes and scales once (each f tile its own slice), and
-    there are at most min(items - 1, rows) items that meet a row, in each batch's own stack; x is read and the output written once. The expert
-    stack itself, n experts of every layer, is never read whole: only the experts the rows use (this is what "only
-    the experts the step touches are read" means above, bounded for any routing)."""
+    """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x [*batch, halves,
+    m, kc] (FP4: its even and odd columns; batch: axes a vmap of the call added, as the model's per-group output
+    projection has), the weights (a plain stack, or codes and scales: [*batch, n, ...]), any zeros aliased to the
+    output. Each work item reads its expert's codes and scales once (each f tile its own slice), and there are at most
+    min(items - 1, rows) items that meet a row, in each batch's own stack; x is read and the output written once. The
+    expert stack itself, n experts of every layer, is never read whole: only the experts the rows use (this is what
+    "only the experts the step touches are read" means above, bounded for any routing)."""
     x_dims = operand_shapes[5]
     zeros = len(operand_shapes) > 7 and operand_bytes[-1] == out_bytes and len(operand_shapes[-1]) == len(x_dims) - 1
     weights = range(6, len(operand_shapes) - zeros)
