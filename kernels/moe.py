@@ -37,6 +37,7 @@ from .quant import (
     scale_values,
     take,
 )
+from .quant import einsum as quant_einsum
 
 F32 = jnp.float32
 # With fused_decode the gathered form reads one expert matrix a row and the tiled form writes a decoded matrix per
@@ -154,6 +155,14 @@ def row_matmul(x: jax.Array, w: Any, experts: jax.Array, fused_decode: bool = Fa
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def gated_matmul(x: jax.Array, w_gate: Any, w_up: Any, swiglu_limit: float) -> jax.Array:
+    """The shared expert's first half: x [n, d] times two projections [d, f] (plain, Quantized or `LayerOf`), each
+    product in x's dtype, then clamped_swiglu(gate, up) -> [n, f] in x's dtype."""
+    gate = quant_einsum("nd,df->nf", x, w_gate)
+    up = quant_einsum("nd,df->nf", x, w_up)
+    return clamped_swiglu(gate, up, swiglu_limit)
 
 
 def expert_rows(

@@ -35,6 +35,7 @@ class Kernels:
 
     grouped_matmul: Callable  # kernels.moe.grouped_matmul: rows sorted by expert times their experts' matrices
     expert_rows: Callable  # kernels.moe.expert_rows: a decode step's routed rows, unsorted, times their experts
+    gated_matmul: Callable  # kernels.moe.gated_matmul: the shared expert's gate and up projections and SwiGLU
     einsum: Callable  # kernels.quant.einsum: an activation times a weight that may be block-scaled FP8 / FP4
     sink_attention: Callable  # kernels.attention.sink_attention: shared + selected keys, per-head sinks
     indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
@@ -50,6 +51,7 @@ OPERATIONS = tuple(f.name for f in fields(Kernels) if f.name != "implementations
 REFERENCES: dict[str, Callable] = {
     "grouped_matmul": moe.grouped_matmul,
     "expert_rows": moe.expert_rows,
+    "gated_matmul": moe.gated_matmul,
     "einsum": quant.einsum,
     "sink_attention": attention.sink_attention,
     "indexer_topk": indexer.indexer_topk,
@@ -64,6 +66,7 @@ def _pallas_kernels() -> dict[str, Callable]:
     return {
         "grouped_matmul": grouped_matmul.grouped_matmul,
         "expert_rows": expert_rows.expert_rows,
+        "gated_matmul": expert_rows.gated_matmul,
         "einsum": block_scaled_matmul.einsum,
         "sink_attention": sparse_attention.sink_attention,
         "hc_pre": mhc.hc_pre,

@@ -24,7 +24,7 @@ from jaxserve.runner import Buckets
 from jaxserve.runner.plan import AbstractRunner
 
 REPO = Path(__file__).parent.parent
-PALLAS_OPS = ("grouped_matmul", "expert_rows", "einsum", "sink_attention", "hc_pre")
+PALLAS_OPS = ("grouped_matmul", "expert_rows", "gated_matmul", "einsum", "sink_attention", "hc_pre")
 
 
 def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():

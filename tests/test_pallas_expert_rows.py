@@ -1,9 +1,10 @@
-"""kernels.pallas.expert_rows (interpret mode on CPU) equals the reference kernels.moe.expert_rows on every row that
-has an expert: float32, bfloat16, FP8 and FP4 stacks, one stack or gate and up with the clamped SwiGLU, rows sharing
-an expert (in any order, not adjacent), rows of another device's expert (-1) or past the stack, one row, an odd
-count and the most it takes, d and f that are not multiples of the tiles; it refuses more rows than that and
-mismatched gate / up stacks. Its HBM statement: tests/test_hlo_profile.py; compiled for an H200 in the model's every
-step: tests/test_plan_target.py."""
+"""kernels.pallas.expert_rows (interpret mode on CPU) equals the reference kernels.moe.expert_rows on every row that has
+an expert: float32, bfloat16, FP8 and FP4 stacks, one stack or gate and up with the clamped SwiGLU, rows sharing an
+expert (in any order, not adjacent), rows of another device's expert (-1) or past the stack, one row, an odd count and
+the most it takes, d and f that are not multiples of the tiles; it refuses more rows than that and mismatched gate / up
+stacks; and the shared expert's gated_matmul through it (a projection pair or a layer of a stack, up to the most rows it
+takes, the reference's form past that). Its HBM statement: tests/test_hlo_profile.py; compiled for an H200 in the
+model's every step: tests/test_plan_target.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels.moe import EXPERT_ROWS_MAX, expert_rows
+from jaxserve.kernels.moe import EXPERT_ROWS_MAX, expert_rows, gated_matmul
 from jaxserve.kernels.pallas.expert_rows import expert_rows as kernel
-from jaxserve.kernels.quant import FP4, FP8, quantize
+from jaxserve.kernels.pallas.expert_rows import gated_matmul as gated_kernel
+from jaxserve.kernels.quant import FP4, FP8, LayerOf, Quantized, quantize
 
 N, D, F = 12, 70, 45  # two layers of 6 experts; d and f not multiples of any tile (FP4 needs an even d)
 LIMIT = 7.0
@@ -64,3 +66,25 @@ def test_too_many_rows_and_mismatched_stacks_are_refused():
     with pytest.raises(ValueError, match="one shape and format"):
         kernel(x[:4], (_stack("float32", 0), _stack(FP8, 1)), jnp.zeros(4, jnp.int32), swiglu_limit=LIMIT,
                interpret=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 8, EXPERT_ROWS_MAX + 3])  # the last: more rows than the kernel takes
+@pytest.mark.parametrize("fmt, stacked", [("bfloat16", False), (FP8, False), (FP8, True)])  # the model's LayerOfs
+def test_the_shared_experts_gated_matmul_equals_the_reference(rows, fmt, stacked):
+    """Gate, up and the SwiGLU of a shared expert (one projection pair, or a layer of a segment's stack as the model
+    passes it): the kernel rounds once after the SwiGLU where the reference rounds each product to x's dtype."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.normal(size=(rows, D)), jnp.bfloat16)
+    layers = [[jnp.asarray(rng.normal(size=(D, F)), jnp.float32) for _ in range(2)] for _ in range(3)]
+    weights = [jnp.stack([layer[i] for layer in layers]) for i in range(2)]  # [3, D, F] each
+    if fmt == FP8:  # a stack of 2-D weights with the release's 128 x 128 blocks, as the loader stacks them
+        weights = [quantize(w, FP8, (1, 128, 128)) for w in weights]
+        weights = [Quantized(w.codes, w.scales, FP8, (128, 128)) for w in weights]
+    if stacked:
+        gate, up = (LayerOf(w, jnp.int32(1)) for w in weights)
+    else:
+        gate, up = (jax.tree.map(lambda a: a[1], w) for w in weights)
+    got = np.asarray(gated_kernel(x, gate, up, LIMIT, interpret=True), np.float32)
+    want = np.asarray(gated_matmul(x, gate, up, LIMIT), np.float32)
+    assert got.shape == (rows, F) and np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * np.abs(want).max())

@@ -15,7 +15,6 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.moe import EXPERT_ROWS_MAX, clamped_swiglu
-from jaxserve.kernels.quant import LayerOf, Quantized
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.sharding import expert_axes, logical_spec
 from jaxserve.model.weights import MoE, RoutedExperts
@@ -122,34 +121,8 @@ def routed_experts(
 
 
 def shared_expert(x: jax.Array, w: MoE, cfg: ModelConfig, kernels: Kernels) -> jax.Array:
-    """The shared expert: an expert every token uses. A decode step's few rows take gate, up and the SwiGLU in one
-    `expert_rows` call (the SwiGLU on the float32 sums, as the routed experts', then rounded to x's dtype), the weights
-    as an expert stack (a layer of a segment's stack read in place)."""
-    if x.shape[0] <= EXPERT_ROWS_MAX:
-        (gate_stack, layer), (up_stack, _) = _as_experts(w.shared_gate), _as_experts(w.shared_up)
-        experts = jnp.full((x.shape[0],), layer, jnp.int32)
-        hidden = kernels.expert_rows(
-            x, (gate_stack, up_stack), experts, swiglu_limit=cfg.swiglu_limit, out_dtype=x.dtype
-        )
-    else:
-        gate = kernels.einsum("nd,df->nf", x, w.shared_gate)
-        up = kernels.einsum("nd,df->nf", x, w.shared_up)
-        hidden = clamped_swiglu(gate, up, cfg.swiglu_limit)
+    hidden = kernels.gated_matmul(x, w.shared_gate, w.shared_up, cfg.swiglu_limit)
     return kernels.einsum("nf,fd->nd", hidden, w.shared_down)
-
-
-def _as_experts(w: Any) -> tuple[Any, jax.Array | int]:
-    """A projection [d, f] as an expert stack and its expert: a `LayerOf` as its stack of layers and the layer, a
-    plain or quantized weight as a stack of one (a free reshape; a quantized one's blocks gain the stack's axis)."""
-    if isinstance(w, LayerOf):
-        return _with_stack_blocks(w.stack), w.layer
-    return _with_stack_blocks(jax.tree.map(lambda a: a[None], w)), 0
-
-
-def _with_stack_blocks(w: Any) -> Any:
-    if isinstance(w, Quantized) and len(w.blocks) < w.codes.ndim:
-        return Quantized(w.codes, w.scales, w.format, (1,) * (w.codes.ndim - len(w.blocks)) + w.blocks)
-    return w
 
 
 def moe_block(
