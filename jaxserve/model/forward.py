@@ -82,10 +82,11 @@ def run_segment(
 ):
     """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights are
     its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced, every
-    layer's experts would be copied every step: most of a decode step's bytes), and, on one device, the quantized
-    projections and the hyper-connections, which reach their kernels as `LayerOf` views (a Pallas kernel reads the layer
-    in place; sliced, each would be copied every step, a launch each). Under a mesh that splits weights, a kernel call
-    outside shard_map gets its operands gathered whole, so the projections are sliced there. The stacked cache rides in
+    layer's experts would be copied every step: most of a decode step's bytes), the hyper-connections and, on one
+    device, the quantized projections, which reach their kernels as `LayerOf` views (a Pallas kernel reads the layer in
+    place; sliced, each would be copied every step, a launch each). Under a mesh that splits weights, a kernel call
+    outside shard_map gets its operands gathered whole, so the projections are sliced there (the hyper-connections'
+    weights are replicated on every mesh). The stacked cache rides in
     the carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache every
     step)."""
     stacks, experts = zip(*(RoutedExperts.split(w) for w in weights))
@@ -96,7 +97,8 @@ def run_segment(
         return is_quantized(a) or isinstance(a, HyperConnection)
 
     def kept_whole(a) -> bool:
-        return in_place and read_in_place(a)
+        # A hyper-connection's weights are replicated on every mesh (read whole, they cost no gather).
+        return isinstance(a, HyperConnection) or (in_place and is_quantized(a))
 
     # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), those the scan slices (the
     # rest left None) and the structure to put a repeat's layer back together.
