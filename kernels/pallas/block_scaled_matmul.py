@@ -198,10 +198,7 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
     else (a plain or FP4 weight, other specs or x dtypes, einsum options besides `preferred_element_type`, empty
     operands, K blocks no dot-sized tile fits in) is the reference's own result. A `LayerOf` whose blocks suit the
     grouped kernel is read in place from its stack (the stack's layers are its experts); otherwise it is sliced."""
-    if isinstance(w, LayerOf):
-        stack, layers, layer, one = w.stack, w.stack.codes.shape[0], w.layer, _layer_of(w.stack)
-    else:
-        stack, layers, layer, one = w, 1, 0, w
+    stack, layers, layer, one = _layers(w)
     if not _takes_kernel(spec, x, one, kwargs):
         return reference_einsum(spec, x, w, **kwargs)
     k = one.shape[0]
@@ -217,6 +214,23 @@ def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs
         x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret
     )
     return out.reshape(*x.shape[:-1], *w.shape[1:]).astype(dtype)
+
+
+def _layers(w: Any) -> tuple[Any, int, Any, Any]:
+    """(the stack, its layer count, the layer, one layer as shapes) of a `LayerOf`; a weight as a stack of one."""
+    if isinstance(w, LayerOf):
+        return w.stack, w.stack.codes.shape[0], w.layer, _layer_of(w.stack)
+    return w, 1, 0, w
+
+
+def expert_view(spec: str, x: jax.Array, w: Any) -> tuple[Quantized, Any] | None:
+    """`w` (a weight or a `LayerOf`) as the expert kernels read it for `einsum(spec, x, w)`: (a stack of experts
+    [layers, K, N], the expert to use), or None where this module's kernels do not take it that way."""
+    stack, layers, layer, one = _layers(w)
+    if not _takes_kernel(spec, x, one, {}):
+        return None
+    experts = _expert_stack(stack, layers, one)
+    return None if experts is None else (experts, layer)
 
 
 def _layer_of(stack: Quantized) -> Quantized:

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..moe import EXPERT_ROWS_MAX, clamped_swiglu
-from ..quant import FP4, FP8, LayerOf, Quantized
+from .block_scaled_matmul import einsum, expert_view
 from .grouped_matmul import _Layout, _operands, _weight_tiles
 
 F32 = jnp.float32
@@ -159,37 +159,21 @@ def _kernel(experts_ref, x_ref, *refs, layout: _Layout, n_stacks: int, n_experts
 
 def gated_matmul(x: jax.Array, w_gate: Any, w_up: Any, swiglu_limit: float, *, interpret: bool = False) -> jax.Array:
     """`jaxserve.kernels.moe.gated_matmul` (the shared expert's gate, up and SwiGLU): up to EXPERT_ROWS_MAX rows, one
-    `expert_rows` launch with the two projections as an expert every row uses (a `LayerOf` read in place from its
-    stack; the SwiGLU on the float32 sums, rounded once to x's dtype, where the reference rounds each product
-    first); otherwise, or for weights the kernel does not take, the reference's form over the Pallas einsum."""
-    (gate, layer), (up, _) = _as_experts(w_gate), _as_experts(w_up)
-    if x.ndim == 2 and x.shape[0] <= EXPERT_ROWS_MAX and _takes(gate) and _takes(up):
-        experts = jnp.full((x.shape[0],), layer, I32)
-        return expert_rows(x, (gate, up), experts, swiglu_limit=swiglu_limit, out_dtype=x.dtype, interpret=interpret)
-    from .block_scaled_matmul import einsum
-
+    `expert_rows` launch with the two projections as an expert every row uses (as the block-scaled matmul would read
+    them: `block_scaled_matmul.expert_view`, a `LayerOf` in place from its stack; the SwiGLU on the float32 sums,
+    rounded once to x's dtype, where the reference rounds each product first); otherwise, or for weights the expert
+    kernels do not take, the reference's form over the Pallas einsum."""
+    gate_view, up_view = (expert_view("nd,df->nf", x, w) for w in (w_gate, w_up))
+    if (
+        x.ndim == 2
+        and x.shape[0] <= EXPERT_ROWS_MAX
+        and gate_view
+        and up_view
+        and gate_view[0].shape == up_view[0].shape
+    ):
+        experts = jnp.full((x.shape[0],), gate_view[1], I32)
+        stacks = (gate_view[0], up_view[0])
+        return expert_rows(x, stacks, experts, swiglu_limit=swiglu_limit, out_dtype=x.dtype, interpret=interpret)
     gate_out = einsum("nd,df->nf", x, w_gate, interpret=interpret)
     up_out = einsum("nd,df->nf", x, w_up, interpret=interpret)
     return clamped_swiglu(gate_out, up_out, swiglu_limit)
-
-
-def _as_experts(w: Any) -> tuple[Any, Any]:
-    """A projection [d, f] as an expert stack and its expert: a `LayerOf` as its stack of layers and the layer, a
-    plain or quantized weight as a stack of one (a free reshape); a quantized stack's blocks gain its leading axes."""
-    stack, layer = (w.stack, w.layer) if isinstance(w, LayerOf) else (jax.tree.map(lambda a: a[None], w), 0)
-    if isinstance(stack, Quantized) and len(stack.blocks) < stack.codes.ndim:
-        blocks = (1,) * (stack.codes.ndim - len(stack.blocks)) + stack.blocks
-        stack = Quantized(stack.codes, stack.scales, stack.format, blocks)
-    return stack, layer
-
-
-def _takes(stack: Any) -> bool:
-    """Whether the kernel's default tiles (128 x 128) read this 3-D stack: plain, or FP8 / FP4 whose scale blocks
-    and the tiles divide one another."""
-    if not isinstance(stack, Quantized):
-        return stack.ndim == 3
-    if stack.codes.ndim != 3 or stack.format not in (FP8, FP4):
-        return False
-    k_block = stack.blocks[-2] // 2 if stack.format == FP4 else stack.blocks[-2]
-    k_tile = 64 if stack.format == FP4 else 128  # the default block_k in code rows
-    return all(tile % block == 0 or block % tile == 0 for tile, block in ((k_tile, k_block), (128, stack.blocks[-1])))
