@@ -100,7 +100,10 @@ def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> j
         mixed = comb[..., 0, :, None] * h[..., 0, None, :].astype(F32)
         for j in range(1, h.shape[-2]):
             mixed += comb[..., j, :, None] * h[..., j, None, :].astype(F32)
-    return expanded + mixed.astype(dt)
+    # The new streams are stored anyway (the next hc_pre reads them). Without the barrier XLA's GPU fusion may fuse
+    # the previous layers' mixes into this one, each stream reading all of them: n^depth recomputation, and a decode
+    # step of the tiny model took 54 s instead of 10 s to compile for an H200.
+    return jax.lax.optimization_barrier(expanded + mixed.astype(dt))
 
 
 def hc_head(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
