@@ -50,7 +50,7 @@ def main() -> None:
         mixed_batches=False,  # prefill first, then decode-only steps, with and without drafts alike
     )
     mesh = make_mesh(1, 1)
-    loaded = load_model(None, mesh, dtype=base.dtype, mtp_layers=1)
+    loaded = load_model(None, mesh, dtype=base.dtype, drafter="mtp")
     ks = (None, 1, 2, 3)
     configs = {k: dataclasses.replace(base, speculative_config=k and SpeculativeConfig("mtp", k)) for k in ks}
     runners = {}

@@ -183,6 +183,16 @@ def weight_sources(cfg: ModelConfig) -> dict[str, Source]:
             src[f"{block}.{name}"] = Source((f"{block}.{name}.weight",), TRANSPOSED, FP8)
         for name in ("enorm", "hnorm"):
             src[f"{block}.{name}"] = Source((f"{block}.{name}.weight",), AS_IS)
+    if cfg.dspark_drafting and cfg.dspark is not None:
+        stages = cfg.dspark.stages
+        for i in range(stages):
+            src.update(_layer_sources(f"mtp.{i}", cfg))
+        last = f"mtp.{stages - 1}"
+        src.update(_head_sources(f"{last}."))
+        src["mtp.0.main_proj"] = Source(("mtp.0.main_proj.weight",), TRANSPOSED)  # dequantized if stored FP8
+        src["mtp.0.main_norm"] = Source(("mtp.0.main_norm.weight",), AS_IS)
+        src[f"{last}.markov_head.markov_w1"] = Source((f"{last}.markov_head.markov_w1.weight",), AS_IS)
+        src[f"{last}.markov_head.markov_w2"] = Source((f"{last}.markov_head.markov_w2.weight",), TRANSPOSED)
     return src
 
 
@@ -218,11 +228,23 @@ class TensorReader:
         (re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.kv_norm\.weight$"), r"\1.norm.weight"),
     )
 
+    # Where some conversions put a DSpark drafter's heads: at the top level, not under its last stage.
+    ALTERNATES = ((re.compile(r"^mtp\.\d+\.(markov_head\.markov_w[12]\.weight)$"), r"\1"),)
+
     def __init__(self, folder: SafetensorsFolder):
         self.folder = folder
         self.prefixed = any(k.startswith("model.") for k in folder.keys())
 
     def stored_name(self, name: str) -> str:
+        stored = self._official_or_hf(name)
+        if stored not in self.folder:
+            for pattern, replacement in self.ALTERNATES:
+                alternate = self._official_or_hf(pattern.sub(replacement, name))
+                if alternate in self.folder:
+                    return alternate
+        return stored
+
+    def _official_or_hf(self, name: str) -> str:
         if not self.prefixed or name == "head.weight":
             return name
         for pattern, replacement in self.HF_RENAMES:
@@ -392,9 +414,11 @@ def load_weights(
 
     check_complete(reader, [sources[leaf.name] for leaf in leaves], folder)
     drafter = [k for k in reader.folder.keys() if k.removeprefix("model.").startswith(DRAFTER_PREFIXES)]
-    if drafter and cfg.dspark is not None:
-        log.info("skipping %d DSpark drafter tensors (DSpark drafting is not supported yet)", len(drafter))
-    elif drafter and not cfg.mtp_layers:
+    if drafter and cfg.dspark is not None and not cfg.dspark_drafting:
+        log.info(
+            "skipping %d DSpark drafter tensors (nothing drafts with them: see --speculative-config)", len(drafter)
+        )
+    elif drafter and cfg.dspark is None and not cfg.mtp_layers:
         log.info("skipping %d MTP tensors (nothing drafts with them: see --speculative-config)", len(drafter))
 
     builder = WeightsBuilder(cfg, shardings)

@@ -25,13 +25,13 @@ class LoadedModel:
 
 
 def model_config(
-    path: str | Path | None, dtype: str = "bfloat16", quantization: str = "auto", mtp_layers: int = 0
+    path: str | Path | None, dtype: str = "bfloat16", quantization: str = "auto", drafter: str | None = None
 ) -> ModelConfig:
     """The config a checkpoint (None: the embedded default) is served with: its config.json in `dtype`, its weights
-    kept as it ships them (`quantization="auto"`) or dequantized (`"none"`), holding its first `mtp_layers` MTP
-    blocks (speculative decoding's drafter)."""
+    kept as it ships them (`quantization="auto"`) or dequantized (`"none"`), holding the drafter speculative
+    decoding's `drafter` method drafts with ("mtp", "dspark"; None: none)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    return load_config(folder).with_dtype(dtype).with_quantization(quantization).with_mtp(mtp_layers)
+    return load_config(folder).with_dtype(dtype).with_quantization(quantization).with_drafter(drafter)
 
 
 def load_model(
@@ -41,14 +41,14 @@ def load_model(
     show_progress: bool = False,
     skip_tokenizer: bool = False,
     quantization: str = "auto",
-    mtp_layers: int = 0,
+    drafter: str | None = None,
 ) -> LoadedModel:
     """Load a DeepSeek-V4 checkpoint onto `mesh`: an orbax conversion (see `checkpoints.orbax_io`, which must have
     been converted in `dtype` and with the same quantization) is restored shard by shard, a safetensors folder
     streamed leaf by leaf into its target sharding. The config is the checkpoint's with its vocabulary padded to
     split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    config = for_mesh(model_config(folder, dtype, quantization, mtp_layers), mesh)
+    config = for_mesh(model_config(folder, dtype, quantization, drafter), mesh)
     if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:

@@ -200,8 +200,7 @@ def load_runner(
 ) -> tuple[ModelRunner, LoadedModel]:
     """Check the model fits, load the checkpoint onto the mesh (this process's shards of it) and build its runner."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    mtp_layers = 1 if cfg.draft_tokens else 0  # speculative decoding drafts with the first MTP block
-    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization, mtp_layers), mesh)
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter), mesh)
     loaded = load_model(
         cfg.model,
         mesh,
@@ -209,7 +208,7 @@ def load_runner(
         show_progress=show_progress,
         skip_tokenizer=skip_tokenizer,
         quantization=cfg.quantization,
-        mtp_layers=mtp_layers,
+        drafter=cfg.drafter,
     )
     return build_runner(cfg, loaded.config, loaded.weights, mesh), loaded
 
@@ -659,11 +658,10 @@ def plan(args: argparse.Namespace) -> int:
         # backend has started yet (this command touches none before here).
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={needed}"
         jax.config.update("jax_platforms", "cpu")
-    mtp_layers = 1 if cfg.draft_tokens else 0  # the drafter's weights count too
-    if args.preset is not None:
-        model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization).with_mtp(mtp_layers)
+    if args.preset is not None:  # the drafter's weights count too
+        model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization).with_drafter(cfg.drafter)
     else:
-        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization, mtp_layers)
+        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter)
     layout = node_layout(model_cfg, args.num_nodes, args.devices_per_node) if by_nodes else None
     if layout is not None:
         cfg = dataclasses.replace(

@@ -37,12 +37,18 @@ def test_a_0731_config_is_the_backbone_with_a_dspark_drafter_mtp_cannot_run():
     flash = config_from_dict(preset_dict("flash"))
     assert len(FLASH_0731["compress_ratios"]) == 46 and cfg.layer_kinds == flash.layer_kinds
     assert cfg.dspark == DSparkConfig(
-        block_size=5, noise_token_id=128799, target_layer_ids=(40, 41, 42), markov_rank=256
+        block_size=5, noise_token_id=128799, target_layer_ids=(40, 41, 42), markov_rank=256, stages=3
     )
     assert config_from_dict(to_hf_dict(cfg)) == cfg and flash.dspark is None
-    assert cfg.with_mtp(0) == cfg
+    assert cfg.with_mtp(0) == cfg == cfg.with_drafter(None) and not cfg.dspark_drafting
+    assert cfg.with_drafter("dspark").dspark_drafting
     with pytest.raises(ConfigError, match=r"dspark_block_size=5: the checkpoint ships a DSpark drafter .* not MTP"):
-        cfg.with_mtp(1)
+        cfg.with_drafter("mtp")
+    # The stages are the compress_ratios entries past the backbone's layers.
+    two = config_from_dict(
+        preset_dict("flash", **{**FLASH_0731, "compress_ratios": FLASH_0731["compress_ratios"][:-1]})
+    )
+    assert two.dspark is not None and two.dspark.stages == 2
 
 
 def test_transformers_rope_parameters_form(tmp_path):

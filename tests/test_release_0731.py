@@ -2,7 +2,8 @@
 block. A tiny checkpoint written that way (compress_ratios with the three draft stages' zeros at the tail, the
 `dspark_*` keys, the drafter's tensors beside the backbone's, FP8/FP4 as the release stores them) serves over HTTP
 the greedy tokens of transformers' backbone on the same weights, the drafter's tensors skipped with one log line;
-drafting on it (MTP, or DSpark, which jaxserve lacks yet) is one clear error before anything is read."""
+MTP drafting on it is one clear error before anything is read; DSpark drafting reads the drafter (tests/test_dspark.py
+serves it), its heads named either as the release names them or at the top level as this layout has them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_quantized_weights import PROMPTS, _greedy_over_http
 
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.load import load_model
+from jaxserve.checkpoints.safetensors_file import SafetensorsFolder
 from jaxserve.checkpoints.writer import checkpoint_tensors, write_checkpoint
 from jaxserve.config import CSA, HCA, SWA, ConfigError, DSparkConfig, load_config
 from jaxserve.kernels.quant import FP4, FP8
@@ -90,8 +92,9 @@ def test_the_backbone_serves_transformers_greedy_tokens_with_the_drafter_skipped
     knobs = dict(kernels="reference", dtype="float32", page_size=128, max_model_len=128)
     served = _greedy_over_http(release["folder"], "auto", PROMPTS, **knobs)
     mentions = [r.getMessage() for r in caplog.records if "drafter" in r.getMessage() or "MTP" in r.getMessage()]
+    skipped = len(release["drafter"])
     assert mentions == [
-        f"skipping {len(release['drafter'])} DSpark drafter tensors (DSpark drafting is not supported yet)"
+        f"skipping {skipped} DSpark drafter tensors (nothing drafts with them: see --speculative-config)"
     ]
     # transformers reads the same weights, decoded, from a float32 copy laid out as the release (drafter included).
     dequantized, _ = load_weights(release["folder"], load_config(release["folder"], "float32").dequantized())
@@ -107,4 +110,14 @@ def test_the_backbone_serves_transformers_greedy_tokens_with_the_drafter_skipped
 
 def test_drafting_on_it_is_one_clear_error_before_anything_is_read(release):
     with pytest.raises(ConfigError, match="dspark_block_size=5: the checkpoint ships a DSpark drafter"):
-        load_model(release["folder"], make_mesh(1, 1), "float32", mtp_layers=1, skip_tokenizer=True)
+        load_model(release["folder"], make_mesh(1, 1), "float32", drafter="mtp", skip_tokenizer=True)
+
+
+def test_dspark_drafting_reads_the_drafter_with_its_heads_at_the_top_level(release):
+    loaded = load_model(release["folder"], make_mesh(1, 1), "float32", drafter="dspark", skip_tokenizer=True)
+    drafter = loaded.weights.dspark
+    assert drafter is not None and loaded.config.dspark_drafting
+    stored = SafetensorsFolder(release["folder"])
+    assert np.array_equal(np.asarray(drafter.markov_embed), stored.get("markov_head.markov_w1.weight"))
+    assert np.array_equal(np.asarray(drafter.markov_out), stored.get("markov_head.markov_w2.weight").T)
+    assert np.array_equal(np.asarray(drafter.main_proj), stored.get("mtp.0.main_proj.weight").T)

@@ -40,7 +40,7 @@ CONFIG = EngineConfig(
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(None, make_mesh(1, 1), dtype=CONFIG.dtype, mtp_layers=1)
+    return load_model(None, make_mesh(1, 1), dtype=CONFIG.dtype, drafter="mtp")
 
 
 def _config(k: int | None, **overrides) -> EngineConfig:
@@ -211,9 +211,12 @@ def test_what_drafting_cannot_honour_is_refused_naming_the_field(runners, loaded
 
 def test_the_speculative_config_flag_is_checked():
     assert parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}') == SpeculativeConfig("mtp", 2)
+    dspark = parse_speculative_config('{"method": "dspark", "num_speculative_tokens": 7}')
+    assert dspark == SpeculativeConfig("dspark", 7)
+    assert EngineConfig(speculative_config=dspark).drafter == "dspark" and EngineConfig().drafter is None
     for text, message in (
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method='eagle'"),
-        ('{"method": "dspark", "num_speculative_tokens": 7}', "method='dspark': DSpark drafting is not supported yet"),
+        ('{"method": "dspark", "num_speculative_tokens": 9}', "=9: must be an integer in 1..8 for method 'dspark'"),
         ('{"method": "mtp", "num_speculative_tokens": 4}', "num_speculative_tokens=4: must be an integer in 1..3"),
         ('{"method": "mtp"}', "num_speculative_tokens is missing"),
         ('{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}', "unknown fields \\['model'\\]"),

@@ -269,6 +269,11 @@ class EngineConfig:
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property
+    def drafter(self) -> str | None:
+        """The drafter speculative decoding runs (SPECULATIVE_METHODS), None without it."""
+        return None if self.speculative_config is None else self.speculative_config.method
+
+    @property
     def overlapped(self) -> bool:
         """Whether a step is dispatched before the one before it returns (--async-scheduling): never with drafting,
         whose next step's positions follow from the tokens the last one accepted."""

@@ -42,18 +42,23 @@ class YarnConfig:
     beta_slow: float = 1.0
 
 
+DSPARK_STAGES = 3  # the release's drafter: three decoder layers (vLLM's default n_mtp_layers)
+
+
 @jax.tree_util.register_static
 @dataclass(frozen=True)
 class DSparkConfig:
     """The DSpark block drafter that DeepSeek-V4-Flash-0731 and -Pro-0813 ship in place of the MTP block (config.json's
     `dspark_*` keys): a block of `block_size` tokens drafted at once, its query the last accepted token and copies of
     `noise_token_id`, from the target's hidden states at `target_layer_ids`, with a Markov head of rank
-    `markov_rank`. Read and checked; jaxserve does not draft with it yet."""
+    `markov_rank`; `stages` decoder layers (the release's three; compress_ratios' entries past the backbone's count
+    them)."""
 
     block_size: int
     noise_token_id: int
     target_layer_ids: tuple[int, ...]
     markov_rank: int
+    stages: int = DSPARK_STAGES
 
 
 @jax.tree_util.register_static
@@ -108,8 +113,10 @@ class ModelConfig:
     nextn_layers: int = 0
     mtp_layers: int = 0
     # The DSpark drafter the checkpoint ships instead of MTP blocks (V4 0731 and 0813; None: V4's MTP blocks, if any):
-    # its tensors (`mtp.*`, the Markov and confidence heads) are a different block, which MTP cannot run.
+    # its tensors (`mtp.*`, the Markov and confidence heads) are a different block, which MTP cannot run. The engine
+    # holds it only to draft with it (`with_drafter("dspark")`).
     dspark: DSparkConfig | None = None
+    dspark_drafting: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -141,6 +148,18 @@ class ModelConfig:
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
 
+    def with_drafter(self, method: str | None) -> ModelConfig:
+        """`cfg` holding the drafter that speculative decoding's `method` drafts with ("mtp": the first MTP block;
+        "dspark": the DSpark drafter; None: none). ConfigError when the checkpoint ships no such drafter."""
+        if method == "dspark":
+            if self.dspark is None:
+                raise ConfigError(
+                    "speculative_config.method='dspark': the checkpoint ships no DSpark drafter (no dspark_* keys in "
+                    f"config.json){' but MTP blocks: use method mtp' if self.nextn_layers else ''}"
+                )
+            return dataclasses.replace(self, dspark_drafting=True)
+        return self.with_mtp(1 if method == "mtp" else 0)
+
     def with_mtp(self, layers: int) -> ModelConfig:
         """`cfg` holding its first `layers` MTP blocks (ConfigError when the checkpoint declares fewer, or ships a
         DSpark drafter instead)."""
@@ -148,8 +167,8 @@ class ModelConfig:
             raise ConfigError(
                 f"dspark_block_size={self.dspark.block_size}: the checkpoint ships a DSpark drafter (as "
                 "DeepSeek-V4-Flash-0731 and -Pro-0813 do), not MTP blocks (its mtp.* tensors have no enorm, hnorm, "
-                "e_proj or h_proj), so MTP cannot draft with it; serve it without --speculative-config (DSpark "
-                "drafting is not supported yet)"
+                "e_proj or h_proj), so MTP cannot draft with it; draft with "
+                '--speculative-config \'{"method": "dspark", "num_speculative_tokens": 5}\' instead'
             )
         if not 0 <= layers <= self.nextn_layers:
             raise ConfigError(
@@ -226,6 +245,13 @@ class ModelConfig:
                 f"must be distinct layer indices below num_hidden_layers={self.num_layers}",
             )
             need(draft.markov_rank > 0, "dspark_markov_rank", draft.markov_rank, "must be a positive integer")
+            need(draft.stages > 0, "DSpark stages", draft.stages, "must be a positive integer")
+        need(
+            not self.dspark_drafting or self.dspark is not None,
+            "dspark_drafting",
+            self.dspark_drafting,
+            "needs a DSpark drafter (dspark_* keys)",
+        )
         need(self.dtype in SUPPORTED_DTYPES, "dtype", self.dtype, f"must be one of {SUPPORTED_DTYPES}")
         need(
             self.linear_format in (None, FP8),
@@ -407,7 +433,8 @@ def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def _dspark(raw: dict[str, Any]) -> DSparkConfig | None:
-    """The DSpark drafter's keys (all four, or none: V4's MTP)."""
+    """The DSpark drafter's keys (all four, or none: V4's MTP); its stages are the compress_ratios entries past the
+    backbone's layers where the release writes them (three zeros), else the release's three."""
     keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
     present = [key for key in keys if raw.get(key) is not None]
     if not present:
@@ -419,6 +446,7 @@ def _dspark(raw: dict[str, Any]) -> DSparkConfig | None:
         noise_token_id=int(raw["dspark_noise_token_id"]),
         target_layer_ids=tuple(int(i) for i in raw["dspark_target_layer_ids"]),
         markov_rank=int(raw["dspark_markov_rank"]),
+        stages=max(0, len(raw.get("compress_ratios") or ()) - int(raw["num_hidden_layers"])) or DSPARK_STAGES,
     )
 
 

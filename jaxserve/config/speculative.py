@@ -7,33 +7,33 @@ from dataclasses import dataclass
 
 from jaxserve.config.flags import ConfigError
 
-SPECULATIVE_METHODS = ("mtp",)
-MAX_SPECULATIVE_TOKENS = 3
+SPECULATIVE_METHODS = ("mtp", "dspark")
+# The most drafts a step: MTP runs its block once a draft; a DSpark block drafts them all in one forward (the
+# release trains blocks of dspark_block_size = 5; vLLM's recipe asks for 7; some ports refuse fewer than 5, jaxserve
+# takes any count, a shorter block drafting fewer).
+MAX_SPECULATIVE_TOKENS = {"mtp": 3, "dspark": 8}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """--speculative-config (vLLM's JSON): draft `num_speculative_tokens` tokens a step with the model's MTP block
-    and verify them in one forward (jaxserve.runner.speculative)."""
+    ("mtp") or the DSpark drafter of V4 0731 / 0813 ("dspark") and verify them in one forward
+    (jaxserve.runner.speculative)."""
 
     method: str
     num_speculative_tokens: int
 
     def __post_init__(self):
-        if self.method == "dspark":  # vLLM's method for DeepSeek-V4-Flash-0731 and -Pro-0813's drafter
-            raise ConfigError(
-                "speculative_config.method='dspark': DSpark drafting is not supported yet; jaxserve serves those "
-                "checkpoints' backbone without drafts (leave out --speculative-config)"
-            )
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(
-                f"speculative_config.method={self.method!r}: jaxserve drafts with the checkpoint's own MTP block; "
-                f"use one of {SPECULATIVE_METHODS}"
+                f"speculative_config.method={self.method!r}: jaxserve drafts with the checkpoint's own drafter "
+                f"(its MTP block, or the DSpark drafter of V4 0731 / 0813); use one of {SPECULATIVE_METHODS}"
             )
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        k, most = self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS[self.method]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= most:
             raise ConfigError(
-                f"speculative_config.num_speculative_tokens={k!r}: must be an integer in 1..{MAX_SPECULATIVE_TOKENS}"
+                f"speculative_config.num_speculative_tokens={k!r}: must be an integer in 1..{most} for method "
+                f"{self.method!r}"
             )
 
 

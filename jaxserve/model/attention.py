@@ -81,15 +81,20 @@ def attention_block(
     cfg: ModelConfig,
     kind: str,
     kernels: Kernels,
+    draft_block: bool = False,
 ) -> tuple[jax.Array, LayerCache]:
-    """One layer's attention; `cache` is its stack's, `layer` (int32 scalar) this layer's place in the stack."""
+    """One layer's attention; `cache` is its stack's, `layer` (int32 scalar) this layer's place in the stack.
+
+    `draft_block` (a DSpark drafter's stage, sliding-window): every token of a row's block sees every other one (not
+    causal) and the whole ring, the context's last W keys before the block (written by `write_context`, not here: the
+    block's own keys are never stored)."""
     freqs = rope_frequencies(cfg, kind)
     b, t, _ = x.shape
     window = cfg.sliding_window
     num_slots = cache.window.shape[1]
     qpos = inputs.query_positions  # [b, t]
     valid = inputs.token_mask  # [b, t]
-    write_slots = jnp.where(inputs.lengths > 0, inputs.slots, num_slots)  # padding rows write nothing
+    write_slots = writing_slots(inputs, num_slots)
 
     with jax.named_scope("query"):
         qr = rms_norm(kernels.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
@@ -97,8 +102,7 @@ def attention_block(
         q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
 
     with jax.named_scope("kv"):
-        kv = rms_norm(kernels.einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
-        kv = apply_rope(kv, qpos, freqs)
+        kv = keys(x, w, qpos, freqs, cfg, kernels)
 
     with jax.named_scope("window_keys"):
         # Ring index j holds the latest position p < pos with p % W == j.
@@ -114,7 +118,7 @@ def attention_block(
         own = decode(encode(kv, ring_rows), kv.dtype)
         shared = jnp.concatenate([decode(ring_rows, kv.dtype), own], axis=1)
         rel = qpos[:, :, None] - key_pos[:, None, :]
-        shared_mask = key_ok[:, None, :] & (rel >= 0) & (rel < window)
+        shared_mask = key_ok[:, None, :] & ((rel >= 0) & (rel < window) | draft_block)
 
     selected = selected_mask = None
     if kind != SWA:
@@ -165,23 +169,9 @@ def attention_block(
         r = _grouped_output(o, w.wo_a, cfg, kernels)
         out = kernels.einsum("btx,xd->btd", r, w.wo_b)
 
-    with jax.named_scope("window_write"):
-        # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
-        keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
-        ring_index = jnp.where(keep, qpos % window, window)  # [b, t]; out of range -> dropped
-        rows = write_kv(ring_rows, (jnp.arange(b)[:, None], ring_index), kv)
-        # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
-        # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
-        ring = scatter(cache.window, (layer, write_slots), rows)
-        if inputs.snapshot_rows is not None:  # the ring as of each snapshot's position: its last W tokens before it
-            assert inputs.snapshot_lengths is not None  # StepInputs sets the two together
-            tokens = jnp.arange(t)[None, :]
-            for j in range(inputs.snapshot_rows.shape[1]):
-                ends = inputs.snapshot_lengths[:, j, None]
-                upto = valid & (tokens < ends) & (tokens >= ends - window)
-                snapshot = write_kv(ring_rows, (jnp.arange(b)[:, None], jnp.where(upto, qpos % window, window)), kv)
-                ring = scatter(ring, (layer, inputs.snapshot_rows[:, j]), snapshot)
-        cache = dataclasses.replace(cache, window=ring)
+    if not draft_block:
+        with jax.named_scope("window_write"):
+            cache = write_window(cache, layer, ring_rows, kv, inputs)
     return out, cache
 
 
@@ -214,3 +204,39 @@ def _grouped_output(o: jax.Array, wo_a: Any, cfg: ModelConfig, kernels: Kernels)
             return out.reshape(b, t, -1)
     dense_wo_a = dense(one_layer(wo_a), o.dtype).reshape(g, j * k, -1)
     return jnp.einsum("mgx,gxo->mgo", grouped, dense_wo_a).reshape(b, t, -1)
+
+
+def keys(x: jax.Array, w: Attention, positions: jax.Array, freqs, cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+    """The K=V vectors of inputs x [b, t, d] at `positions` [b, t]: projected, normed, rotated."""
+    kv = rms_norm(kernels.einsum("btd,dk->btk", x, w.wkv), w.kv_norm, cfg.rms_norm_eps)
+    return apply_rope(kv, positions, freqs)
+
+
+def writing_slots(inputs: StepInputs, num_rows: int) -> jax.Array:
+    """The state row each row of a step writes: its slot, or past every row (dropped) for a padding row."""
+    return jnp.where(inputs.lengths > 0, inputs.slots, num_rows)
+
+
+def write_window(cache: LayerCache, layer: jax.Array, ring_rows: Any, kv: jax.Array, inputs: StepInputs) -> LayerCache:
+    """The chunk's K=V [b, t, k] written into the rows' rings as read (`ring_rows`, from `inputs.state_source`), put
+    back into the rows' slots, and into each snapshot row the ring as of its position."""
+    b, t, _ = kv.shape
+    window = cache.window.shape[2]
+    qpos, valid = inputs.query_positions, inputs.token_mask
+    write_slots = writing_slots(inputs, cache.window.shape[1])
+    # Only the chunk's last W tokens survive in the ring; dropping the rest keeps the scatter duplicate-free.
+    keep = valid & (jnp.arange(t)[None, :] >= inputs.lengths[:, None] - window)
+    ring_index = jnp.where(keep, qpos % window, window)  # [b, t]; out of range -> dropped
+    rows = write_kv(ring_rows, (jnp.arange(b)[:, None], ring_index), kv)
+    # Whole rows go back: a write that depends on the read lets XLA update the stacked ring in place (a write
+    # of the tokens alone is unordered with the read, and XLA copied the whole stack every layer to keep it).
+    ring = scatter(cache.window, (layer, write_slots), rows)
+    if inputs.snapshot_rows is not None:  # the ring as of each snapshot's position: its last W tokens before it
+        assert inputs.snapshot_lengths is not None  # StepInputs sets the two together
+        tokens = jnp.arange(t)[None, :]
+        for j in range(inputs.snapshot_rows.shape[1]):
+            ends = inputs.snapshot_lengths[:, j, None]
+            upto = valid & (tokens < ends) & (tokens >= ends - window)
+            snapshot = write_kv(ring_rows, (jnp.arange(b)[:, None], jnp.where(upto, qpos % window, window)), kv)
+            ring = scatter(ring, (layer, inputs.snapshot_rows[:, j]), snapshot)
+    return dataclasses.replace(cache, window=ring)

@@ -280,6 +280,13 @@ def cache_nbytes(cfg: ModelConfig, geo: CacheGeometry) -> dict[str, int]:
     return {"paged": paged, "per_slot_fixed": fixed}
 
 
+def abstract_dspark_cache(cfg: ModelConfig, geo: CacheGeometry) -> LayerCache:
+    """The DSpark drafter's state: each stage's window ring of context keys, stacked [S, state rows, W, k]."""
+    geo.validate(cfg)
+    assert cfg.dspark is not None  # drafting with DSpark needs its config
+    return stack_infos(_layer_cache(cfg, geo, SWA), cfg.dspark.stages)
+
+
 def abstract_mtp_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[LayerCache]:
     """The state of each MTP block the model holds: one sliding-window layer, stacked as one repeat."""
     geo.validate(cfg)

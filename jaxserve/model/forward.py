@@ -43,17 +43,18 @@ def block(
     cfg: ModelConfig,
     kind: str,
     kernels: Kernels,
+    draft_block: bool = False,
 ):
     """One decoder block over every group of rows. Groups differ in chunk length (e.g. prefill rows beside
     one-token decode rows); attention runs per group, the MoE over all their tokens at once. `w` is this layer's
-    weights but its routed experts, which `experts` holds for every layer of the stack (`layer` picks)."""
+    weights but its routed experts, which `experts` holds for every layer of the stack (`layer` picks).
+    `draft_block`: a DSpark drafter's block (attention_block's draft_block)."""
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
             x, post, comb = hc_pre(h, w.attn_hc, cfg, kernels)
-            out, cache = attention_block(
-                rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, layer, inputs, cfg, kind, kernels
-            )
+            normed = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+            out, cache = attention_block(normed, w.attn, cache, layer, inputs, cfg, kind, kernels, draft_block)
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
@@ -79,6 +80,7 @@ def run_segment(
     groups: Sequence[StepInputs],
     cfg: ModelConfig,
     kernels: Kernels,
+    taps: list[jax.Array] | None = None,
 ):
     """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights are
     its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced, every
@@ -88,7 +90,10 @@ def run_segment(
     outside shard_map gets its operands gathered whole, so the projections are sliced there (the hyper-connections'
     weights are replicated on every mesh). The stacked cache rides in
     the carry and each layer updates its own slice in place (slicing it out and back would copy the whole KV cache every
-    step)."""
+    step).
+
+    `taps`: per group, the streams averaged over the hc axis after each tapped layer ([taps + 1, b, t, d]: slot
+    `tap_slots(cfg)[layer]`, the last one a sink for the layers not tapped), updated and returned beside the cache."""
     stacks, experts = zip(*(RoutedExperts.split(w) for w in weights))
     mesh = jax.sharding.get_abstract_mesh()
     in_place = mesh.empty or mesh.size == 1
@@ -105,20 +110,33 @@ def run_segment(
     flat = [jax.tree.flatten(stack, is_leaf=read_in_place) for stack in stacks]
     sliced = [[None if kept_whole(a) else a for a in leaves] for leaves, _ in flat]
 
+    slots = None if taps is None else tap_slots(cfg)
+
     def one_repeat(carry, xs):
-        hs, cache = carry
+        hs, cache, taps = carry
         layers, index = xs
         cache = list(cache)
         for p, (kind, (leaves, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):
             w = jax.tree.unflatten(tree, [LayerOf(a, index) if kept_whole(a) else s for a, s in zip(leaves, slices)])
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
                 hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
-        return (hs, cache), None
+            if taps is not None and slots is not None:
+                slot = slots[segment.start + index * len(segment.pattern) + p]
+                taps = [tap.at[slot].set(jnp.mean(h.astype(F32), axis=-2).astype(h.dtype)) for tap, h in zip(taps, hs)]
+        return (hs, cache, taps), None
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped.
-    (hs, cache), _ = jax.lax.scan(one_repeat, (hs, list(cache)), (sliced, indices), unroll=segment.repeats == 1)
-    return hs, cache
+    carry = (hs, list(cache), taps)
+    (hs, cache, taps), _ = jax.lax.scan(one_repeat, carry, (sliced, indices), unroll=segment.repeats == 1)
+    return hs, cache, taps
+
+
+def tap_slots(cfg: ModelConfig) -> jax.Array:
+    """Per layer, where the DSpark drafter's taps keep its output: the place of the layer among the tapped ones in
+    ascending order (the order the drafter concatenates them), or one past them for a layer not tapped."""
+    tapped = sorted(cfg.dspark.target_layer_ids) if cfg.dspark is not None else []
+    return jnp.asarray([tapped.index(i) if i in tapped else len(tapped) for i in range(cfg.num_layers)], jnp.int32)
 
 
 def hidden_states(
@@ -150,16 +168,35 @@ def hidden_streams(
 ):
     """The last block's hc streams ([b, t, n, d] per group: what the HC head and an MTP block read) and the updated
     cache."""
+    hs, new_cache, _ = tapped_streams(weights, cache, groups, cfg, kernels, tap=False)
+    return hs, new_cache
+
+
+def tapped_streams(
+    weights: Weights,
+    cache: list[list[LayerCache]],
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+    tap: bool = True,
+):
+    """hidden_streams, and with `tap` the DSpark drafter's input per group: the streams after each of its target
+    layers averaged over the hc axis, concatenated in ascending layer order ([b, t, taps * d]; None without `tap`)."""
     hs = []
     for inputs in groups:
         x = weights.embed[inputs.tokens]
         hs.append(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], cfg.hc_mult, x.shape[-1])))
+    n_taps = len(cfg.dspark.target_layer_ids) if tap and cfg.dspark is not None else 0
+    taps = [jnp.zeros((n_taps + 1, *h.shape[:2], h.shape[-1]), h.dtype) for h in hs] if n_taps else None
     new_cache = []
     for i, (segment, w, c) in enumerate(zip(layer_segments(cfg), weights.segments, cache)):
         with jax.named_scope(f"segment_{i}"):
-            hs, c = run_segment(hs, w, c, segment, groups, cfg, kernels)
+            hs, c, taps = run_segment(hs, w, c, segment, groups, cfg, kernels, taps)
         new_cache.append(c)
-    return hs, new_cache
+    if taps is None:
+        return hs, new_cache, None
+    features = [jnp.concatenate(list(tap[:n_taps]), axis=-1) for tap in taps]
+    return hs, new_cache, features
 
 
 def mtp_block(

@@ -62,9 +62,13 @@ def _place_as_stack(array: Any, sharding: NamedSharding | None) -> jax.Array:
     return _place(np.asarray(array)[None], sharding)
 
 
-def _stack_of(path: str) -> str:
-    """'segments.2.1.attn.wq_b' -> 'segments.2.1': the stacked Layer a leaf belongs to."""
-    return ".".join(path.split(".")[:3])
+def _stack_of(path: str) -> str | None:
+    """'segments.2.1.attn.wq_b' -> 'segments.2.1', 'dspark.stages.attn.wq_b' -> 'dspark.stages': the stacked Layer
+    a leaf belongs to (None: none)."""
+    parts = path.split(".")
+    if parts[0] == "segments":
+        return ".".join(parts[:3])
+    return "dspark.stages" if parts[:2] == ["dspark", "stages"] else None
 
 
 class WeightsBuilder:
@@ -82,8 +86,8 @@ class WeightsBuilder:
         self._layout = {leaf.name: leaf for leaf in release_leaves(cfg)}
         self._stack_paths: dict[str, list[str]] = {}
         for path in self._paths:
-            if path.startswith("segments."):
-                self._stack_paths.setdefault(_stack_of(path), []).append(path)
+            if (stack := _stack_of(path)) is not None:
+                self._stack_paths.setdefault(stack, []).append(path)
         self._arrays: dict[str, jax.Array] = {}
         self._pending: dict[tuple[str, int], dict[str, jax.Array]] = {}  # (stack, layer index) -> its leaves so far
         self._received: set[str] = set()
@@ -125,6 +129,7 @@ class WeightsBuilder:
             self._arrays[path] = _place_as_stack(array, sharding)
         else:
             stack = _stack_of(path)
+            assert stack is not None  # a leaf with a layer index lives in a stack
             layer = self._pending.setdefault((stack, index), {})
             layer[path] = _place(array, _one_layer(sharding))
             if len(layer) == len(self._stack_paths[stack]):

@@ -150,6 +150,24 @@ class MTPBlock:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class DSparkDrafter:
+    """DeepSeek-V4 0731 / 0813's block drafter (jaxserve.model.dspark): the target's hidden states at the tapped
+    layers projected to one context feature a position, decoder layers of sliding-window attention over those
+    features' keys and the block's own, and a Markov head that conditions each drafted token on the one before."""
+
+    main_proj: Any  # [taps*d, d], the concatenated tapped hidden states' projection (release: mtp.0.main_proj)
+    main_norm: Any  # [d]
+    stages: Layer  # the drafter's decoder layers (mtp.0 .. mtp.S-1), stacked [S, ...]
+    hc_head_fn: Any  # [hc*d, hc] (the last stage's)
+    hc_head_base: Any  # [hc]
+    hc_head_scale: Any  # [1]
+    norm: Any  # [d]
+    markov_embed: Any  # [V, r]: markov_w1, the previous token's embedding
+    markov_out: Any  # [r, V]: markov_w2, its logits
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Weights:
     embed: Any  # [V, d]
     segments: list[list[Layer]]  # [segment][position in its pattern], every leaf stacked: [repeats, ...]
@@ -159,6 +177,7 @@ class Weights:
     norm: Any  # [d]
     head: Any  # [d, V]
     mtp: list[MTPBlock] = dataclasses.field(default_factory=list)  # the blocks `cfg.mtp_layers` holds
+    dspark: DSparkDrafter | None = None  # held when `cfg.dspark_drafting`
 
 
 # ---- the abstract description ---------------------------------------------------------------------------------
@@ -350,6 +369,35 @@ def _mtp_block(cfg: ModelConfig) -> MTPBlock:
     )
 
 
+def _dspark_drafter(cfg: ModelConfig) -> DSparkDrafter | None:
+    draft = cfg.dspark
+    if not cfg.dspark_drafting or draft is None:
+        return None
+    d, v, r = cfg.hidden_size, cfg.padded_vocab_size, draft.markov_rank
+    fn, base, scale = _hc_head(cfg)
+    return DSparkDrafter(
+        main_proj=ArrayInfo((len(draft.target_layer_ids) * d, d), cfg.dtype, (None, "embed")),
+        main_norm=ArrayInfo((d,), F32, (None,), "ones"),
+        stages=stack_infos(_layer(cfg, MTP_KIND), draft.stages),
+        hc_head_fn=fn,
+        hc_head_base=base,
+        hc_head_scale=scale,
+        norm=ArrayInfo((d,), F32, (None,), "ones"),
+        markov_embed=ArrayInfo((v, r), cfg.dtype, ("vocab", None)),
+        markov_out=ArrayInfo((r, v), cfg.dtype, (None, "vocab")),
+    )
+
+
+# The drafter's leaves that the release names after its last stage (`mtp.S-1.norm`, ...) or its first
+# (`mtp.0.main_proj`), or by the head they belong to.
+_DSPARK_NAMES = {
+    "main_proj": "mtp.0.main_proj",
+    "main_norm": "mtp.0.main_norm",
+    "markov_embed": "mtp.{last}.markov_head.markov_w1",
+    "markov_out": "mtp.{last}.markov_head.markov_w2",
+}
+
+
 def abstract_weights(cfg: ModelConfig) -> Weights:
     d, v = cfg.hidden_size, cfg.padded_vocab_size
     fn, base, scale = _hc_head(cfg)
@@ -365,6 +413,7 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
         norm=ArrayInfo((d,), F32, (None,), "ones"),
         head=ArrayInfo((d, v), cfg.dtype, ("embed", "vocab")),
         mtp=[_mtp_block(cfg) for _ in range(cfg.mtp_layers)],
+        dspark=_dspark_drafter(cfg),
     )
 
 
@@ -443,7 +492,8 @@ def _unstacked(info: Any) -> Any:
 
 def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
     """Every leaf of the un-stacked model in its flatten order: embed, layer 0's leaves, ..., the last layer's,
-    then the HC head, the final norm, the head and the MTP blocks (`mtp.N.attn.wq_a`, `mtp.N.e_proj`, ...)."""
+    then the HC head, the final norm, the head and the drafter: MTP blocks (`mtp.N.attn.wq_a`, `mtp.N.e_proj`, ...)
+    or the DSpark stages (`mtp.N.attn.wq_a`, ..., `mtp.0.main_proj`, `mtp.2.norm`, `mtp.2.markov_head.markov_w1`)."""
     segments = layer_segments(cfg)
     before: list[LayerLeaf] = []
     after: list[LayerLeaf] = []
@@ -457,6 +507,9 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
             else:
                 after.append(LayerLeaf(path, path, None, info, _stored(info, cfg)))
             continue
+        if path.startswith("dspark."):
+            after.extend(_dspark_leaves(path, info, cfg))
+            continue
         if not path.startswith("segments."):
             (after if by_layer else before).append(LayerLeaf(path, path, None, info, _stored(info, cfg)))
             continue
@@ -467,6 +520,21 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
             layer = segment.layer(k, int(p))
             by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own, _stored(own, cfg)))
     return before + [leaf for layer in sorted(by_layer) for leaf in by_layer[layer]] + after
+
+
+def _dspark_leaves(path: str, info: Any, cfg: ModelConfig) -> list[LayerLeaf]:
+    """A DSpark drafter leaf as the release names it: a stage's layer leaf once per stage (`mtp.N.attn.wq_a`), the
+    rest once."""
+    assert cfg.dspark is not None  # the weights hold a drafter only when the config declares one
+    last = cfg.dspark.stages - 1
+    rest = path.removeprefix("dspark.")
+    if rest.startswith("stages."):
+        own = _unstacked(info)
+        leaf = rest.removeprefix("stages.")
+        return [LayerLeaf(f"mtp.{i}.{leaf}", path, i, own, _stored(own, cfg)) for i in range(cfg.dspark.stages)]
+    head = rest.split(".", 1)[0]
+    name = _DSPARK_NAMES[head].format(last=last) if head in _DSPARK_NAMES else f"mtp.{last}.{rest}"
+    return [LayerLeaf(name, path, None, info, _stored(info, cfg))]
 
 
 def layer_arrays(weights: Weights, cfg: ModelConfig) -> list[tuple[str, Any]]:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import CacheGeometry
-from jaxserve.model.forward import final_norm, hidden_streams, last_logits
+from jaxserve.model.forward import final_norm, last_logits, tapped_streams
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
@@ -99,13 +99,17 @@ class ExecutableCache:
             for g in groups
         )
         speculative = isinstance(cache, SpeculativeCache)
-        hs, kv = hidden_streams(weights, cache.kv if speculative else cache, steps, self.cfg, self.kernels)
+        kv = cache.kv if speculative else cache
+        hs, kv, taps = tapped_streams(weights, kv, steps, self.cfg, self.kernels, tap=self.cfg.dspark_drafting)
         if speculative:
             draft = cache.draft
-            for h, inputs, group in zip(hs, steps, groups):
-                if group.drafting is not None:  # prefill groups: the MTP block reads the chunk too
+            for i, (h, inputs, group) in enumerate(zip(hs, steps, groups)):
+                if group.drafting is not None:  # prefill groups: the drafter reads the chunk too
                     completes = group.routes.store_slot < self.geometry.num_slots
-                    draft = prefill_drafts(weights, draft, h, inputs, group.drafting, completes, self.cfg, self.kernels)
+                    tap = None if taps is None else taps[i]
+                    draft = prefill_drafts(
+                        weights, draft, h, tap, inputs, group.drafting, completes, self.cfg, self.kernels
+                    )
             cache = SpeculativeCache(kv, draft)
         else:
             cache = kv

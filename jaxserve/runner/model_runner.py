@@ -252,8 +252,8 @@ class ModelRunner:
         self.weights = weights
         # Speculative decoding's drafts per step (0: none): the KV cache then travels with the draft state.
         self.draft_tokens = geometry.draft_tokens
-        if self.draft_tokens and not cfg.mtp_layers:
-            raise ValueError("speculative decoding drafts with the model's MTP block, but the weights hold none")
+        if self.draft_tokens and not (cfg.mtp_layers or cfg.dspark_drafting):
+            raise ValueError("speculative decoding drafts with an MTP block or a DSpark drafter; the weights hold none")
         # Every step shape's executables, compiled once.
         self.executable_cache = ExecutableCache(cfg, weights, geometry, mesh, self.kernels)
         self._replicated = self.executable_cache.replicated

@@ -1,8 +1,10 @@
-"""MTP speculative decoding on the device (`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`).
+"""Speculative decoding on the device (`--speculative-config '{"method": "mtp" | "dspark", "num_speculative_tokens":
+k}'`).
 
-One jitted step per decode batch drafts k tokens a row with the model's MTP block, verifies them with one forward of
-k + 1 tokens a row, accepts a prefix of them and samples one more, and takes back what the rejected tokens wrote:
-- drafts are the MTP block's most likely tokens (as vLLM's MTP drafts); greedy rows accept a draft exactly when it
+One jitted step per decode batch drafts k tokens a row with the model's MTP block or its DSpark drafter, verifies them
+with one forward of k + 1 tokens a row, accepts a prefix of them and samples one more, and takes back what the
+rejected tokens wrote:
+- drafts are the drafter's most likely tokens (as vLLM's MTP drafts); greedy rows accept a draft exactly when it
   is the model's argmax; sampled rows by rejection sampling with the draft as a point mass q (draft d is kept with
   probability p(d), and at the first rejection the token comes from max(p - q, 0) renormalised: p without d), so
   every token follows the model's own distribution p, the one the plain sampler draws from (temperature, min-p,
@@ -20,6 +22,12 @@ token; a step first runs the block there (its draft 1), then on its own output f
 ring, so nothing a draft writes stays), and after verifying, over the positions whose next token it kept. Prefill
 runs the block over each chunk (`prefill_drafts`), so its ring holds the prompt when decoding starts.
 
+DSpark (jaxserve.model.dspark) drafts all k in one block from the slot's last sampled token, reading each stage's
+ring of context keys (`DSparkState`); the verify forward also taps the target's hidden states, and the positions the
+row kept (its last sampled token and the accepted drafts) write their keys into the rings, as prefill's chunks do:
+nothing a rejected draft did is ever stored. The rings are per-sequence state like the target's window ring, so
+prefix-cache snapshots and hits carry them too.
+
 Letters: b rows, t tokens of a row, k drafts, V vocabulary.
 """
 
@@ -33,8 +41,9 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.table import Kernels
-from jaxserve.model.cache import CacheGeometry, LayerCache, abstract_cache, abstract_mtp_cache
-from jaxserve.model.forward import final_norm, hidden_streams, mtp_block, vocab_logits
+from jaxserve.model.cache import CacheGeometry, LayerCache, abstract_cache, abstract_dspark_cache, abstract_mtp_cache
+from jaxserve.model.dspark import draft_block, write_context
+from jaxserve.model.forward import final_norm, mtp_block, tapped_streams, vocab_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.weights import ArrayInfo, Weights
 from jaxserve.runner.sampling import SamplingArrays, processed_logits, sampling_keys
@@ -52,6 +61,15 @@ class DraftState:
 
     mtp_cache: LayerCache
     streams: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DSparkState:
+    """What DSpark drafting keeps per slot between steps: each stage's window ring of context keys (jaxserve.model.
+    dspark), stacked [S, state rows, W, k]. Written only at positions the target kept, so nothing is taken back."""
+
+    rings: LayerCache
 
 
 @jax.tree_util.register_dataclass
@@ -92,16 +110,21 @@ def _draw(filtered: jax.Array, greedy: jax.Array, params: SamplingArrays, salt: 
 
 def prefill_drafts(
     weights: Weights,
-    draft: DraftState,
+    draft: DraftState | DSparkState,
     streams: jax.Array,
+    taps: jax.Array | None,
     inputs: StepInputs,
     draft_inputs: DraftInputs,
     completes: jax.Array,
     cfg: ModelConfig,
     kernels: Kernels,
-) -> DraftState:
-    """Run the MTP block over a prefill group's chunk (streams [b, t, n, d]); a row that `completes [b]` its prompt
-    leaves the streams of its last token in its slot, for the first step's draft."""
+) -> DraftState | DSparkState:
+    """The drafter's state after a prefill group's chunk (the target's last streams [b, t, n, d], and its taps for
+    DSpark): DSpark's rings get the chunk's context keys; the MTP block runs over the chunk, and a row that
+    `completes [b]` its prompt leaves the streams of its last token in its slot, for the first step's draft."""
+    if isinstance(draft, DSparkState):
+        assert weights.dspark is not None and taps is not None  # DSpark drafting holds its weights and taps
+        return DSparkState(write_context(weights.dspark, draft.rings, taps, inputs, cfg, kernels))
     mtp_inputs = dataclasses.replace(
         inputs,
         tokens=draft_inputs.next_tokens,
@@ -237,7 +260,7 @@ def _take_back(cache: list[list[LayerCache]], inputs: StepInputs, kept: jax.Arra
 def speculative_step(
     weights: Weights,
     cache: list[list[LayerCache]],
-    draft: DraftState,
+    draft: DraftState | DSparkState,
     slot_tokens: jax.Array,
     inputs: StepInputs,
     params: SamplingArrays,
@@ -251,17 +274,53 @@ def speculative_step(
     tokens it may keep, 1..k + 1, 0 for padding; snapshot rows [b, k]: its slot's draft rows, lengths 1..k).
     Returns (Verified, cache, draft state, slot tokens)."""
     last = slot_tokens[inputs.slots]
-    drafts, mtp_cache = _propose(weights, draft, last, inputs, k, cfg, kernels)
+    dspark = isinstance(draft, DSparkState)
+    if isinstance(draft, DSparkState):
+        assert weights.dspark is not None  # DSpark drafting holds its weights
+        drafts = draft_block(weights.dspark, weights.embed, weights.head, draft.rings, last, inputs, k, cfg, kernels)
+    else:
+        drafts, mtp_cache = _propose(weights, draft, last, inputs, k, cfg, kernels)
     with jax.named_scope("verify"):
         verify = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
-        (streams,), cache = hidden_streams(weights, cache, [verify], cfg, kernels)
+        (streams,), cache, taps = tapped_streams(weights, cache, [verify], cfg, kernels, tap=dspark)
         y = final_norm(streams, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
         logits = vocab_logits(y, weights.head, cfg.vocab_size)
     verified = _accept(drafts, logits, inputs, params, sampled)
     accepted = jnp.maximum(verified.counts - 1, 0)
-    rows = draft.streams.shape[0]
     cache = _take_back(cache, inputs, verified.counts)
-    with jax.named_scope("mtp_catch_up"):  # the block over the kept positions whose next token is a kept draft
+    if isinstance(draft, DSparkState):
+        with jax.named_scope("dspark_context"):  # the kept tokens' context keys: the row's last token and its drafts
+            assert weights.dspark is not None and taps is not None
+            kept = StepInputs(
+                tokens=verify.tokens,
+                positions=inputs.positions,
+                lengths=verified.counts,
+                slots=inputs.slots,
+                page_table=inputs.page_table,
+            )
+            draft = DSparkState(write_context(weights.dspark, draft.rings, taps[0], kept, cfg, kernels))
+    else:
+        draft = _mtp_catch_up(weights, draft, mtp_cache, streams, drafts, accepted, inputs, cfg, kernels)
+    active = inputs.lengths > 0
+    bonus = jnp.take_along_axis(verified.tokens, accepted[:, None], axis=1)[:, 0]
+    slot_tokens = slot_tokens.at[jnp.where(active, inputs.slots, slot_tokens.shape[0])].set(bonus, mode="drop")
+    return verified, cache, draft, slot_tokens
+
+
+def _mtp_catch_up(
+    weights: Weights,
+    draft: DraftState,
+    mtp_cache: LayerCache,
+    streams: jax.Array,
+    drafts: jax.Array,
+    accepted: jax.Array,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kernels: Kernels,
+) -> DraftState:
+    """The MTP block over the kept positions whose next token is a kept draft, and each row's streams at its last
+    kept position."""
+    with jax.named_scope("mtp_catch_up"):
         kept = StepInputs(
             tokens=drafts,
             positions=inputs.positions,
@@ -269,14 +328,12 @@ def speculative_step(
             slots=inputs.slots,
             page_table=inputs.page_table,
         )
+        k = drafts.shape[1]
         _, _, mtp_cache = mtp_block(weights.mtp[0], weights.embed, streams[:, :k], mtp_cache, kept, cfg, kernels)
-    active = inputs.lengths > 0
-    target = jnp.where(active, inputs.slots, rows)
+    rows = draft.streams.shape[0]
+    target = jnp.where(inputs.lengths > 0, inputs.slots, rows)
     final = jnp.take_along_axis(streams, accepted[:, None, None, None], axis=1)[:, 0]
-    draft = DraftState(mtp_cache, draft.streams.at[target].set(final.astype(draft.streams.dtype), mode="drop"))
-    bonus = jnp.take_along_axis(verified.tokens, accepted[:, None], axis=1)[:, 0]
-    slot_tokens = slot_tokens.at[jnp.where(active, inputs.slots, slot_tokens.shape[0])].set(bonus, mode="drop")
-    return verified, cache, draft, slot_tokens
+    return DraftState(mtp_cache, draft.streams.at[target].set(final.astype(draft.streams.dtype), mode="drop"))
 
 
 @jax.tree_util.register_dataclass
@@ -285,7 +342,7 @@ class SpeculativeCache:
     """The runner's device state with drafting on: the KV cache and the draft state, donated together."""
 
     kv: list[list[LayerCache]]
-    draft: DraftState
+    draft: DraftState | DSparkState
 
 
 def abstract_runner_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]] | SpeculativeCache:
@@ -293,7 +350,9 @@ def abstract_runner_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[Lay
     (`geo.draft_tokens`) the draft state beside it."""
     if not geo.draft_tokens:
         return abstract_cache(cfg, geo)
+    # ArrayInfo leaves where the live state holds arrays.
+    if cfg.dspark_drafting:
+        return SpeculativeCache(abstract_cache(cfg, geo), DSparkState(abstract_dspark_cache(cfg, geo)))
     (ring,) = abstract_mtp_cache(cfg, geo)
     streams = ArrayInfo((geo.num_slots, cfg.hc_mult, cfg.hidden_size), cfg.dtype, ("slots", None, None), "zeros")
-    # ArrayInfo leaves where the live state holds arrays.
     return SpeculativeCache(abstract_cache(cfg, geo), DraftState(ring, streams))  # type: ignore[arg-type]
