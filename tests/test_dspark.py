@@ -1,7 +1,8 @@
 """DSpark drafting (`--speculative-config '{"method": "dspark", ...}'`) on a tiny checkpoint written as DeepSeek-V4
 0731 lays one out (46-style compress_ratios, the drafter's `mtp.{0,1,2}` stages and Markov head, FP8/FP4): through
 HTTP, greedy tokens with drafting on equal those with it off, one request and eight at once, with chunked prompts
-and prefix-cache hits; sampled tokens follow the same distribution; nothing is leaked; the refusals.
+and prefix-cache hits; sampled tokens follow the same distribution; a stop inside accepted drafts ends the request
+there; nothing is leaked after 500 random requests with aborts and stops; the refusals.
 
 The drafter's stages are random, so on their own they would never guess right. Its Markov head, of rank V, is set to
 the target's own greedy bigrams (read from the drafting-off run): each draft is then the token that followed the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -47,7 +49,7 @@ CONFIG = EngineConfig(
     max_prefill_rows=1,
     page_size=128,
     max_model_len=256,
-    max_queued_requests=400,
+    max_queued_requests=600,
     decode_log_interval=1000,
 )
 BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(1, 8))
@@ -182,6 +184,51 @@ def test_sampled_tokens_follow_the_target_distribution(served):
         pooled = pooled[:, pooled.sum(axis=0) > 0]
         assert chi2_contingency(pooled).pvalue > 0.01, (position, pooled)
     wait_for(lambda: settled(served.drafting), 5, "the requests to finish")
+
+
+def test_a_stop_inside_a_block_of_accepted_drafts_ends_the_request_there(served):
+    engine = served.drafting
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = served.off["batch"][2]
+    before = engine.stats().drafts.accepted_tokens
+    for j in sorted({full.index(t) for t in full})[1:8]:  # each token, as a stop token at its first occurrence
+        handle = engine.submit(PROMPTS[2], dataclasses.replace(greedy, stop_token_ids=(full[j],)))
+        tokens, reason, error = handle.wait(60)
+        assert handle.last_event is not None
+        assert (tokens, reason, error, handle.last_event.stop_reason) == (full[: j + 1], "stop", None, full[j]), j
+    wait_for(lambda: settled(engine), 5, "the requests to finish")
+    assert engine.stats().drafts.accepted_tokens > before
+
+
+def test_no_page_or_slot_is_leaked_after_random_requests_with_aborts_and_stops(served):
+    engine = served.drafting
+    rng = random.Random(7)
+    free_slots = engine.scheduler.prefill_manager.slots.num_free
+    before = engine.stats()
+    handles = []
+    for i in range(500):
+        # Half the prompts from the ones the Markov head knows, so runs of accepted drafts are common.
+        known = PROMPTS[i % len(PROMPTS)][: rng.randint(1, 100)]
+        prompt = known if i % 2 else [rng.randrange(7, BACKBONE.vocab_size) for _ in range(rng.randint(1, 150))]
+        sampling = SamplingParams(
+            max_tokens=rng.randint(1, 16),
+            temperature=rng.choice([0.0, 0.8]),
+            seed=i,
+            ignore_eos=True,
+            stop_token_ids=tuple(rng.sample(range(7, BACKBONE.vocab_size), 6)) if rng.random() < 0.3 else (),
+        )
+        handles.append(engine.submit(prompt, sampling))
+        if rng.random() < 0.15:
+            engine.abort(handles[rng.randrange(len(handles))].request_id)
+    for handle in handles:
+        assert handle.wait(300)[1] in ("length", "stop", "abort")
+    wait_for(lambda: settled(engine), 5, "every request to finish")
+    after = engine.stats()
+    assert after.free_pages == after.total_pages
+    assert engine.scheduler.prefill_manager.slots.num_free == free_slots
+    finished = {reason: after.finished.get(reason, 0) - before.finished.get(reason, 0) for reason in after.finished}
+    assert finished.get("abort", 0) > 0 and finished.get("stop", 0) > 0 and finished.get("length", 0) > 0
+    assert after.drafts.accepted_tokens > before.drafts.accepted_tokens
 
 
 def test_the_drafter_asked_for_must_be_the_one_the_checkpoint_ships(tmp_path):
