@@ -23,19 +23,15 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
-from common import REPO, RESULTS, markdown_table, write_results
+from common import RESULTS, markdown_table, write_results
+from serving import Server, stream
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import load_config
@@ -166,116 +162,21 @@ def split_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     return (set(cpus[1:]), set(cpus[:1])) if len(cpus) >= 2 else (None, None)
 
 
-@contextmanager
-def on_cpus(cpus: set[int] | None):
-    """Run the block (and any process it starts, which inherits the mask) on `cpus`."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+def server_flags(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """The experiment's `jaxserve serve` flags, then a row's."""
+    model = ["--model", args.model] if args.model else []
+    common = ["--chunked-prefill-size", str(args.chunk), "--max-prefill-rows", "1", "--max-num-seqs", "2"]
+    common += ["--max-model-len", str(args.max_model_len), "--dtype", "float32"]
+    return [*common, "--decode-log-interval", "100", "--log-stats-interval", "1000", *model, *flags]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`jaxserve serve` in a subprocess; its log lines are kept, stamped on arrival, for the step timings."""
-
-    def __init__(self, args: argparse.Namespace, flags: tuple[str, ...], cpus: set[int] | None):
-        self.port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "jaxserve.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--chunked-prefill-size",
-            str(args.chunk),
-            "--max-prefill-rows",
-            "1",
-            "--max-num-seqs",
-            "2",
-            "--max-model-len",
-            str(args.max_model_len),
-            "--dtype",
-            "float32",
-            "--decode-log-interval",
-            "100",
-            "--log-stats-interval",
-            "1000",
-            *(["--model", args.model] if args.model else []),
-            *flags,
-        ]
-        with on_cpus(cpus):
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-                cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        self.lines: list[tuple[float, str]] = []
-        ready = threading.Event()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append((time.perf_counter(), line.rstrip()))
-                # Every step shape compiled (a server is ready before that and compiles the rest while serving):
-                # the rows compare policies at full chunk size.
-                if line.startswith("compiled all "):
-                    ready.set()
-            ready.set()  # the process ended
-
-        threading.Thread(target=pump, daemon=True).start()
-        ready.wait(timeout=900)
-        if self.proc.poll() is not None or not ready.is_set():
-            self.stop()
-            raise RuntimeError(
-                f"server {' '.join(flags)} did not become ready:\n" + "\n".join(line for _, line in self.lines[-30:])
-            )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-    def prefill_steps_since(self, since: float) -> list[tuple[float, int, float]]:
-        """(stamp, new tokens, seconds) of the prefill steps logged after `since`."""
-        return [
-            (t, int(m.group(1)), float(m.group(3)))
-            for t, line in list(self.lines)
-            if t >= since and (m := PREFILL_LINE.search(line))
-        ]
-
-
-# ---- the client side --------------------------------------------------------------------------------------------
-
-
-def stream(url: str, prompt: list[int], max_tokens: int, stamps: list[float]) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=None) as client, client.stream("POST", f"{url}/v1/completions", json=body) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if json.loads(line[6:]).get("choices"):
-                stamps.append(time.perf_counter())
+def prefill_steps_since(server: Server, since: float) -> list[tuple[float, int, float]]:
+    """(stamp, new tokens, seconds) of the prefill steps `server` logged after `since`."""
+    return [
+        (t, int(m.group(1)), float(m.group(3)))
+        for t, line in list(server.lines)
+        if t >= since and (m := PREFILL_LINE.search(line))
+    ]
 
 
 def token_prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -307,7 +208,7 @@ def run_once(server: Server, args: argparse.Namespace, row: Row, vocab: int, att
         stream(server.url, token_prompt(attacker_length(args), attack_seed, vocab), 3, attacker_stamps)
     victim.join()
     time.sleep(0.05)  # the last step's log line
-    prefill = server.prefill_steps_since(attacker_start) if row.attacker else []
+    prefill = prefill_steps_since(server, attacker_start) if row.attacker else []
     if len(victim_stamps) != args.victim_tokens or (row.attacker and len(attacker_stamps) != 3):
         raise RuntimeError(f"row {row.name}: victim got {len(victim_stamps)} tokens, attacker {len(attacker_stamps)}")
     return Run(row, victim_stamps, attacker_stamps, start, attacker_start, prefill)
@@ -552,7 +453,7 @@ def main() -> None:
     def server_for(row: Row) -> Server:
         if row.flags not in servers:
             print(f"starting jaxserve serve {' '.join(row.flags) or '(no flags)'}", flush=True)
-            servers[row.flags] = Server(args, row.flags, server_cpus)
+            servers[row.flags] = Server(server_flags(args, row.flags), server_cpus)
             stream(servers[row.flags].url, token_prompt(8, 1, vocab), 16, [])  # the HTTP path's first call
         return servers[row.flags]
 
@@ -564,7 +465,7 @@ def main() -> None:
             since = time.perf_counter()
             stream(flagless.url, token_prompt(attacker_length(args), 1000 + seed, vocab), 3, [])
             time.sleep(0.05)
-            chunk_times += [s for _, n, s in flagless.prefill_steps_since(since) if n == args.chunk]
+            chunk_times += [s for _, n, s in prefill_steps_since(flagless, since) if n == args.chunk]
         t_chunk = statistics.median(chunk_times)
         rows = [make_row(name, round(3 * 1000 * t_chunk)) for name in args.rows.split(",")]
         for row in rows:

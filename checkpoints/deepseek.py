@@ -35,6 +35,16 @@ log = logging.getLogger("jaxserve.checkpoints")
 # The drafter's tensors (after transformers' `model.`): V4's MTP blocks, or 0731/0813's DSpark stages (also `mtp.*`)
 # with their Markov and confidence heads.
 DRAFTER_PREFIXES = ("mtp.", "markov_head.", "confidence_head.")
+# A DSpark drafter kept beside a checkpoint instead of in it (the embedded default's, whose `mtp.0` is an MTP block):
+# a folder of this name inside it, with its own config.json (the `dspark_*` keys) and the drafter's tensors.
+DSPARK_FOLDER = "dspark"
+
+
+def drafter_folder(folder: Path) -> Path | None:
+    """The DSpark drafter kept beside the checkpoint in `folder` (DSPARK_FOLDER), if there is one."""
+    apart = folder / DSPARK_FOLDER
+    return apart if (apart / "config.json").is_file() else None
+
 
 FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -412,14 +422,20 @@ def load_weights(
     leaves = release_leaves(cfg)
     sources = weight_sources(cfg)
 
-    check_complete(reader, [sources[leaf.name] for leaf in leaves], folder)
-    drafter = [k for k in reader.folder.keys() if k.removeprefix("model.").startswith(DRAFTER_PREFIXES)]
-    if drafter and cfg.dspark is not None and not cfg.dspark_drafting:
-        log.info(
-            "skipping %d DSpark drafter tensors (nothing drafts with them: see --speculative-config)", len(drafter)
-        )
-    elif drafter and cfg.dspark is None and not cfg.mtp_layers:
-        log.info("skipping %d MTP tensors (nothing drafts with them: see --speculative-config)", len(drafter))
+    apart = drafter_folder(folder) if cfg.dspark_drafting else None
+    drafter_reader = TensorReader(SafetensorsFolder(apart)) if apart is not None else reader
+
+    def reader_of(name: str) -> TensorReader:
+        return drafter_reader if name.startswith(DRAFTER_PREFIXES) else reader
+
+    for part, part_folder in ((reader, folder), (drafter_reader, apart)):
+        if part_folder is not None:
+            check_complete(part, [sources[leaf.name] for leaf in leaves if reader_of(leaf.name) is part], part_folder)
+    if apart is not None or not (cfg.dspark_drafting or cfg.mtp_layers):
+        unread = [k for k in reader.folder.keys() if k.removeprefix("model.").startswith(DRAFTER_PREFIXES)]
+        if unread:
+            kind = "DSpark drafter" if cfg.dspark is not None and apart is None else "MTP"
+            log.info("skipping %d %s tensors (nothing drafts with them: see --speculative-config)", len(unread), kind)
 
     builder = WeightsBuilder(cfg, shardings)
     started = time.perf_counter()
@@ -430,7 +446,7 @@ def load_weights(
         held = builder.held_rows(leaf.name) if source.layout is EXPERTS_TRANSPOSED else None
         if held is not None:
             skipped.append((leaf.name, len(held), len(source.names)))
-        array = read_leaf(reader, source, leaf.stored, leaf.name, held)
+        array = read_leaf(reader_of(leaf.name), source, leaf.stored, leaf.name, held)
         share = 1.0 if held is None else len(held) / len(source.names)  # what was read, not the zeros beside it
         nbytes += share * sum(part.nbytes for part in jax.tree.leaves(array))
         builder.put(leaf.name, leaf.padded(array))  # zero rows up to the padded vocabulary (none elsewhere)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.deepseek import drafter_folder, load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.sharding import for_mesh, shardings_for
@@ -31,7 +32,10 @@ def model_config(
     kept as it ships them (`quantization="auto"`) or dequantized (`"none"`), holding the drafter speculative
     decoding's `drafter` method drafts with ("mtp", "dspark"; None: none)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    return load_config(folder).with_dtype(dtype).with_quantization(quantization).with_drafter(drafter)
+    cfg = load_config(folder)
+    if drafter == "dspark" and cfg.dspark is None and (apart := drafter_folder(folder)) is not None:
+        cfg = dataclasses.replace(cfg, dspark=load_config(apart).dspark)  # the drafter kept beside the checkpoint
+    return cfg.with_dtype(dtype).with_quantization(quantization).with_drafter(drafter)
 
 
 def load_model(

@@ -257,13 +257,15 @@ def test_generate_streams_one_prompt_to_the_terminal():
 
 def test_generate_continues_python_code_with_and_without_drafts():
     """The trained default writes Python: `jaxserve generate "def fibonacci(n):"` (greedy) continues it with lines
-    that read as Python (codeop: valid so far, perhaps unfinished), and drafting with its MTP block gives the same."""
+    that read as Python (codeop: valid so far, perhaps unfinished), and drafting with its MTP block, or with the DSpark
+    drafter kept beside it (checkpoints/default/dspark), gives the same."""
     texts = []
-    for drafts in ([], ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']):
+    for method, k in ((None, 0), ("mtp", 2), ("dspark", 5)):
+        drafts = ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": k})] if method else []
         result = run_cli("generate", "def fibonacci(n):", "--max-tokens", "40", *SMALL, *drafts, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         texts.append(result.stdout)
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] == texts[2]
     source = "def fibonacci(n):" + texts[0]
     lines = source[: source.rindex("\n", 0, len(source) - 1) + 1]  # the whole lines (the last may be cut off)
     assert lines.count("\n") >= 3, source

@@ -28,11 +28,12 @@ from jaxserve.checkpoints.load import load_model
 from jaxserve.checkpoints.writer import write_checkpoint
 from jaxserve.config import ConfigError, DSparkConfig, EngineConfig, SpeculativeConfig, load_config
 from jaxserve.engine import Engine
-from jaxserve.model.cache import kv_geometry
+from jaxserve.model.cache import abstract_cache, abstract_dspark_cache, kv_geometry
 from jaxserve.model.sharding import make_mesh
-from jaxserve.model.weights import init_weights
+from jaxserve.model.weights import abstract_weights, init_weights, is_info, nbytes, weights_nbytes
 from jaxserve.request import SamplingParams
 from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.runner.plan import state_bytes, weight_bytes
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 
@@ -52,7 +53,7 @@ CONFIG = EngineConfig(
     max_queued_requests=600,
     decode_log_interval=1000,
 )
-BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(1, 8))
+BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(8,))  # one request pads to 8 rows
 RNG = np.random.default_rng(3)
 PROMPTS = [[int(t) for t in RNG.integers(7, BACKBONE.vocab_size, n)] for n in (5, 40, 70, 9, 33, 100, 17, 61)]
 LONG = PROMPTS[5] * 2  # 200 tokens: past a page, so its second run starts from the first one's snapshot
@@ -208,10 +209,10 @@ def test_no_page_or_slot_is_leaked_after_random_requests_with_aborts_and_stops(s
     handles = []
     for i in range(500):
         # Half the prompts from the ones the Markov head knows, so runs of accepted drafts are common.
-        known = PROMPTS[i % len(PROMPTS)][: rng.randint(1, 100)]
-        prompt = known if i % 2 else [rng.randrange(7, BACKBONE.vocab_size) for _ in range(rng.randint(1, 150))]
+        known = PROMPTS[i % len(PROMPTS)][: rng.randint(1, 40)]
+        prompt = known if i % 2 else [rng.randrange(7, BACKBONE.vocab_size) for _ in range(rng.randint(1, 60))]
         sampling = SamplingParams(
-            max_tokens=rng.randint(1, 16),
+            max_tokens=rng.randint(1, 12),
             temperature=rng.choice([0.0, 0.8]),
             seed=i,
             ignore_eos=True,
@@ -237,3 +238,19 @@ def test_the_drafter_asked_for_must_be_the_one_the_checkpoint_ships(tmp_path):
         load_model(folder, make_mesh(1, 1), "float32", skip_tokenizer=True, drafter="mtp")
     with pytest.raises(ConfigError, match="method='dspark': the checkpoint ships no DSpark drafter"):
         dataclasses.replace(load_config(folder), dspark=None).with_drafter("dspark")
+
+
+def test_the_plan_counts_the_drafter_weights_and_its_rings():
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    drafting, plain = RELEASE.with_drafter("dspark"), RELEASE
+    drafter = abstract_weights(drafting).dspark
+    assert drafter is not None
+    assert weight_bytes(drafting, mesh)[2] - weight_bytes(plain, mesh)[2] == weights_nbytes(drafter)
+    spec = dataclasses.replace(CONFIG, speculative_config=SpeculativeConfig("dspark", K))
+    geometry = kv_geometry(spec, drafting)
+    rings = abstract_dspark_cache(drafting, geometry)
+    # The target's cache with drafting's state rows, and the drafter's rings ([stages, state rows, W, k]) beside it.
+    assert rings.window.shape == (DSPARK.stages, geometry.state_rows, BACKBONE.sliding_window, BACKBONE.head_dim)
+    target = [info for info in jax.tree.leaves(abstract_cache(drafting, geometry), is_leaf=is_info)]
+    target_state = sum(nbytes(info) for info in target if "pages" not in info.axes)
+    assert state_bytes(drafting, geometry, mesh) == target_state + weights_nbytes(rings)

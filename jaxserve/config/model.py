@@ -155,7 +155,8 @@ class ModelConfig:
             if self.dspark is None:
                 raise ConfigError(
                     "speculative_config.method='dspark': the checkpoint ships no DSpark drafter (no dspark_* keys in "
-                    f"config.json){' but MTP blocks: use method mtp' if self.nextn_layers else ''}"
+                    "its config.json, no dspark/ drafter folder beside it)"
+                    f"{'; it has MTP blocks: use method mtp' if self.nextn_layers else ''}"
                 )
             return dataclasses.replace(self, dspark_drafting=True)
         return self.with_mtp(1 if method == "mtp" else 0)

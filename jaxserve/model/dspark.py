@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import SWA, ModelConfig
-from jaxserve.kernels.table import Kernels
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import keys, write_window
 from jaxserve.model.cache import LayerCache, gather
 from jaxserve.model.forward import block, vocab_logits
@@ -33,7 +33,12 @@ from jaxserve.model.weights import DSparkDrafter, RoutedExperts
 
 
 def write_context(
-    w: DSparkDrafter, rings: LayerCache, taps: jax.Array, inputs: StepInputs, cfg: ModelConfig, kernels: Kernels
+    w: DSparkDrafter,
+    rings: LayerCache,
+    taps: jax.Array,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
 ) -> LayerCache:
     """The chunk's context keys into every stage's ring (`rings`: the stages' caches, stacked [S, ...]), from the
     target's taps [b, t, taps * d] at the chunk's positions; snapshot rows and a prefix-cache hit's source row as
@@ -63,10 +68,33 @@ def draft_block(
     """n drafts a row [b, n] from one block: `anchors` [b] are the rows' last sampled tokens, at `inputs.positions`
     (rows with length 0 are padding); the rings hold each row's context up to the position before."""
     assert cfg.dspark is not None  # a drafter's weights come with its config
-    b = anchors.shape[0]
+    noise = jnp.full((anchors.shape[0], n - 1), cfg.dspark.noise_token_id, jnp.int32)
+    tokens = jnp.concatenate([anchors[:, None].astype(jnp.int32), noise], axis=1)
+    base = block_logits(w, embed, head, rings, tokens, inputs, cfg, kernels)
+
+    def next_draft(previous: jax.Array, base_i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        draft = jnp.argmax(base_i + markov_logits(w, previous, cfg), axis=-1).astype(jnp.int32)
+        return draft, draft
+
+    with jax.named_scope("markov_head"):
+        _, drafts = jax.lax.scan(next_draft, tokens[:, 0], jnp.moveaxis(base, 1, 0))
+    return drafts.T
+
+
+def block_logits(
+    w: DSparkDrafter,
+    embed: jax.Array,
+    head: jax.Array,
+    rings: LayerCache,
+    tokens: jax.Array,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    kernels: Kernels = REFERENCE_KERNELS,
+) -> jax.Array:
+    """The stages' logits [b, n, V] (float32) over blocks `tokens` [b, n] starting at `inputs.positions` (rows with
+    length 0 are padding), before the Markov head's."""
+    b, n = tokens.shape
     with jax.named_scope("dspark_block"):
-        noise = jnp.full((b, n - 1), cfg.dspark.noise_token_id, jnp.int32)
-        tokens = jnp.concatenate([anchors[:, None].astype(jnp.int32), noise], axis=1)
         block_inputs = StepInputs(
             tokens=tokens,
             positions=inputs.positions,
@@ -82,13 +110,9 @@ def draft_block(
             one = jax.tree.map(lambda a, i=stage: a[i], layers)
             (h,), _ = block([h], one, experts, rings, index, [block_inputs], cfg, SWA, kernels, draft_block=True)
         y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
-        base = vocab_logits(y, head, cfg.vocab_size)  # [b, n, V]
+        return vocab_logits(y, head, cfg.vocab_size)
 
-    def next_draft(previous: jax.Array, base_i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        markov = vocab_logits(w.markov_embed[previous], w.markov_out, cfg.vocab_size)  # [b, V]
-        draft = jnp.argmax(base_i + markov, axis=-1).astype(jnp.int32)
-        return draft, draft
 
-    with jax.named_scope("markov_head"):
-        _, drafts = jax.lax.scan(next_draft, tokens[:, 0], jnp.moveaxis(base, 1, 0))
-    return drafts.T
+def markov_logits(w: DSparkDrafter, previous: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The Markov head's logits [..., V] (float32) of the tokens before the guessed ones."""
+    return vocab_logits(w.markov_embed[previous], w.markov_out, cfg.vocab_size)

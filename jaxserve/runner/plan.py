@@ -352,7 +352,7 @@ class AbstractRunner:
         return self.executables.temp_bytes(shape, ACCELERATOR_LIKE)
 
 
-def _state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
+def state_bytes(cfg: ModelConfig, geometry: CacheGeometry, mesh: Mesh) -> int:
     """Per device bytes of the cache outside the paged pools (with drafts, their state rows and draft state too)."""
     abstract = abstract_runner_cache(cfg, geometry)
     shardings = shardings_for(abstract, mesh)
@@ -373,7 +373,7 @@ def make_plan(
     per_device, by_format, total = weight_bytes(cfg, mesh)
     geometry = kv_geometry(engine_cfg, cfg)
     max_len = resolve_max_model_len(engine_cfg, cfg)
-    state = _state_bytes(cfg, geometry, mesh)
+    state = state_bytes(cfg, geometry, mesh)
     # The single K=V head: every device holds every token's entries.
     kv_per_token = bytes_per_token(cfg, geometry.kv_cache_dtype)
     plan = Plan(

@@ -1,0 +1,111 @@
+"""A real `jaxserve serve` in a subprocess and a streaming client: what the end-to-end benchmarks measure against.
+
+server = Server(["--max-num-seqs", "2", ...], cpus)    # ready once it logs that every step shape compiled
+stream(server.url, prompt, max_tokens, stamps)         # each streamed chunk's arrival time into `stamps`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+from common import REPO
+
+
+@contextmanager
+def on_cpus(cpus: set[int] | None):
+    """Run the block (and any process it starts, which inherits the mask) on `cpus`."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`jaxserve serve` in a subprocess; its log lines are kept, stamped on arrival, for the step timings."""
+
+    def __init__(self, flags: list[str] | tuple[str, ...], cpus: set[int] | None = None):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        with on_cpus(cpus):
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.lines: list[tuple[float, str]] = []
+        ready = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append((time.perf_counter(), line.rstrip()))
+                # Every step shape compiled (a server is ready before that and compiles the rest while serving):
+                # the rows compare policies at full chunk size.
+                if line.startswith("compiled all "):
+                    ready.set()
+            ready.set()  # the process ended
+
+        threading.Thread(target=pump, daemon=True).start()
+        ready.wait(timeout=900)
+        if self.proc.poll() is not None or not ready.is_set():
+            self.stop()
+            raise RuntimeError(
+                f"server {' '.join(flags)} did not become ready:\n" + "\n".join(line for _, line in self.lines[-30:])
+            )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---- the client side --------------------------------------------------------------------------------------------
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, stamps: list[float]) -> None:
+    """One greedy completion of `max_tokens` streamed; each chunk's arrival time appended to `stamps`."""
+    stamps.extend(stamp for stamp, _ in streamed_tokens(url, prompt, max_tokens))
+
+
+def streamed_tokens(url: str, prompt: list[int], max_tokens: int) -> list[tuple[float, list[int]]]:
+    """One greedy completion of `max_tokens` streamed: (arrival time, the token ids it carries) per chunk (a verify
+    step with drafts delivers several tokens at once)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = []
+    with (
+        httpx.Client(timeout=None) as client,
+        client.stream("POST", f"{url}/v1/completions", json={**body, "return_token_ids": True}) as reply,
+    ):
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices")
+            if choices:
+                chunks.append((time.perf_counter(), list(choices[0].get("token_ids") or ())))
+    return chunks

@@ -1,0 +1,239 @@
+"""Train a DSpark block drafter for the embedded default model (`checkpoints/default/dspark/`), deterministically:
+
+    python -m training.train_dspark [--out DIR] [--steps N]
+
+The default model (`checkpoints/default/`, as shipped) is the frozen target. Each step takes BATCH windows of its
+training text, runs the target over them once for the drafter's input (its hidden streams after the tapped layers,
+`forward.tapped_streams`), and at ANCHORS random positions P of each window builds what serving builds: the
+stages' rings from the context's last W positions (`dspark.write_context`) and the block of the token at P and
+BLOCK - 1 noise tokens (`dspark.block_logits`). The loss is the cross-entropy of the text's tokens P+1..P+BLOCK
+from the block's logits plus the Markov head's of the token before each (the text's: what an accepted run feeds
+it). Only the drafter trains (AdamW); the target's weights are not touched. Writes the drafter as the 0731 release
+names its tensors (`mtp.{0,1,2}.*`, `mtp.2.markov_head.*`) with a config.json of the default's plus the `dspark_*`
+keys, a card (README.md) and the log (training_log.jsonl) into `checkpoints/default/dspark/`
+(`checkpoints.deepseek.DSPARK_FOLDER`, where the loader finds a drafter kept beside its checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tokenizers import Tokenizer
+
+from jaxserve.checkpoints import default_checkpoint_path
+from jaxserve.checkpoints.deepseek import DRAFTER_PREFIXES, DSPARK_FOLDER, load_weights
+from jaxserve.checkpoints.load import model_config
+from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_config
+from jaxserve.config import DSparkConfig, ModelConfig, load_config
+from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_dspark_cache
+from jaxserve.model.dspark import block_logits, markov_logits, write_context
+from jaxserve.model.forward import tapped_streams
+from jaxserve.model.inputs import StepInputs
+from jaxserve.model.weights import DSparkDrafter, Weights, init_weights, map_infos
+from training.corpus import Corpus, stdlib_corpus
+from training.train_default import LENGTH, PAGE, encode
+
+SEED = 5
+STEPS = 2000
+BATCH = 8  # windows a step
+ANCHORS = 16  # blocks a window
+BLOCK = 5  # the release's dspark_block_size
+PEAK_LR = 2e-3
+WARMUP = 50
+WEIGHT_DECAY = 0.1
+LOG_EVERY = 25
+EVAL_WINDOWS = 32
+PAD = 2  # the noise token: the tokenizer's PAD (training.default_model), never in the text
+DRAFTER = DSparkConfig(block_size=BLOCK, noise_token_id=PAD, target_layer_ids=(2, 3, 4), markov_rank=64)
+
+
+def _zeros(tree: Any) -> Any:
+    return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), tree)
+
+
+def _rows(rows: int, length: int, positions: jax.Array) -> StepInputs:
+    """Rows of one chunk each, every row its own state slot; pages enough for a window."""
+    pages = -(-LENGTH // PAGE)
+    return StepInputs(
+        tokens=jnp.zeros((rows, length), jnp.int32),
+        positions=positions.astype(jnp.int32),
+        lengths=jnp.full(rows, length, jnp.int32),
+        slots=jnp.arange(rows, dtype=jnp.int32),
+        page_table=1 + jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages),
+    )
+
+
+def taps(target: Weights, windows: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The target's taps over windows [b, LENGTH] ([b, LENGTH, taps * d])."""
+    rows = windows.shape[0]
+    pages = -(-LENGTH // PAGE)
+    geo = CacheGeometry(num_slots=rows, num_pages=rows * pages + 1, page_size=PAGE, max_pages_per_seq=pages)
+    inputs = dataclasses.replace(_rows(rows, LENGTH, jnp.zeros(rows)), tokens=windows)
+    _, _, (features,) = tapped_streams(target, _zeros(abstract_cache(cfg, geo)), [inputs], cfg)
+    return features
+
+
+def block_loss(
+    drafter: DSparkDrafter, target: Weights, features: jax.Array, windows: jax.Array, anchors: jax.Array, cfg
+) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy of the blocks at `anchors` [b, a] (positions >= W) of windows [b, LENGTH], and each block
+    position's top-1 accuracy [BLOCK]."""
+    b, a = anchors.shape
+    window = cfg.sliding_window
+    rows = b * a
+    starts = anchors.reshape(-1)
+    owner = jnp.repeat(jnp.arange(b), a)
+    context = jax.vmap(lambda w, p: jax.lax.dynamic_slice_in_dim(features[w], p - window, window))(owner, starts)
+    geo = CacheGeometry(num_slots=rows, num_pages=rows + 1, page_size=PAGE, max_pages_per_seq=1)
+    rings = write_context(
+        drafter, _zeros(abstract_dspark_cache(cfg, geo)), context, _rows(rows, window, starts - window), cfg
+    )
+    text = jax.vmap(lambda w, p: jax.lax.dynamic_slice_in_dim(windows[w], p, BLOCK + 1))(owner, starts)
+    block = jnp.concatenate([text[:, :1], jnp.full((rows, BLOCK - 1), cfg.dspark.noise_token_id, jnp.int32)], axis=1)
+    logits = block_logits(drafter, target.embed, target.head, rings, block, _rows(rows, BLOCK, starts), cfg)
+    logits = logits + markov_logits(drafter, text[:, :BLOCK], cfg)
+    targets = text[:, 1:]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    loss = -jnp.take_along_axis(logprobs, targets[..., None], axis=-1).mean()
+    return loss, (jnp.argmax(logits, axis=-1) == targets).mean(axis=0)
+
+
+def train(target: Weights, cfg: ModelConfig, tokens: np.ndarray, steps: int, log: Any) -> DSparkDrafter:
+    drafter = init_weights(jax.random.key(SEED), cfg).dspark
+    assert drafter is not None
+    schedule = optax.warmup_cosine_decay_schedule(0.0, PEAK_LR, WARMUP, max(steps, WARMUP + 1), end_value=PEAK_LR / 10)
+    decayed = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731  matrices, not norms
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY, mask=decayed),
+    )
+    state = opt.init(drafter)
+    tapped = jax.jit(taps, static_argnames="cfg")
+
+    @jax.jit
+    def step(drafter, state, features, windows, anchors):
+        (loss, accuracy), grads = jax.value_and_grad(block_loss, has_aux=True)(
+            drafter, target, features, windows, anchors, cfg
+        )
+        updates, state = opt.update(grads, state, drafter)
+        return optax.apply_updates(drafter, updates), state, loss, accuracy
+
+    rng = np.random.default_rng(SEED)
+    started = time.perf_counter()
+    for n in range(1, steps + 1):
+        windows = jnp.asarray(np.stack([tokens[s : s + LENGTH] for s in rng.integers(0, len(tokens) - LENGTH, BATCH)]))
+        anchors = jnp.asarray(rng.integers(cfg.sliding_window, LENGTH - BLOCK - 1, (BATCH, ANCHORS)))
+        drafter, state, loss, accuracy = step(drafter, state, tapped(target, windows, cfg), windows, anchors)
+        if n % LOG_EVERY == 0 or n == steps or n <= 3:
+            log({"step": n, "loss": float(loss), "accuracy": [round(float(x), 4) for x in accuracy],
+                 "seconds": time.perf_counter() - started})  # fmt: skip
+    return drafter
+
+
+def evaluate(target: Weights, drafter: DSparkDrafter, tokens: np.ndarray, cfg: ModelConfig) -> dict[str, Any]:
+    """Held-out loss and per-block-position top-1 accuracy against the text (the Markov head fed the text's tokens),
+    EVAL_WINDOWS windows with ANCHORS evenly spaced blocks each."""
+    windows = np.stack([tokens[i * LENGTH : (i + 1) * LENGTH] for i in range(EVAL_WINDOWS)])
+    spots = np.linspace(cfg.sliding_window, LENGTH - BLOCK - 2, ANCHORS).astype(np.int32)
+    run = jax.jit(block_loss, static_argnames="cfg")
+    tapped = jax.jit(taps, static_argnames="cfg")
+    losses, accuracies = [], []
+    for i in range(0, EVAL_WINDOWS, BATCH):
+        part = jnp.asarray(windows[i : i + BATCH])
+        anchors = jnp.asarray(np.broadcast_to(spots, (len(part), ANCHORS)))
+        loss, accuracy = run(drafter, target, tapped(target, part, cfg), part, anchors, cfg)
+        losses.append(float(loss))
+        accuracies.append(np.asarray(accuracy))
+    return {"loss": float(np.mean(losses)), "accuracy": [round(float(x), 4) for x in np.mean(accuracies, axis=0)]}
+
+
+def card(summary: dict[str, Any]) -> str:
+    s = summary
+    accuracy = ", ".join(f"{x:.2f}" for x in s["accuracy"])
+    return f"""# The embedded default's DSpark drafter
+
+A DSpark block drafter ({s["parameters"] / 1e6:.2f}M parameters: {DRAFTER.stages} V4 decoder layers of
+sliding-window attention, a Markov head of rank {DRAFTER.markov_rank}) for the model one folder up, trained by
+`python -m training.train_dspark` with that model frozen, so that `--speculative-config '{{"method": "dspark",
+"num_speculative_tokens": {BLOCK}}}'` drafts on the embedded default as on DeepSeek-V4-Flash-0731. It is kept here,
+beside the model, because the model's own `mtp.0` is its MTP block; the loader reads it from this folder when DSpark
+drafts.
+
+- **Input**: the target's hidden streams after layers {list(DRAFTER.target_layer_ids)} (averaged over the hc
+  streams), context keys over the last {s["window"]} positions; blocks of {BLOCK} tokens (the last token and
+  {BLOCK - 1} copies of token {PAD}, the tokenizer's PAD, as noise).
+- **Data**: the default's training text (the standard library's sources), {s["train_tokens"]:,} tokens.
+- **Training**: {s["steps"]} steps of {BATCH} windows of {LENGTH} tokens x {ANCHORS} blocks each, AdamW (peak lr
+  {PEAK_LR}, warmup {WARMUP}, cosine to a tenth, weight decay {WEIGHT_DECAY}, clip 1.0), cross-entropy of the
+  text's next {BLOCK} tokens (the Markov head fed the text's tokens); seed {SEED}; {s["minutes"]:.1f} minutes on
+  {s["machine"]}.
+- **Held-out** ({EVAL_WINDOWS} windows of the default's held-out files, {ANCHORS} blocks each): loss
+  {s["loss"]:.3f}; top-1 accuracy against the text by block position: {accuracy}. Acceptance against the
+  target's own tokens, served, is in `benchmarks/results/speculative.md`.
+- The log of the run is `training_log.jsonl` beside this card.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=default_checkpoint_path(), help="target (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps (default: %(default)s)")
+    args = parser.parse_args()
+    out: Path = args.model / DSPARK_FOLDER
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "training_log.jsonl").open("w")
+
+    def log(record: dict[str, Any]) -> None:
+        print(json.dumps(record), flush=True)
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+
+    base = load_config(args.model, dtype="float32")
+    cfg = dataclasses.replace(base, dspark=DRAFTER).with_drafter("dspark")
+    target, _ = load_weights(args.model, base)
+    target = dataclasses.replace(target, dspark=None)
+    tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
+    corpus = stdlib_corpus()
+    train_tokens = encode(tok, [Corpus.text([f]) for f in corpus.train], base.eos_token_id)
+    held_tokens = encode(tok, [Corpus.text([f]) for f in corpus.held_out], base.eos_token_id)
+    log({"train_tokens": len(train_tokens), "held_out_tokens": len(held_tokens), "steps": args.steps})
+
+    started = time.perf_counter()
+    drafter = train(target, cfg, train_tokens, args.steps, log)
+    minutes = (time.perf_counter() - started) / 60
+    weights = dataclasses.replace(target, dspark=drafter)
+    tensors = checkpoint_tensors(weights, cfg, dtype="bfloat16")
+    save_tensors({name: t for name, t in tensors.items() if name.startswith(DRAFTER_PREFIXES)}, out)
+    write_config(dataclasses.replace(cfg, dspark_drafting=False), out)
+
+    # As served: the target and the bf16 drafter read back by the loader, the drafter from beside the model.
+    shipped, _ = load_weights(args.model, model_config(args.model, "float32", drafter="dspark"))
+    assert shipped.dspark is not None
+    summary = {
+        **evaluate(dataclasses.replace(shipped, dspark=None), shipped.dspark, held_tokens, cfg),
+        "parameters": sum(x.size for x in jax.tree.leaves(drafter)),
+        "window": cfg.sliding_window,
+        "train_tokens": len(train_tokens),
+        "steps": args.steps,
+        "minutes": minutes,
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+    }
+    log({"evaluation": summary, "perplexity_equivalent": math.exp(summary["loss"])})
+    (out / "README.md").write_text(card(summary))
+    log_file.close()
+
+
+if __name__ == "__main__":
+    main()
