@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from common import load_average, machine_info, markdown_table, median, write_results
+from common import configure_jax, load_average, machine_info, markdown_table, median, write_results
 from serving import Server, streamed_tokens
 
 GOALS = {"dspark_over_mtp": 1.2, "dspark_over_none": 1.5}  # the bars at batch 1 (DSpark's best over each)
@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
     max_tokens = args.tokens or (48 if args.quick else 128)
+    configure_jax(1, compile_cache=False)  # this process only tokenizes (and finds the repository's modules)
 
     from jaxserve.checkpoints import default_checkpoint_path
     from jaxserve.text.tokenizer import load_tokenizer

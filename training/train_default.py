@@ -17,8 +17,9 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,19 @@ def train(cfg: ModelConfig, tokens: np.ndarray, steps: int, log: Any) -> Weights
     return _merge(trained, fixed)
 
 
+def training_log(out: Path) -> tuple[Callable[[dict[str, Any]], None], IO[str]]:
+    """(log, its file): each record printed and written as one line of `out`/training_log.jsonl (`out` made)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "training_log.jsonl").open("w")
+
+    def log(record: dict[str, Any]) -> None:
+        print(json.dumps(record), flush=True)
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+
+    return log, log_file
+
+
 def model_card(summary: dict[str, Any]) -> str:
     s = summary
     return f"""# The embedded default model
@@ -206,14 +220,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps (default: %(default)s)")
     args = parser.parse_args()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "training_log.jsonl").open("w")
-
-    def log(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-
+    log, log_file = training_log(out)
     corpus = stdlib_corpus()
     train_text = [Corpus.text([f]) for f in corpus.train]
     held_text = [Corpus.text([f]) for f in corpus.held_out]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -43,7 +42,7 @@ from jaxserve.model.forward import tapped_streams
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.weights import DSparkDrafter, Weights, init_weights, map_infos
 from training.corpus import Corpus, stdlib_corpus
-from training.train_default import LENGTH, PAGE, encode
+from training.train_default import LENGTH, PAGE, encode, training_log
 
 SEED = 5
 STEPS = 2000
@@ -192,14 +191,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps (default: %(default)s)")
     args = parser.parse_args()
     out: Path = args.model / DSPARK_FOLDER
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "training_log.jsonl").open("w")
-
-    def log(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-
+    log, log_file = training_log(out)
     base = load_config(args.model, dtype="float32")
     cfg = dataclasses.replace(base, dspark=DRAFTER).with_drafter("dspark")
     target, _ = load_weights(args.model, base)
