@@ -53,7 +53,7 @@ CONFIG = EngineConfig(
     max_queued_requests=600,
     decode_log_interval=1000,
 )
-BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(8,))  # one request pads to 8 rows
+BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(1, 8))
 RNG = np.random.default_rng(3)
 PROMPTS = [[int(t) for t in RNG.integers(7, BACKBONE.vocab_size, n)] for n in (5, 40, 70, 9, 33, 100, 17, 61)]
 LONG = PROMPTS[5] * 2  # 200 tokens: past a page, so its second run starts from the first one's snapshot

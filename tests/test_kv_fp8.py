@@ -22,7 +22,7 @@ from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights, is_info
 from jaxserve.presets import preset
 from jaxserve.request import SamplingParams
-from jaxserve.runner import Buckets, ModelRunner
+from jaxserve.runner import build_runner
 
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the value
 E4M3_SUBNORMAL_ABS = 2.0**-10  # half the subnormal step (2^-9), relative to the block's scale
@@ -211,11 +211,9 @@ def _engine_greedy(weights, kv: str, prompts: list[list[int]]) -> tuple[list[lis
         decode_log_interval=1000,
     )
     mesh = make_mesh(1, 1, jax.devices()[:1])
-    # The knobs' step shapes but the smaller chunks and decode buckets (compile time): prefill, decode of the four
-    # rows and the mixed step of both.
-    buckets = Buckets(prefill_rows=(1,), prefill_chunks=(64,), decode_rows=(4,), mixed=True)
-    placed = place(weights, abstract_weights(cfg), mesh)
-    engine = Engine(engine_cfg, cfg, ModelRunner(cfg, placed, kv_geometry(engine_cfg, cfg), mesh, buckets), (1,))
+    engine = Engine(
+        engine_cfg, cfg, build_runner(engine_cfg, cfg, place(weights, abstract_weights(cfg), mesh), mesh), (1,)
+    )
     sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
 
     async def run():

@@ -54,9 +54,10 @@ def _knobs(k: int | None) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-# Fewer shapes than the flags imply (compile time): one chunk length, and decode steps of eight rows (a single
-# request's verify rows ride with seven padding rows).
-BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(CONFIG.chunked_prefill_size,), decode_rows=(CONFIG.max_num_seqs,))
+# Fewer shapes than the flags imply (compile time): one chunk length, and decode steps of one row or of eight.
+BUCKETS = Buckets(
+    prefill_rows=(1,), prefill_chunks=(CONFIG.chunked_prefill_size,), decode_rows=(1, CONFIG.max_num_seqs)
+)
 
 
 @pytest.fixture(scope="module")
