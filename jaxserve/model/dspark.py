@@ -105,10 +105,16 @@ def block_logits(
         x = embed[tokens]
         h = jnp.broadcast_to(x[:, :, None, :], (b, n, cfg.hc_mult, x.shape[-1]))
         layers, experts = RoutedExperts.split(w.stages)
-        for stage in range(w.stages.attn_norm.shape[0]):
-            index = jnp.asarray(stage, jnp.int32)
-            one = jax.tree.map(lambda a, i=stage: a[i], layers)
+
+        def stage(h: jax.Array, xs) -> tuple[jax.Array, None]:
+            """One stage (its layer's weights sliced by the scan; the routed experts read by its index)."""
+            one, index = xs
             (h,), _ = block([h], one, experts, rings, index, [block_inputs], cfg, SWA, kernels, draft_block=True)
+            return h, None
+
+        # The stages as one scanned body: one layer compiled, not one per stage.
+        indices = jnp.arange(w.stages.attn_norm.shape[0], dtype=jnp.int32)
+        h, _ = jax.lax.scan(stage, h, (layers, indices))
         y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
         return vocab_logits(y, head, cfg.vocab_size)
 
