@@ -59,12 +59,14 @@ def encode(tok: Any, files_text: list[str], eos: int) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def _geometry(rows: int, length: int) -> CacheGeometry:
+def window_geometry(rows: int, length: int) -> CacheGeometry:
+    """The KV geometry of `rows` training windows of `length` tokens, each its own slot and pages."""
     pages = -(-length // PAGE)
     return CacheGeometry(num_slots=rows, num_pages=rows * pages + 1, page_size=PAGE, max_pages_per_seq=pages)
 
 
-def _zeros(tree: Any) -> Any:
+def zeros_of(tree: Any) -> Any:
+    """Zero arrays for an abstract tree (ArrayInfo leaves): a fresh cache."""
     return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), tree)
 
 
@@ -72,7 +74,7 @@ def losses(weights: Weights, windows: jax.Array, cfg: ModelConfig) -> tuple[jax.
     """Mean cross-entropy of the main model (token t+1 from tokens <= t) and of the MTP block (token t+2 from the
     main model's streams at t and token t+1) over windows [b, LENGTH + 2]."""
     rows, length = windows.shape[0], windows.shape[1] - 2
-    geo = _geometry(rows, length)
+    geo = window_geometry(rows, length)
     page_table = 1 + jnp.arange(rows * geo.max_pages_per_seq, dtype=jnp.int32).reshape(rows, -1)
 
     def inputs(tokens: jax.Array) -> StepInputs:
@@ -84,9 +86,9 @@ def losses(weights: Weights, windows: jax.Array, cfg: ModelConfig) -> tuple[jax.
             page_table=page_table,
         )
 
-    (streams,), _ = hidden_streams(weights, _zeros(abstract_cache(cfg, geo)), [inputs(windows[:, :length])], cfg)
+    (streams,), _ = hidden_streams(weights, zeros_of(abstract_cache(cfg, geo)), [inputs(windows[:, :length])], cfg)
     y = final_norm(streams, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
-    (mtp_cache,) = _zeros(abstract_mtp_cache(cfg, geo))
+    (mtp_cache,) = zeros_of(abstract_mtp_cache(cfg, geo))
     _, y_mtp, _ = mtp_block(weights.mtp[0], weights.embed, streams, mtp_cache, inputs(windows[:, 1 : length + 1]), cfg)
 
     def cross_entropy(hidden: jax.Array, targets: jax.Array) -> jax.Array:

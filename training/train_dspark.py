@@ -40,9 +40,9 @@ from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_dspark_
 from jaxserve.model.dspark import block_logits, markov_logits, write_context
 from jaxserve.model.forward import tapped_streams
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.weights import DSparkDrafter, Weights, init_weights, map_infos
+from jaxserve.model.weights import DSparkDrafter, Weights, init_weights
 from training.corpus import Corpus, stdlib_corpus
-from training.train_default import LENGTH, PAGE, encode, training_log
+from training.train_default import LENGTH, PAGE, encode, training_log, window_geometry, zeros_of
 
 SEED = 5
 STEPS = 2000
@@ -56,10 +56,6 @@ LOG_EVERY = 25
 EVAL_WINDOWS = 32
 PAD = 2  # the noise token: the tokenizer's PAD (training.default_model), never in the text
 DRAFTER = DSparkConfig(block_size=BLOCK, noise_token_id=PAD, target_layer_ids=(2, 3, 4), markov_rank=64)
-
-
-def _zeros(tree: Any) -> Any:
-    return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), tree)
 
 
 def _rows(rows: int, length: int, positions: jax.Array) -> StepInputs:
@@ -77,10 +73,9 @@ def _rows(rows: int, length: int, positions: jax.Array) -> StepInputs:
 def taps(target: Weights, windows: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The target's taps over windows [b, LENGTH] ([b, LENGTH, taps * d])."""
     rows = windows.shape[0]
-    pages = -(-LENGTH // PAGE)
-    geo = CacheGeometry(num_slots=rows, num_pages=rows * pages + 1, page_size=PAGE, max_pages_per_seq=pages)
     inputs = dataclasses.replace(_rows(rows, LENGTH, jnp.zeros(rows)), tokens=windows)
-    _, _, (features,) = tapped_streams(target, _zeros(abstract_cache(cfg, geo)), [inputs], cfg)
+    cache = zeros_of(abstract_cache(cfg, window_geometry(rows, LENGTH)))
+    _, _, (features,) = tapped_streams(target, cache, [inputs], cfg)
     return features
 
 
@@ -97,7 +92,7 @@ def block_loss(
     context = jax.vmap(lambda w, p: jax.lax.dynamic_slice_in_dim(features[w], p - window, window))(owner, starts)
     geo = CacheGeometry(num_slots=rows, num_pages=rows + 1, page_size=PAGE, max_pages_per_seq=1)
     rings = write_context(
-        drafter, _zeros(abstract_dspark_cache(cfg, geo)), context, _rows(rows, window, starts - window), cfg
+        drafter, zeros_of(abstract_dspark_cache(cfg, geo)), context, _rows(rows, window, starts - window), cfg
     )
     text = jax.vmap(lambda w, p: jax.lax.dynamic_slice_in_dim(windows[w], p, BLOCK + 1))(owner, starts)
     block = jnp.concatenate([text[:, :1], jnp.full((rows, BLOCK - 1), cfg.dspark.noise_token_id, jnp.int32)], axis=1)

@@ -43,10 +43,11 @@ def write_context(
     """The chunk's context keys into every stage's ring (`rings`: the stages' caches, stacked [S, ...]), from the
     target's taps [b, t, taps * d] at the chunk's positions; snapshot rows and a prefix-cache hit's source row as
     the target's own window ring takes them (attention.write_window)."""
+    assert cfg.dspark is not None  # a drafter's weights come with its config
     with jax.named_scope("dspark_context"):
         x = rms_norm(kernels.einsum("btf,fd->btd", taps, w.main_proj), w.main_norm, cfg.rms_norm_eps)
         freqs = rope_frequencies(cfg, SWA)
-        for stage in range(w.stages.attn_norm.shape[0]):
+        for stage in range(cfg.dspark.stages):
             attn = jax.tree.map(lambda a, i=stage: a[i], w.stages.attn)
             kv = keys(x, attn, inputs.query_positions, freqs, cfg, kernels)
             layer = jnp.asarray(stage, jnp.int32)
@@ -93,6 +94,7 @@ def block_logits(
 ) -> jax.Array:
     """The stages' logits [b, n, V] (float32) over blocks `tokens` [b, n] starting at `inputs.positions` (rows with
     length 0 are padding), before the Markov head's."""
+    assert cfg.dspark is not None  # a drafter's weights come with its config
     b, n = tokens.shape
     with jax.named_scope("dspark_block"):
         block_inputs = StepInputs(
@@ -113,7 +115,7 @@ def block_logits(
             return h, None
 
         # The stages as one scanned body: one layer compiled, not one per stage.
-        indices = jnp.arange(w.stages.attn_norm.shape[0], dtype=jnp.int32)
+        indices = jnp.arange(cfg.dspark.stages, dtype=jnp.int32)
         h, _ = jax.lax.scan(stage, h, (layers, indices))
         y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
         return vocab_logits(y, head, cfg.vocab_size)
