@@ -32,6 +32,7 @@ from jaxserve.model.cache import abstract_cache, abstract_dspark_cache, kv_geome
 from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import abstract_weights, init_weights, is_info, nbytes, weights_nbytes
 from jaxserve.request import SamplingParams
+from jaxserve.request.step import StepKind
 from jaxserve.runner import Buckets, ModelRunner
 from jaxserve.runner.plan import state_bytes, weight_bytes
 from jaxserve.server import create_app
@@ -201,6 +202,27 @@ def test_a_stop_inside_a_block_of_accepted_drafts_ends_the_request_there(served)
     assert engine.stats().drafts.accepted_tokens > before
 
 
+def test_max_tokens_inside_a_block_of_accepted_drafts_ends_the_request_there(served):
+    """Overlapped, the next verify step is dispatched before the host sees how many drafts the one before kept: when
+    those reached max_tokens, the device keeps no token for it, and the request ends with exactly max_tokens."""
+    engine = served.drafting
+    full = served.off["batch"][2]
+    extra_steps = 0
+    for max_tokens in range(2, 13):
+        accepted, steps_before = engine.stats().drafts.accepted_tokens, len(engine.step_record)
+        handle = engine.submit(PROMPTS[2], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        assert handle.wait(60) == (full[:max_tokens], "length", None), max_tokens
+        wait_for(lambda: settled(engine), 5, "the request to finish")
+        decode_steps = [r for r in list(engine.step_record)[steps_before:] if r.kind is StepKind.DECODE]
+        assert all(r.request_ids == (handle.request_id,) for r in decode_steps)
+        # Each step that delivered gave its accepted drafts and one more token: the first token came from prefill.
+        delivering = max_tokens - 1 - (engine.stats().drafts.accepted_tokens - accepted)
+        extra_steps += len(decode_steps) - delivering
+    assert extra_steps > 0  # some request's last verify step was followed by one dispatched past its end
+    after = engine.stats()
+    assert after.free_pages == after.total_pages
+
+
 def test_no_page_or_slot_is_leaked_after_random_requests_with_aborts_and_stops(served):
     engine = served.drafting
     rng = random.Random(7)
@@ -249,8 +271,9 @@ def test_the_plan_counts_the_drafter_weights_and_its_rings():
     spec = dataclasses.replace(CONFIG, speculative_config=SpeculativeConfig("dspark", K))
     geometry = kv_geometry(spec, drafting)
     rings = abstract_dspark_cache(drafting, geometry)
-    # The target's cache with drafting's state rows, and the drafter's rings ([stages, state rows, W, k]) beside it.
+    # The target's cache with drafting's state rows, the drafter's rings ([stages, state rows, W, k]) beside it, and
+    # each slot's position (int32).
     assert rings.window.shape == (DSPARK.stages, geometry.state_rows, BACKBONE.sliding_window, BACKBONE.head_dim)
     target = [info for info in jax.tree.leaves(abstract_cache(drafting, geometry), is_leaf=is_info)]
     target_state = sum(nbytes(info) for info in target if "pages" not in info.axes)
-    assert state_bytes(drafting, geometry, mesh) == target_state + weights_nbytes(rings)
+    assert state_bytes(drafting, geometry, mesh) == target_state + weights_nbytes(rings) + 4 * geometry.num_slots

@@ -227,7 +227,7 @@ def test_the_speculative_config_flag_is_checked():
     with pytest.raises(ConfigError, match="mixed_batches=True with speculative_config"):
         EngineConfig(speculative_config=SpeculativeConfig("mtp", 1), mixed_batches=True)
     drafting = EngineConfig(speculative_config=SpeculativeConfig("mtp", 2))
-    assert (drafting.draft_tokens, drafting.overlapped, drafting.mixed_steps) == (2, False, False)
+    assert (drafting.draft_tokens, drafting.overlapped, drafting.mixed_steps) == (2, True, False)
 
 
 def test_spec_decode_metrics(runners, loaded):

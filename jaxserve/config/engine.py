@@ -199,9 +199,8 @@ class EngineConfig:
             'speculative decoding, as vLLM\'s: \'{"method": "mtp", "num_speculative_tokens": K}\' (K in 1..3) drafts K '
             "tokens a step with the checkpoint's MTP block and verifies them in one forward of K+1 tokens a row "
             "(greedy rows keep exactly the model's tokens, sampled rows its distribution, by rejection sampling). "
-            "Decode steps then run one at a time (no --async-scheduling) and prefill steps carry no decode rows (no "
-            "--mixed-batches); requests may not ask for logprobs, penalties, logit_bias, allowed_token_ids, min_tokens "
-            "or a structured output",
+            "Prefill steps then carry no decode rows (no --mixed-batches); requests may not ask for logprobs, "
+            "penalties, logit_bias, allowed_token_ids, min_tokens or a structured output",
             metavar="JSON",
         ),
     )
@@ -275,9 +274,9 @@ class EngineConfig:
 
     @property
     def overlapped(self) -> bool:
-        """Whether a step is dispatched before the one before it returns (--async-scheduling): never with drafting,
-        whose next step's positions follow from the tokens the last one accepted."""
-        return self.async_scheduling and not self.draft_tokens
+        """Whether a step is dispatched before the one before it returns (--async-scheduling); with drafting too, as
+        the device keeps where each sequence is (jaxserve.runner.speculative)."""
+        return self.async_scheduling
 
     @property
     def active_step_policies(self) -> dict[str, float]:

@@ -35,7 +35,7 @@ from jaxserve.request import (
 )
 from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
-from jaxserve.request.step import GroupShape, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.request.step import GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan
 from jaxserve.runner import Buckets
 from jaxserve.scheduler import IdAllocator, PrefixCache, PrefixStats, StepCounts, build_scheduler
 
@@ -334,9 +334,9 @@ class Engine:
             _check_mixed_steps(engine_cfg, runner.buckets)
         if engine_cfg.draft_tokens:
             log.info(
-                "speculative decoding: %d MTP drafts a step; steps run one at a time (a step's positions follow from "
-                "the drafts the one before kept) and prefill steps carry no decode rows",
+                "speculative decoding: %d %s drafts a step; prefill steps carry no decode rows",
                 engine_cfg.draft_tokens,
+                engine_cfg.drafter,
             )
         self.runner = runner
         self.geometry = geometry
@@ -663,9 +663,13 @@ class Engine:
             if request.sampling.max_tokens == 0:  # prefill only: the token after the prompt is unused
                 self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
                 continue
+            if out is RowOutput.NONE:  # the device saw the request at its max_tokens, which ended it on a step before
+                log.error("request %s: a verify row kept no token, but the request runs", request.request_id)
+                self._finish(request, FinishReason.ERROR, error="the device found the request past its max_tokens")
+                continue
             if row.decode and self.config.draft_tokens:  # a verify row: its accepted drafts, then one sampled token
                 self.scheduler.note_accepted(request, len(out.accepted))
-                self.counters.note_drafts(row.length - 1, len(out.accepted))
+                self.counters.note_drafts(out.drafted, len(out.accepted))
             for token in out.token_ids:  # after the prompt: the first output token; after a decode row: the next
                 self._deliver(request, token, out.logprob)
                 if request.finished:  # a stop inside the accepted run ends the request exactly there

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 from jaxserve.request import Request, TokenLogprob
 
@@ -146,13 +147,20 @@ class RowOutput:
     token_id: int
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
-    # A verify row's (speculative decoding): the drafts it accepted, which come before `token_id`.
+    # A verify row's (speculative decoding): the drafts it accepted, which come before `token_id`, of the `drafted`
+    # it verified.
     accepted: tuple[int, ...] = ()
+    drafted: int = 0
+
+    NONE: ClassVar[RowOutput]  # a verify row that kept no token (its request had all it may have): never delivered
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         """Every token the row delivers, in order."""
         return self.accepted + (self.token_id,)
+
+
+RowOutput.NONE = RowOutput(-1)
 
 
 @dataclass(frozen=True)

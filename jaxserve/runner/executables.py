@@ -29,7 +29,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.forward import final_norm, last_logits, tapped_streams
-from jaxserve.model.inputs import StepInputs
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepKind, StepShape
@@ -38,7 +37,14 @@ from jaxserve.runner.inputs import GroupInputs, StepGroup, TokenRoutes, group_in
 from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from jaxserve.runner.mirror import CompileSync
 from jaxserve.runner.sampling import SamplingArrays, apply_penalties, sample
-from jaxserve.runner.speculative import SpeculativeCache, abstract_runner_cache, prefill_drafts, speculative_step
+from jaxserve.runner.speculative import (
+    SpeculativeCache,
+    VerifyInputs,
+    abstract_runner_cache,
+    decoding_from,
+    prefill_drafts,
+    speculative_step,
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class ExecutableCache:
         kv = cache.kv if speculative else cache
         hs, kv, taps = tapped_streams(weights, kv, steps, self.cfg, self.kernels, tap=self.cfg.dspark_drafting)
         if speculative:
-            draft = cache.draft
+            draft, positions = cache.draft, cache.positions
             for i, (h, inputs, group) in enumerate(zip(hs, steps, groups)):
                 if group.drafting is not None:  # prefill groups: the drafter reads the chunk too
                     completes = group.routes.store_slot < self.geometry.num_slots
@@ -110,7 +116,8 @@ class ExecutableCache:
                     draft = prefill_drafts(
                         weights, draft, h, tap, inputs, group.drafting, completes, self.cfg, self.kernels
                     )
-            cache = SpeculativeCache(kv, draft)
+                    positions = decoding_from(positions, inputs, completes)
+            cache = SpeculativeCache(kv, draft, positions)
         else:
             cache = kv
         ys = [
@@ -132,23 +139,13 @@ class ExecutableCache:
         weights,
         cache: SpeculativeCache,
         slot_tokens: jax.Array,
-        inputs: StepInputs,
+        inputs: VerifyInputs,
         params: SamplingArrays,
         sampled: bool = True,
     ):
-        verified, kv, draft, slot_tokens = speculative_step(
-            weights,
-            cache.kv,
-            cache.draft,
-            slot_tokens,
-            inputs,
-            params,
-            self.geometry.draft_tokens,
-            self.cfg,
-            self.kernels,
-            sampled,
+        return speculative_step(
+            weights, cache, slot_tokens, inputs, params, self.geometry, self.cfg, self.kernels, sampled
         )
-        return verified, SpeculativeCache(kv, draft), slot_tokens
 
     @staticmethod
     def _sampler_fn(

@@ -16,7 +16,7 @@ from jaxserve.model.inputs import StepInputs
 from jaxserve.request.batch import GroupBatch
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner.logprobs import LogprobInputs
-from jaxserve.runner.speculative import DraftInputs
+from jaxserve.runner.speculative import DraftInputs, VerifyInputs
 
 
 @jax.tree_util.register_dataclass
@@ -93,25 +93,19 @@ def group_inputs(group: StepGroup, geometry: CacheGeometry) -> GroupInputs:
     return GroupInputs(inputs, routes, asked, drafting)
 
 
-def verify_inputs(group: StepGroup, geometry: CacheGeometry) -> StepInputs:
-    """A verify group's inputs: each row's last sampled token's position, the tokens it may keep (its length), its
-    slot's draft rows for the state as of 1..k of its tokens."""
+def verify_inputs(group: StepGroup, geometry: CacheGeometry) -> VerifyInputs:
+    """A verify group's host inputs: each row's slot and pages, the most tokens it may keep, its request's last output
+    position, and its slot's draft rows (the device resolves the rest, jaxserve.runner.speculative)."""
     rows, k = group.rows, geometry.draft_tokens
     pad = _padder(group.shape.rows)
-    snapshot_rows = np.full((rows.num_rows, k), geometry.state_rows, np.int32)
-    snapshot_lengths = np.zeros((rows.num_rows, k), np.int32)
-    for i, (slot, length) in enumerate(zip(rows.slots, rows.lengths)):
-        for j in range(1, int(length)):
-            snapshot_rows[i, j - 1], snapshot_lengths[i, j - 1] = geometry.draft_row(int(slot), j), j
-    return StepInputs(
-        tokens=pad(np.zeros((rows.num_rows, k + 1), np.int32)),
-        positions=pad(rows.positions),
-        lengths=pad(rows.lengths),
+    draft_rows = np.array([[geometry.draft_row(int(s), j) for j in range(1, k + 1)] for s in rows.slots], np.int32)
+    max_tokens = np.array([params.max_tokens for params in rows.params], np.int32)
+    return VerifyInputs(
         slots=pad(rows.slots),
         page_table=_page_table(rows, pad, geometry),
-        read_rows=pad(rows.slots),
-        snapshot_rows=pad(snapshot_rows, fill=geometry.state_rows),
-        snapshot_lengths=pad(snapshot_lengths),
+        lengths=pad(rows.lengths),
+        last_positions=pad(rows.prompt_lens + max_tokens - 1),
+        draft_rows=pad(draft_rows.reshape(rows.num_rows, k), fill=geometry.state_rows),
     )
 
 

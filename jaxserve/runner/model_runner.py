@@ -220,17 +220,22 @@ class PendingVerify:
 
     def __init__(self, rows: int, verified: Verified):
         self._rows, self._verified = rows, verified
-        verified.tokens.copy_to_host_async()
+        for out in (verified.tokens, verified.counts, verified.verified):
+            out.copy_to_host_async()
 
     def sample(self) -> None:
         pass
 
     def result(self) -> StepOutput:
         tokens, counts = np.asarray(self._verified.tokens), np.asarray(self._verified.counts)
+        drafted = np.asarray(self._verified.verified)
         outputs = []
         for i in range(self._rows):
             kept = [int(t) for t in tokens[i, : counts[i]]]
-            outputs.append(RowOutput(kept[-1], accepted=tuple(kept[:-1])))
+            # No token: the row's request already had its max_tokens from the step before, which ends it (the
+            # engine reads no row of a finished request).
+            row = RowOutput(kept[-1], accepted=tuple(kept[:-1]), drafted=int(drafted[i])) if kept else RowOutput.NONE
+            outputs.append(row)
         return StepOutput(prefill=(), decode=tuple(outputs))
 
 

@@ -14,7 +14,11 @@ rejected tokens wrote:
   state of the tokens it kept copied back into its slot. KV pages are reserved at admission for the request's
   whole length, so no draft takes or leaves one, and the compressed entries of windows a rejected token completed
   are invisible to every later query (masked by position) until the real tokens complete those windows and
-  rewrite them.
+  rewrite them;
+- where a row is, its slot's last sampled position, is device state (`SpeculativeCache.positions`) that the step
+  advances by the tokens it kept: the host dispatches the next step before it has seen them (overlap scheduling),
+  so a verify group's host inputs (`VerifyInputs`) name slots, not positions, and the step bounds the tokens a row
+  may keep by its request's max_tokens (the host's count of them lags by the step in flight).
 
 The MTP block reads the main model's last hc streams at position i and the token at i + 1. Each slot keeps the
 streams of its last kept position (`DraftState.streams`), whose next token (the one sampled last) is in the slot's
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +89,27 @@ class DraftInputs:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class VerifyInputs:
+    """A verify group's host inputs, one row per decoding request (0 `lengths`: padding). Its positions are not
+    here: they are the slots' (`SpeculativeCache.positions`), resolved on the device (`_resolved`)."""
+
+    slots: jax.Array  # [b]
+    page_table: jax.Array  # [b, max_pages_per_seq]
+    lengths: jax.Array  # [b]: the most tokens a row may keep, drafts and the one after them (k + 1 or fewer)
+    last_positions: jax.Array  # [b]: the position of the request's last output token (its max_tokens-th)
+    draft_rows: jax.Array  # [b, k]: the state rows that get the slot's state as of 1..k tokens into the step
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Verified:
-    """A verify step's tokens: per row the accepted drafts then one sampled token [b, k + 1] (-1 past them) and how
-    many there are [b] (0 for padding rows)."""
+    """A verify step's tokens: per row the accepted drafts then one sampled token [b, k + 1] (-1 past them), how
+    many there are [b] (0 for padding rows), and how many drafts the row verified [b] (fewer than k near its
+    max_tokens)."""
 
     tokens: jax.Array
     counts: jax.Array
+    verified: jax.Array
 
 
 def _keyed(params: SamplingArrays, salt: int) -> jax.Array:
@@ -227,7 +247,8 @@ def _verified(drafts: jax.Array, accepted: jax.Array, bonus: jax.Array, inputs: 
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(index < accepted[:, None], padded, jnp.where(index == accepted[:, None], bonus[:, None], -1))
     counts = jnp.where(inputs.lengths > 0, accepted + 1, 0)
-    return Verified(tokens.astype(jnp.int32), counts.astype(jnp.int32))
+    verified = jnp.clip(inputs.lengths - 1, 0, None)
+    return Verified(tokens.astype(jnp.int32), counts.astype(jnp.int32), verified.astype(jnp.int32))
 
 
 def _take_back(cache: list[list[LayerCache]], inputs: StepInputs, kept: jax.Array) -> list[list[LayerCache]]:
@@ -257,22 +278,48 @@ def _take_back(cache: list[list[LayerCache]], inputs: StepInputs, kept: jax.Arra
     ]
 
 
+def _resolved(verify: VerifyInputs, slot_positions: jax.Array, state_rows: int) -> StepInputs:
+    """A verify group's StepInputs (its tokens zeros until the drafts are made): each row at its slot's position,
+    keeping at most as many tokens as its max_tokens leaves (none once it has them all: a request the host ends on an
+    earlier step's tokens), and writing the draft rows of the tokens it may keep past its first."""
+    positions = slot_positions[verify.slots]
+    lengths = jnp.clip(jnp.minimum(verify.lengths, verify.last_positions - positions), 0, None)
+    tokens_in = jnp.arange(1, verify.draft_rows.shape[1] + 1, dtype=jnp.int32)[None, :]
+    writes = tokens_in < lengths[:, None]
+    return StepInputs(
+        tokens=jnp.zeros((verify.slots.shape[0], verify.draft_rows.shape[1] + 1), jnp.int32),
+        positions=positions,
+        lengths=lengths.astype(jnp.int32),
+        slots=verify.slots,
+        page_table=verify.page_table,
+        read_rows=verify.slots,
+        snapshot_rows=jnp.where(writes, verify.draft_rows, state_rows),
+        snapshot_lengths=jnp.where(writes, tokens_in, 0),
+    )
+
+
+def decoding_from(slot_positions: jax.Array, inputs: StepInputs, completes: jax.Array) -> jax.Array:
+    """The slots' positions after a prefill group: a row that `completes [b]` its prompt leaves its slot at the
+    position of the token sampled after it, where its first verify step starts."""
+    target = jnp.where(completes, inputs.slots, slot_positions.shape[0])
+    return slot_positions.at[target].set(inputs.positions + inputs.lengths, mode="drop")
+
+
 def speculative_step(
     weights: Weights,
-    cache: list[list[LayerCache]],
-    draft: DraftState | DSparkState,
+    state: SpeculativeCache,
     slot_tokens: jax.Array,
-    inputs: StepInputs,
+    verify: VerifyInputs,
     params: SamplingArrays,
-    k: int,
+    geometry: CacheGeometry,
     cfg: ModelConfig,
     kernels: Kernels,
     sampled: bool = True,
 ):
-    """One decode step with k drafts per row (`sampled` False: every row is greedy, see _accept). `inputs`: a verify
-    group (tokens [b, k + 1] are made here; positions: the position of each row's last sampled token; lengths: the
-    tokens it may keep, 1..k + 1, 0 for padding; snapshot rows [b, k]: its slot's draft rows, lengths 1..k).
-    Returns (Verified, cache, draft state, slot tokens)."""
+    """One decode step with k = geometry.draft_tokens drafts per row (`sampled` False: every row is greedy, see
+    _accept) over the runner's device state. Returns (Verified, state, slot tokens)."""
+    k, cache, draft = geometry.draft_tokens, state.kv, state.draft
+    inputs = _resolved(verify, state.positions, geometry.state_rows)
     last = slot_tokens[inputs.slots]
     dspark = isinstance(draft, DSparkState)
     if isinstance(draft, DSparkState):
@@ -281,8 +328,8 @@ def speculative_step(
     else:
         drafts, mtp_cache = _propose(weights, draft, last, inputs, k, cfg, kernels)
     with jax.named_scope("verify"):
-        verify = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
-        (streams,), cache, taps = tapped_streams(weights, cache, [verify], cfg, kernels, tap=dspark)
+        fed = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
+        (streams,), cache, taps = tapped_streams(weights, cache, [fed], cfg, kernels, tap=dspark)
         y = final_norm(streams, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
         logits = vocab_logits(y, weights.head, cfg.vocab_size)
     verified = _accept(drafts, logits, inputs, params, sampled)
@@ -292,7 +339,7 @@ def speculative_step(
         with jax.named_scope("dspark_context"):  # the kept tokens' context keys: the row's last token and its drafts
             assert weights.dspark is not None and taps is not None
             kept = StepInputs(
-                tokens=verify.tokens,
+                tokens=fed.tokens,
                 positions=inputs.positions,
                 lengths=verified.counts,
                 slots=inputs.slots,
@@ -301,10 +348,11 @@ def speculative_step(
             draft = DSparkState(write_context(weights.dspark, draft.rings, taps[0], kept, cfg, kernels))
     else:
         draft = _mtp_catch_up(weights, draft, mtp_cache, streams, drafts, accepted, inputs, cfg, kernels)
-    active = inputs.lengths > 0
+    active = jnp.where(inputs.lengths > 0, inputs.slots, slot_tokens.shape[0])  # padding and finished rows: dropped
     bonus = jnp.take_along_axis(verified.tokens, accepted[:, None], axis=1)[:, 0]
-    slot_tokens = slot_tokens.at[jnp.where(active, inputs.slots, slot_tokens.shape[0])].set(bonus, mode="drop")
-    return verified, cache, draft, slot_tokens
+    slot_tokens = slot_tokens.at[active].set(bonus, mode="drop")
+    positions = state.positions.at[active].set(inputs.positions + verified.counts, mode="drop")
+    return verified, SpeculativeCache(cache, draft, positions), slot_tokens
 
 
 def _mtp_catch_up(
@@ -339,10 +387,12 @@ def _mtp_catch_up(
 @jax.tree_util.register_dataclass
 @dataclass
 class SpeculativeCache:
-    """The runner's device state with drafting on: the KV cache and the draft state, donated together."""
+    """The runner's device state with drafting on, donated together: the KV cache, the draft state, and each slot's
+    position [slots] (of the last token sampled for it: the one its next verify step feeds first)."""
 
     kv: list[list[LayerCache]]
     draft: DraftState | DSparkState
+    positions: jax.Array
 
 
 def abstract_runner_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]] | SpeculativeCache:
@@ -351,8 +401,9 @@ def abstract_runner_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[Lay
     if not geo.draft_tokens:
         return abstract_cache(cfg, geo)
     # ArrayInfo leaves where the live state holds arrays.
+    positions: Any = ArrayInfo((geo.num_slots,), jnp.int32, ("slots",), "zeros")
     if cfg.dspark_drafting:
-        return SpeculativeCache(abstract_cache(cfg, geo), DSparkState(abstract_dspark_cache(cfg, geo)))
+        return SpeculativeCache(abstract_cache(cfg, geo), DSparkState(abstract_dspark_cache(cfg, geo)), positions)
     (ring,) = abstract_mtp_cache(cfg, geo)
-    streams = ArrayInfo((geo.num_slots, cfg.hc_mult, cfg.hidden_size), cfg.dtype, ("slots", None, None), "zeros")
-    return SpeculativeCache(abstract_cache(cfg, geo), DraftState(ring, streams))  # type: ignore[arg-type]
+    streams: Any = ArrayInfo((geo.num_slots, cfg.hc_mult, cfg.hidden_size), cfg.dtype, ("slots", None, None), "zeros")
+    return SpeculativeCache(abstract_cache(cfg, geo), DraftState(ring, streams), positions)
