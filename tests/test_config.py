@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,13 @@ def test_a_0731_config_is_the_backbone_with_a_dspark_drafter_mtp_cannot_run():
         preset_dict("flash", **{**FLASH_0731, "compress_ratios": FLASH_0731["compress_ratios"][:-1]})
     )
     assert two.dspark is not None and two.dspark.stages == 2
+    # Or DeepSeek's inference config's n_mtp_layers (what jaxserve writes: an HF config of layer_types has no
+    # compress_ratios), which must agree with compress_ratios where both are given.
+    one = dataclasses.replace(cfg, dspark=dataclasses.replace(cfg.dspark, stages=1))
+    written = to_hf_dict(one)
+    assert written["n_mtp_layers"] == 1 and "compress_ratios" not in written and config_from_dict(written) == one
+    with pytest.raises(ConfigError, match="n_mtp_layers=1, but compress_ratios has 3 entries past num_hidden_layers"):
+        config_from_dict(preset_dict("flash", **FLASH_0731, n_mtp_layers=1))
 
 
 def test_transformers_rope_parameters_form(tmp_path):

@@ -434,20 +434,28 @@ def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def _dspark(raw: dict[str, Any]) -> DSparkConfig | None:
-    """The DSpark drafter's keys (all four, or none: V4's MTP); its stages are the compress_ratios entries past the
-    backbone's layers where the release writes them (three zeros), else the release's three."""
+    """The DSpark drafter's keys (all four, or none: V4's MTP). Its stages: `n_mtp_layers` (DeepSeek's inference
+    config's key, which jaxserve writes), else the compress_ratios entries past the backbone's layers where the
+    release's HF config writes them (three zeros), else the release's three."""
     keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
     present = [key for key in keys if raw.get(key) is not None]
     if not present:
         return None
     if len(present) < len(keys):
         raise ConfigError(f"{sorted(set(keys) - set(present))}: missing beside {present} (a DSpark drafter has all)")
+    extra = max(0, len(raw.get("compress_ratios") or ()) - int(raw["num_hidden_layers"]))
+    stages = raw.get("n_mtp_layers")
+    if stages is not None and extra and int(stages) != extra:
+        raise ConfigError(
+            f"n_mtp_layers={stages}, but compress_ratios has {extra} entries past num_hidden_layers (one a DSpark "
+            "stage): they must agree"
+        )
     return DSparkConfig(
         block_size=int(raw["dspark_block_size"]),
         noise_token_id=int(raw["dspark_noise_token_id"]),
         target_layer_ids=tuple(int(i) for i in raw["dspark_target_layer_ids"]),
         markov_rank=int(raw["dspark_markov_rank"]),
-        stages=max(0, len(raw.get("compress_ratios") or ()) - int(raw["num_hidden_layers"])) or DSPARK_STAGES,
+        stages=int(stages) if stages is not None else extra or DSPARK_STAGES,
     )
 
 
@@ -583,6 +591,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         out["dspark_noise_token_id"] = cfg.dspark.noise_token_id
         out["dspark_target_layer_ids"] = list(cfg.dspark.target_layer_ids)
         out["dspark_markov_rank"] = cfg.dspark.markov_rank
+        out["n_mtp_layers"] = cfg.dspark.stages
     if cfg.quantized:
         out["quantization_config"] = {
             "quant_method": "fp8",
