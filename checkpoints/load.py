@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import drafter_folder, load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
+from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.sharding import for_mesh, shardings_for
 from jaxserve.model.weights import Weights, abstract_weights
@@ -52,8 +53,14 @@ def load_model(
     streamed leaf by leaf into its target sharding. The config is the checkpoint's with its vocabulary padded to
     split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
+    orbax = is_orbax_checkpoint(folder)
+    if orbax and drafter is not None:
+        raise CheckpointError(
+            f"{folder}: an orbax conversion holds the backbone only (no MTP block or DSpark drafter); serve the "
+            f"safetensors checkpoint it was converted from for speculative decoding (method {drafter!r})"
+        )
     config = for_mesh(model_config(folder, dtype, quantization, drafter), mesh)
-    if is_orbax_checkpoint(folder):
+    if orbax:
         weights = restore_weights(folder, config, mesh, show_progress)
     else:
         weights, _ = load_weights(folder, config, shardings_for(abstract_weights(config), mesh), show_progress)

@@ -70,6 +70,10 @@ def test_load_model_restores_a_conversion_with_its_tokenizer(tmp_path):
     for (path, got), (_, want) in zip(flatten_with_names(converted.weights), flatten_with_names(original.weights)):
         assert got.dtype == want.dtype and got.sharding == want.sharding, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+    # A conversion holds no drafter: drafting from one is refused, naming what to serve instead.
+    for method in ("mtp", "dspark"):
+        with pytest.raises(CheckpointError, match=f"holds the backbone only.*safetensors.*method '{method}'"):
+            load_model(dst, mesh, drafter=method)
 
 
 def test_errors_name_the_path(converted, tmp_path):
