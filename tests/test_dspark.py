@@ -1,8 +1,9 @@
 """DSpark drafting (`--speculative-config '{"method": "dspark", ...}'`) on a tiny checkpoint written as DeepSeek-V4
 0731 lays one out (46-style compress_ratios, the drafter's `mtp.{0,1,2}` stages and Markov head, FP8/FP4): through
-HTTP, greedy tokens with drafting on equal those with it off, one request and eight at once, with chunked prompts
-and prefix-cache hits; sampled tokens follow the same distribution; a stop inside accepted drafts ends the request
-there; nothing is leaked after 500 random requests with aborts and stops; the refusals.
+HTTP, greedy tokens with drafting on equal those with it off, one request and eight at once, with chunked prompts,
+mixed steps (prompt chunks beside verify rows) and prefix-cache hits; sampled tokens follow the same distribution; a
+stop or max_tokens inside accepted drafts ends the request there; nothing is leaked after 500 random requests with
+aborts and stops; the refusals.
 
 The drafter's stages are random, so on their own they would never guess right. Its Markov head, of rank V, is set to
 the target's own greedy bigrams (read from the drafting-off run): each draft is then the token that followed the
@@ -55,6 +56,8 @@ CONFIG = EngineConfig(
     decode_log_interval=1000,
 )
 BUCKETS = Buckets(prefill_rows=(1,), prefill_chunks=(32,), decode_rows=(1, 8))
+# Drafting's: prompt chunks also ride in verify steps (mixed steps, a chunk of 32 - 8 beside 8 verify rows).
+MIXED_BUCKETS = dataclasses.replace(BUCKETS, mixed=True)
 RNG = np.random.default_rng(3)
 PROMPTS = [[int(t) for t in RNG.integers(7, BACKBONE.vocab_size, n)] for n in (5, 40, 70, 9, 33, 100, 17, 61)]
 LONG = PROMPTS[5] * 2  # 200 tokens: past a page, so its second run starts from the first one's snapshot
@@ -77,7 +80,8 @@ def _served(folder, k: int | None):
     spec = None if k is None else SpeculativeConfig("dspark", k)
     cfg = dataclasses.replace(CONFIG, model=str(folder), speculative_config=spec)
     model = load_model(folder, make_mesh(1, 1), "float32", skip_tokenizer=True, drafter=cfg.drafter)
-    runner = ModelRunner(model.config, model.weights, kv_geometry(cfg, model.config), make_mesh(1, 1), BUCKETS)
+    buckets = BUCKETS if k is None else MIXED_BUCKETS
+    runner = ModelRunner(model.config, model.weights, kv_geometry(cfg, model.config), make_mesh(1, 1), buckets)
     runner.warmup()
     engine = Engine(cfg, model.config, runner, [model.config.eos_token_id]).start()
     return engine, create_app(engine, model.tokenizer, "dspark", ServerConfig(log_stats_interval=0))
@@ -143,9 +147,12 @@ def served(tmp_path_factory):
 
 
 def test_greedy_tokens_are_the_same_with_dspark_drafts_through_http(served):
+    mixed_before = served.drafting.stats().steps.by_kind[StepKind.MIXED]
     on = _runs(served.url, served.drafting)
     assert all(len(tokens) == 20 for tokens in served.off["batch"])
     assert on == {name: served.off[name] for name in on}
+    # Eight requests at once: later prompts' chunks rode in verify steps of the running ones.
+    assert served.drafting.stats().steps.by_kind[StepKind.MIXED] > mixed_before
     drafts = served.drafting.stats().drafts
     # Both paths ran: the drafts (the target's own bigrams) were often right and sometimes wrong.
     assert 0 < drafts.accepted_tokens < drafts.draft_tokens, drafts

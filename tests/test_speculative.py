@@ -21,6 +21,7 @@ from jaxserve.engine import Engine
 from jaxserve.model.cache import kv_geometry
 from jaxserve.model.sharding import make_mesh
 from jaxserve.request import InvalidRequest, SamplingParams
+from jaxserve.request.step import StepKind
 from jaxserve.runner import Buckets, ModelRunner
 from training.default_model import SAMPLE_PROMPTS as PROMPTS
 
@@ -43,9 +44,13 @@ def loaded():
     return load_model(None, make_mesh(1, 1), dtype=CONFIG.dtype, drafter="mtp")
 
 
+# k's whose prefill steps also carry the running requests' verify rows (mixed steps, beside the interleave policy).
+MIXED_K = 2
+
+
 def _config(k: int | None, **overrides) -> EngineConfig:
     spec = None if k is None else SpeculativeConfig("mtp", k)
-    return dataclasses.replace(CONFIG, speculative_config=spec, **overrides)
+    return dataclasses.replace(CONFIG, speculative_config=spec, mixed_batches=k == MIXED_K or None, **overrides)
 
 
 def _knobs(k: int | None) -> dict:
@@ -66,7 +71,8 @@ def runners(loaded):
     built = {}
     for k in (None, 1, 2, 3):
         cfg = _config(k)
-        runner = ModelRunner(loaded.config, loaded.weights, kv_geometry(cfg, loaded.config), make_mesh(1, 1), BUCKETS)
+        buckets = dataclasses.replace(BUCKETS, mixed=cfg.mixed_steps)
+        runner = ModelRunner(loaded.config, loaded.weights, kv_geometry(cfg, loaded.config), make_mesh(1, 1), buckets)
         runner.warmup()
         built[k] = runner
     return built
@@ -92,11 +98,13 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts_through_http(runners
             single = _completions(served.url, PROMPTS[:1])
             batch = _completions(served.url, PROMPTS)
             wait_for(lambda: settled(served.engine), 5, "the requests to finish")
-            drafts = served.engine.stats().drafts
+            stats = served.engine.stats()
         outputs[k] = (single, batch)
         if k is not None:  # the drafts did their job: most were accepted, some rejected (both paths ran)
-            assert 0 < drafts.accepted_tokens < drafts.draft_tokens, drafts
-            assert drafts.acceptance_rate > 0.3, drafts
+            assert 0 < stats.drafts.accepted_tokens < stats.drafts.draft_tokens, stats.drafts
+            assert stats.drafts.acceptance_rate > 0.3, stats.drafts
+        # Mixed steps where asked: prompt chunks rode in verify steps of the running requests.
+        assert (stats.steps.by_kind[StepKind.MIXED] > 0) == (k == MIXED_K), k
     assert all(len(tokens) == 24 for tokens in outputs[None][1])
     for k in (1, 2, 3):
         assert outputs[k] == outputs[None], f"k={k}"
@@ -224,10 +232,8 @@ def test_the_speculative_config_flag_is_checked():
     ):
         with pytest.raises(ConfigError, match=message):
             parse_speculative_config(text)
-    with pytest.raises(ConfigError, match="mixed_batches=True with speculative_config"):
-        EngineConfig(speculative_config=SpeculativeConfig("mtp", 1), mixed_batches=True)
     drafting = EngineConfig(speculative_config=SpeculativeConfig("mtp", 2))
-    assert (drafting.draft_tokens, drafting.overlapped, drafting.mixed_steps) == (2, True, False)
+    assert (drafting.draft_tokens, drafting.overlapped, drafting.mixed_steps) == (2, True, True)
 
 
 def test_spec_decode_metrics(runners, loaded):

@@ -45,8 +45,9 @@ MIXED_HELP = (
     "Put one token of every running request into each prefill step (a mixed step), the chunk shortened by that many "
     "tokens so the step costs what a pure chunk does: running requests advance every step, so their longest wait is "
     "about one step. Default: on, unless a step policy is set (--decode-interleave-every, --max-decode-stall-ms: "
-    "those keep their own semantics over pure prefill steps; add --mixed-batches to combine) or --speculative-config "
-    "is (a verify step's rows cannot ride in a prefill step). --no-mixed-batches without either: prefill-first"
+    "those keep their own semantics over pure prefill steps; add --mixed-batches to combine). With "
+    "--speculative-config the decode rows are verify rows (drafts and all). --no-mixed-batches without a step policy: "
+    "prefill-first"
 )
 
 
@@ -199,8 +200,8 @@ class EngineConfig:
             'speculative decoding, as vLLM\'s: \'{"method": "mtp", "num_speculative_tokens": K}\' (K in 1..3) drafts K '
             "tokens a step with the checkpoint's MTP block and verifies them in one forward of K+1 tokens a row "
             "(greedy rows keep exactly the model's tokens, sampled rows its distribution, by rejection sampling). "
-            "Prefill steps then carry no decode rows (no --mixed-batches); requests may not ask for logprobs, "
-            "penalties, logit_bias, allowed_token_ids, min_tokens or a structured output",
+            "Requests may not ask for logprobs, penalties, logit_bias, allowed_token_ids, min_tokens or a structured "
+            "output",
             metavar="JSON",
         ),
     )
@@ -256,11 +257,6 @@ class EngineConfig:
             number = (int,) if options[option].flag.type is int else (int, float)
             if value is not None and (isinstance(value, bool) or not isinstance(value, number)):
                 raise ConfigError(f"{option}={value!r}: must be {'an integer' if number == (int,) else 'a number'}")
-        if self.speculative_config is not None and self.mixed_batches:
-            raise ConfigError(
-                "mixed_batches=True with speculative_config: a verify step's rows cannot ride in a prefill step; "
-                "drop --mixed-batches (--decode-interleave-every or --max-decode-stall-ms keep running requests going)"
-            )
 
     @property
     def draft_tokens(self) -> int:
@@ -297,7 +293,7 @@ class EngineConfig:
     @property
     def mixed_steps(self) -> bool:
         """Whether prefill steps carry decode rows: --mixed-batches as given, else on unless a step policy is on
-        (each keeps its own semantics, over pure prefill steps) or drafting is."""
+        (each keeps its own semantics, over pure prefill steps)."""
         if self.mixed_batches is not None:
             return self.mixed_batches
-        return not self.active_step_policies and not self.draft_tokens
+        return not self.active_step_policies

@@ -333,11 +333,7 @@ class Engine:
         if engine_cfg.mixed_steps:
             _check_mixed_steps(engine_cfg, runner.buckets)
         if engine_cfg.draft_tokens:
-            log.info(
-                "speculative decoding: %d %s drafts a step; prefill steps carry no decode rows",
-                engine_cfg.draft_tokens,
-                engine_cfg.drafter,
-            )
+            log.info("speculative decoding: %d %s drafts a step", engine_cfg.draft_tokens, engine_cfg.drafter)
         self.runner = runner
         self.geometry = geometry
         if engine_cfg.enable_prefix_caching and not geometry.num_snapshots:

@@ -3,7 +3,8 @@
 A step is two calls (docs/architecture.md, "the device side"): the forward, `(weights, cache, slot tokens, each
 group's GroupInputs) -> (logits at each row's last token, prompt logprobs, cache)` with the cache donated, and the
 sampler, `(slot tokens, logits, penalized logits, sampling, routes) -> (tokens, their logprobs, slot tokens)`; with
-drafting on a decode shape is one verify call instead (jaxserve.runner.speculative). Every call is made with keyword
+drafting on a decode shape is one verify call instead (jaxserve.runner.speculative), and a mixed shape the verify
+call with its prompt chunks in the same forward, then the sampler of the prompt rows. Every call is made with keyword
 arguments, the names of its parameters, as it was lowered.
 
 A shape's abstract arguments come from the builders of its real ones (jaxserve.runner.inputs, SamplingArrays),
@@ -31,7 +32,7 @@ from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.forward import final_norm, last_logits, tapped_streams
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
-from jaxserve.request.step import StepKind, StepShape
+from jaxserve.request.step import StepShape
 from jaxserve.runner.export_store import ExportStore, JitSpec, describe, store_folder
 from jaxserve.runner.inputs import GroupInputs, StepGroup, TokenRoutes, group_inputs, padding_groups, verify_inputs
 from jaxserve.runner.logprobs import prompt_logprobs, sampled_logprobs
@@ -83,7 +84,7 @@ class ExecutableCache:
             self._speculate_fn,
             static_argnames=("sampled",),
             donate_argnames=("cache",),
-            out_shardings=(self.replicated, self.cache_shardings, self.replicated),
+            out_shardings=(self.replicated, self.replicated, self.replicated, self.cache_shardings, self.replicated),
         )
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
         self.penalize = jax.jit(apply_penalties, out_shardings=self.replicated)
@@ -108,31 +109,40 @@ class ExecutableCache:
         kv = cache.kv if speculative else cache
         hs, kv, taps = tapped_streams(weights, kv, steps, self.cfg, self.kernels, tap=self.cfg.dspark_drafting)
         if speculative:
-            draft, positions = cache.draft, cache.positions
-            for i, (h, inputs, group) in enumerate(zip(hs, steps, groups)):
-                if group.drafting is not None:  # prefill groups: the drafter reads the chunk too
-                    completes = group.routes.store_slot < self.geometry.num_slots
-                    tap = None if taps is None else taps[i]
-                    draft = prefill_drafts(
-                        weights, draft, h, tap, inputs, group.drafting, completes, self.cfg, self.kernels
-                    )
-                    positions = decoding_from(positions, inputs, completes)
-            cache = SpeculativeCache(kv, draft, positions)
+            cache = self._prompt_drafting(weights, dataclasses.replace(cache, kv=kv), hs, taps, groups)
         else:
             cache = kv
-        ys = [
-            final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, self.cfg)
-            for h in hs
-        ]
+        logits, prompts = self._logits(weights, hs, groups)
+        return logits, prompts, cache
+
+    def _prompt_drafting(
+        self, weights, cache: SpeculativeCache, hs: list[jax.Array], taps, groups: tuple[GroupInputs, ...]
+    ) -> SpeculativeCache:
+        """The drafter over the prompt chunks of a step (`hs`, `taps`: each group's last streams and taps), and the
+        positions of the slots whose prompt a row completes (where their verify steps start)."""
+        draft, positions = cache.draft, cache.positions
+        for i, (h, group) in enumerate(zip(hs, groups)):
+            if group.drafting is not None:  # prefill groups: the drafter reads the chunk too
+                completes = group.routes.store_slot < self.geometry.num_slots
+                tap = None if taps is None else taps[i]
+                draft = prefill_drafts(
+                    weights, draft, h, tap, group.step, group.drafting, completes, self.cfg, self.kernels
+                )
+                positions = decoding_from(positions, group.step, completes)
+        return dataclasses.replace(cache, draft=draft, positions=positions)
+
+    def _logits(self, weights, hs: list[jax.Array], groups: tuple[GroupInputs, ...]):
+        """Each group's logits at its rows' last tokens, and its prompt logprobs (None where not asked)."""
         logits, prompts = [], []
-        for y, inputs, group in zip(ys, steps, groups):
+        for h, group in zip(hs, groups):
+            y = final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, self.cfg)
             asked = group.asked
-            logits.append(last_logits(y, inputs, weights.head, self.cfg.vocab_size))
+            logits.append(last_logits(y, group.step, weights.head, self.cfg.vocab_size))
             prompt = None
             if asked.targets is not None and asked.prompt is not None:  # prefill groups only (group_inputs)
                 prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size)
             prompts.append(prompt)
-        return tuple(logits), tuple(prompts), cache
+        return tuple(logits), tuple(prompts)
 
     def _speculate_fn(
         self,
@@ -141,11 +151,26 @@ class ExecutableCache:
         slot_tokens: jax.Array,
         inputs: VerifyInputs,
         params: SamplingArrays,
+        prompts: tuple[GroupInputs, ...] = (),
         sampled: bool = True,
     ):
-        return speculative_step(
-            weights, cache, slot_tokens, inputs, params, self.geometry, self.cfg, self.kernels, sampled
+        """A verify step, and a mixed step's prompt chunks (`prompts`) in the same forward: (Verified, the prompt
+        groups' logits and prompt logprobs, for their sampler, cache, slot tokens)."""
+        verified, hs, taps, cache, slot_tokens = speculative_step(
+            weights,
+            cache,
+            slot_tokens,
+            inputs,
+            params,
+            self.geometry,
+            self.cfg,
+            self.kernels,
+            sampled,
+            prompts=[group.step for group in prompts],
         )
+        cache = self._prompt_drafting(weights, cache, hs, taps, prompts)
+        logits, prompt_logprobs = self._logits(weights, hs, prompts)
+        return verified, logits, prompt_logprobs, cache, slot_tokens
 
     @staticmethod
     def _sampler_fn(
@@ -202,21 +227,31 @@ class ExecutableCache:
 
     def _verify_args(self, shape: StepShape, sampled: bool) -> dict[str, Any]:
         padding = padding_groups(shape)
-        (group,) = padding
-        inputs, params = self._abstract_like((verify_inputs(group, self.geometry), self._samplings(padding)[0]))
-        return dict(**self._state, inputs=inputs, params=params, sampled=sampled)
+        (verify,) = [group for group in padding if group.decode]
+        prompts = tuple(group_inputs(group, self.geometry) for group in padding if not group.decode)
+        inputs, params = self._abstract_like((verify_inputs(verify, self.geometry), self._samplings([verify])[0]))
+        return dict(**self._state, inputs=inputs, params=params, prompts=self._abstract_like(prompts), sampled=sampled)
 
     def _lowerings(self, shape: StepShape) -> list[tuple[JitSpec, dict[str, Any]]]:
         """The calls of `shape`, each its jit's spec and its abstract arguments: the forward and the sampler that
-        sorts, or the sampled verify step."""
+        sorts, or the sampled verify step (and a mixed one's sampler of its prompt rows)."""
         if self.verifies(shape):
-            return [(self._speculate, self._verify_args(shape, sampled=True))]
+            calls = [(self._speculate, self._verify_args(shape, sampled=True))]
+            if (prompts := self._prompt_shape(shape)) is not None:
+                calls.append((self._sampler, self._sampler_args(prompts, cuts=True)))
+            return calls
         return [(self._forward, self._forward_args(shape)), (self._sampler, self._sampler_args(shape, cuts=True))]
 
     # ---- compiling ---------------------------------------------------------------------------------------------
     def verifies(self, shape: StepShape) -> bool:
-        """Whether `shape` runs as a verify step: a decode step with drafting on."""
-        return bool(self.geometry.draft_tokens) and shape.kind is StepKind.DECODE
+        """Whether `shape` runs as a verify step (with its prompt chunks, if mixed): one with decode rows, with
+        drafting on."""
+        return bool(self.geometry.draft_tokens) and shape.decode is not None
+
+    @staticmethod
+    def _prompt_shape(shape: StepShape) -> StepShape | None:
+        """A mixed verify step's prompt rows as a step of their own: what their sampler is compiled for."""
+        return None if shape.prefill is None or shape.decode is None else StepShape(prefill=shape.prefill)
 
     def get(self, shape: StepShape) -> ShapeExecutables:
         """`shape`'s executables, compiled now unless they are."""
@@ -233,16 +268,22 @@ class ExecutableCache:
     def _compile(self, shape: StepShape) -> ShapeExecutables:
         with jax.set_mesh(self.mesh):
             if self.verifies(shape):
+                if (prompts := self._prompt_shape(shape)) is not None:
+                    self._compile_samplers(prompts)
                 return ShapeExecutables(
                     self._compile_call("speculate", self._speculate, self._verify_args(shape, sampled=True)),
                     greedy=self._compile_call("speculate", self._speculate, self._verify_args(shape, sampled=False)),
                 )
             forward = self._compile_call("forward", self._forward, self._forward_args(shape))
-            for cuts in (False, True):
-                if (shape.group_rows, cuts) not in self._samplers:
-                    sampler = self._compile_call("sampler", self._sampler, self._sampler_args(shape, cuts))
-                    self._samplers[shape.group_rows, cuts] = sampler
+            self._compile_samplers(shape)
         return ShapeExecutables(forward)
+
+    def _compile_samplers(self, shape: StepShape) -> None:
+        """The samplers of `shape`'s groups (the one that sorts and the one that does not), unless compiled."""
+        for cuts in (False, True):
+            if (shape.group_rows, cuts) not in self._samplers:
+                sampler = self._compile_call("sampler", self._sampler, self._sampler_args(shape, cuts))
+                self._samplers[shape.group_rows, cuts] = sampler
 
     def _compile_call(self, name: str, spec: JitSpec, args: dict[str, Any]) -> jax.stages.Compiled:
         """One call compiled, through the export store while JAX's persistent compilation cache is on (a later
@@ -255,19 +296,22 @@ class ExecutableCache:
     def compile(self, shape: StepShape) -> list[list[jax.stages.Compiled]]:
         """`shape` compiled now, as the engine compiles it, whether or not it was before (the engine's steps keep
         using what they had): the executables a step runs one after the other, each the list of its variants of which
-        a step runs one: [[forward], [sampler, sorting sampler]], or a verify step's [[sampled, greedy]]. For compile
-        benchmarks and GPU targets; a sampler compiled before for the same rows is reused."""
+        a step runs one: [[forward], [sampler, sorting sampler]], or a verify step's [[sampled, greedy]] (a mixed one's
+        then [sampler, sorting sampler] of its prompt rows). For compile benchmarks and GPU targets; a sampler
+        compiled before for the same rows is reused."""
         return self._variants(shape, self._compile(shape))
 
     def _variants(self, shape: StepShape, executables: ShapeExecutables) -> list[list[jax.stages.Compiled]]:
-        if executables.greedy is not None:  # a verify step's two variants
-            return [[executables.forward, executables.greedy]]
+        if executables.greedy is not None:  # a verify step's two variants, then a mixed one's prompt samplers
+            prompts = self._prompt_shape(shape)
+            samplers = [] if prompts is None else [[self._samplers[prompts.group_rows, c] for c in (False, True)]]
+            return [[executables.forward, executables.greedy], *samplers]
         return [[executables.forward], [self._samplers[shape.group_rows, cuts] for cuts in (False, True)]]
 
     def executables(self, shape: StepShape) -> list[jax.stages.Compiled]:
         """A compiled shape's executables, for static profiles and benchmarks: its forward, then the samplers it may
         run (the one that does not sort, then the one that does); a verify step's: the whole step, then its
-        all-greedy variant. KeyError for a shape not compiled yet."""
+        all-greedy variant (then a mixed one's prompt samplers). KeyError for a shape not compiled yet."""
         return [compiled for variants in self._variants(shape, self._compiled[shape]) for compiled in variants]
 
     def sampler(self, rows: tuple[int, ...], cuts: bool) -> jax.stages.Compiled:

@@ -215,18 +215,21 @@ class PendingStep:
 
 
 class PendingVerify:
-    """A dispatched verify step (speculative decoding): drafting, verifying and sampling are one call, so there is
-    no sampler to launch; `result()` waits for its tokens."""
+    """A dispatched verify step (speculative decoding): drafting, verifying and sampling its decode rows are one
+    call; a mixed step's prompt rows then sample as a plain step's do (`prompts`, whose sampler `sample()`
+    launches). `result()` waits for the tokens."""
 
-    def __init__(self, rows: int, verified: Verified):
-        self._rows, self._verified = rows, verified
+    def __init__(self, rows: int, verified: Verified, prompts: PendingStep | None = None):
+        self._rows, self._verified, self._prompts = rows, verified, prompts
         for out in (verified.tokens, verified.counts, verified.verified):
             out.copy_to_host_async()
 
     def sample(self) -> None:
-        pass
+        if self._prompts is not None:
+            self._prompts.sample()
 
     def result(self) -> StepOutput:
+        prompts = () if self._prompts is None else self._prompts.result().prefill
         tokens, counts = np.asarray(self._verified.tokens), np.asarray(self._verified.counts)
         drafted = np.asarray(self._verified.verified)
         outputs = []
@@ -236,7 +239,7 @@ class PendingVerify:
             # engine reads no row of a finished request).
             row = RowOutput(kept[-1], accepted=tuple(kept[:-1]), drafted=int(drafted[i])) if kept else RowOutput.NONE
             outputs.append(row)
-        return StepOutput(prefill=(), decode=tuple(outputs))
+        return StepOutput(prefill=prompts, decode=tuple(outputs))
 
 
 @dataclass
@@ -458,24 +461,32 @@ class ModelRunner:
     def _launch(self, shape: StepShape, groups: list[StepGroup], sort: bool = False) -> PendingStep | PendingVerify:
         """`sort`: the warm-up's padding rows sample through the sampler that sorts (see _launch_sampler)."""
         if self.executable_cache.verifies(shape):
-            (group,) = groups
-            return self._launch_verify(shape, group)
+            return self._launch_verify(shape, groups, sort)
         inputs = self._host_inputs(groups)
         number, logits, prompt = self._run_forward(shape, inputs)
         return PendingStep(self, number, groups, logits, prompt, inputs, sort)
 
-    def _launch_verify(self, shape: StepShape, group: StepGroup) -> PendingVerify:
+    def _launch_verify(self, shape: StepShape, groups: list[StepGroup], sort: bool = False) -> PendingVerify:
+        (group,) = [g for g in groups if g.decode]
+        prompt_groups = [g for g in groups if not g.decode]  # a mixed step's prompt chunks
         inputs = verify_inputs(group, self.geometry)
+        prompts = self._host_inputs(prompt_groups)
         (params,) = self._sampling_arrays([group])
         executables = self.executable_cache.get(shape)
         all_greedy = all(p.temperature == 0 for p in group.rows.params)
         step = executables.greedy if all_greedy and executables.greedy is not None else executables.forward
         with self._launching:
-            self._next_forward += 1
-            verified, self.cache, self.slot_tokens = step(
-                weights=self.weights, cache=self.cache, slot_tokens=self.slot_tokens, inputs=inputs, params=params
+            number, self._next_forward = self._next_forward, self._next_forward + 1
+            verified, logits, prompt, self.cache, self.slot_tokens = step(
+                weights=self.weights,
+                cache=self.cache,
+                slot_tokens=self.slot_tokens,
+                inputs=inputs,
+                params=params,
+                prompts=prompts,
             )
-        return PendingVerify(group.rows.num_rows, verified)
+        sampling = PendingStep(self, number, prompt_groups, logits, prompt, prompts, sort) if prompts else None
+        return PendingVerify(group.rows.num_rows, verified, sampling)
 
     def _run_forward(self, shape: StepShape, inputs: tuple[GroupInputs, ...]):
         executables = self.executable_cache.get(shape)

@@ -38,6 +38,7 @@ Letters: b rows, t tokens of a row, k drafts, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,10 +316,13 @@ def speculative_step(
     cfg: ModelConfig,
     kernels: Kernels,
     sampled: bool = True,
+    prompts: Sequence[StepInputs] = (),
 ):
     """One decode step with k = geometry.draft_tokens drafts per row (`sampled` False: every row is greedy, see
-    _accept) over the runner's device state. Returns (Verified, state, slot tokens)."""
-    k, cache, draft = geometry.draft_tokens, state.kv, state.draft
+    _accept) over the runner's device state. `prompts`: prompt chunks that ride in the same target forward (a mixed
+    step); the caller runs their drafter and sampler from the last streams and taps returned for them. Returns
+    (Verified, the prompts' streams, their taps (None without DSpark), state, slot tokens)."""
+    k, draft = geometry.draft_tokens, state.draft
     inputs = _resolved(verify, state.positions, geometry.state_rows)
     last = slot_tokens[inputs.slots]
     dspark = isinstance(draft, DSparkState)
@@ -327,10 +331,11 @@ def speculative_step(
         drafts = draft_block(weights.dspark, weights.embed, weights.head, draft.rings, last, inputs, k, cfg, kernels)
     else:
         drafts, mtp_cache = _propose(weights, draft, last, inputs, k, cfg, kernels)
+        draft = DraftState(mtp_cache, draft.streams)
     with jax.named_scope("verify"):
         fed = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
-        (streams,), cache, taps = tapped_streams(weights, cache, [fed], cfg, kernels, tap=dspark)
-        y = final_norm(streams, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
+        streams, cache, taps = tapped_streams(weights, state.kv, [*prompts, fed], cfg, kernels, tap=dspark)
+        y = final_norm(streams[-1], weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
         logits = vocab_logits(y, weights.head, cfg.vocab_size)
     verified = _accept(drafts, logits, inputs, params, sampled)
     accepted = jnp.maximum(verified.counts - 1, 0)
@@ -345,20 +350,20 @@ def speculative_step(
                 slots=inputs.slots,
                 page_table=inputs.page_table,
             )
-            draft = DSparkState(write_context(weights.dspark, draft.rings, taps[0], kept, cfg, kernels))
+            draft = DSparkState(write_context(weights.dspark, draft.rings, taps[-1], kept, cfg, kernels))
     else:
-        draft = _mtp_catch_up(weights, draft, mtp_cache, streams, drafts, accepted, inputs, cfg, kernels)
+        draft = _mtp_catch_up(weights, draft, streams[-1], drafts, accepted, inputs, cfg, kernels)
     active = jnp.where(inputs.lengths > 0, inputs.slots, slot_tokens.shape[0])  # padding and finished rows: dropped
     bonus = jnp.take_along_axis(verified.tokens, accepted[:, None], axis=1)[:, 0]
     slot_tokens = slot_tokens.at[active].set(bonus, mode="drop")
     positions = state.positions.at[active].set(inputs.positions + verified.counts, mode="drop")
-    return verified, SpeculativeCache(cache, draft, positions), slot_tokens
+    prompt_taps = None if taps is None else taps[:-1]
+    return verified, streams[:-1], prompt_taps, SpeculativeCache(cache, draft, positions), slot_tokens
 
 
 def _mtp_catch_up(
     weights: Weights,
     draft: DraftState,
-    mtp_cache: LayerCache,
     streams: jax.Array,
     drafts: jax.Array,
     accepted: jax.Array,
@@ -377,7 +382,7 @@ def _mtp_catch_up(
             page_table=inputs.page_table,
         )
         k = drafts.shape[1]
-        _, _, mtp_cache = mtp_block(weights.mtp[0], weights.embed, streams[:, :k], mtp_cache, kept, cfg, kernels)
+        _, _, mtp_cache = mtp_block(weights.mtp[0], weights.embed, streams[:, :k], draft.mtp_cache, kept, cfg, kernels)
     rows = draft.streams.shape[0]
     target = jnp.where(inputs.lengths > 0, inputs.slots, rows)
     final = jnp.take_along_axis(streams, accepted[:, None, None, None], axis=1)[:, 0]
