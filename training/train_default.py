@@ -30,10 +30,10 @@ from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.writer import write_checkpoint
 from jaxserve.config import ModelConfig, config_from_dict, load_config
-from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_mtp_cache
+from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_mtp_cache, zeros_of
 from jaxserve.model.forward import final_norm, hidden_streams, mtp_block, vocab_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.weights import Weights, init_weights, map_infos
+from jaxserve.model.weights import Weights, init_weights
 from training.corpus import Corpus, stdlib_corpus
 from training.default_model import model_config, tokenizer_config, train_tokenizer
 
@@ -63,11 +63,6 @@ def window_geometry(rows: int, length: int) -> CacheGeometry:
     """The KV geometry of `rows` training windows of `length` tokens, each its own slot and pages."""
     pages = -(-length // PAGE)
     return CacheGeometry(num_slots=rows, num_pages=rows * pages + 1, page_size=PAGE, max_pages_per_seq=pages)
-
-
-def zeros_of(tree: Any) -> Any:
-    """Zero arrays for an abstract tree (ArrayInfo leaves): a fresh cache."""
-    return map_infos(lambda info: jnp.zeros(info.shape, info.dtype), tree)
 
 
 def losses(weights: Weights, windows: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
