@@ -89,15 +89,15 @@ def taps(target: Weights, windows: jax.Array, cfg: ModelConfig) -> tuple[jax.Arr
 def block_loss(
     drafter: DSparkDrafter,
     target: Weights,
-    features: tuple[jax.Array, jax.Array],
+    target_out: tuple[jax.Array, jax.Array],
     windows: jax.Array,
     anchors: jax.Array,
     cfg,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Mean cross-entropy against the target's distributions of the blocks at `anchors` [b, a] (positions >= W) of
-    windows [b, LENGTH] (`features`: the target's taps and log-probabilities there, `taps`), and each block
+    windows [b, LENGTH] (`target_out`: the target's taps and log-probabilities there, `taps`), and each block
     position's top-1 agreement with the target's greedy token and accuracy against the text [BLOCK] each."""
-    features, target_logprobs = features
+    features, target_logprobs = target_out
     b, a = anchors.shape
     window = cfg.sliding_window
     rows = b * a
@@ -134,9 +134,9 @@ def train(target: Weights, cfg: ModelConfig, tokens: np.ndarray, steps: int, log
     tapped = jax.jit(taps, static_argnames="cfg")
 
     @jax.jit
-    def step(drafter, state, features, windows, anchors):
+    def step(drafter, state, target_out, windows, anchors):
         (loss, accuracy), grads = jax.value_and_grad(block_loss, has_aux=True)(
-            drafter, target, features, windows, anchors, cfg
+            drafter, target, target_out, windows, anchors, cfg
         )
         updates, state = opt.update(grads, state, drafter)
         return optax.apply_updates(drafter, updates), state, loss, accuracy

@@ -94,8 +94,8 @@ def group_inputs(group: StepGroup, geometry: CacheGeometry) -> GroupInputs:
 
 
 def verify_inputs(group: StepGroup, geometry: CacheGeometry) -> VerifyInputs:
-    """A verify group's host inputs: each row's slot and pages, the most tokens it may keep, its request's last output
-    position, and its slot's draft rows (the device resolves the rest, jaxserve.runner.speculative)."""
+    """A verify group's host inputs: each row's slot and pages, its request's last output position, and its slot's
+    draft rows (the device resolves the rest, jaxserve.runner.speculative)."""
     rows, k = group.rows, geometry.draft_tokens
     pad = _padder(group.shape.rows)
     draft_rows = np.array([[geometry.draft_row(int(s), j) for j in range(1, k + 1)] for s in rows.slots], np.int32)
@@ -103,7 +103,6 @@ def verify_inputs(group: StepGroup, geometry: CacheGeometry) -> VerifyInputs:
     return VerifyInputs(
         slots=pad(rows.slots),
         page_table=_page_table(rows, pad, geometry),
-        lengths=pad(rows.lengths),
         last_positions=pad(rows.prompt_lens + max_tokens - 1),
         draft_rows=pad(draft_rows.reshape(rows.num_rows, k), fill=geometry.state_rows),
     )

@@ -91,12 +91,12 @@ class DraftInputs:
 @jax.tree_util.register_dataclass
 @dataclass
 class VerifyInputs:
-    """A verify group's host inputs, one row per decoding request (0 `lengths`: padding). Its positions are not
-    here: they are the slots' (`SpeculativeCache.positions`), resolved on the device (`_resolved`)."""
+    """A verify group's host inputs, one row per decoding request (padding rows: last position 0, so they keep
+    nothing). Its positions and how many tokens each row may keep are not here: the device resolves them from the
+    slots' positions (`SpeculativeCache.positions`, `_resolved`)."""
 
     slots: jax.Array  # [b]
     page_table: jax.Array  # [b, max_pages_per_seq]
-    lengths: jax.Array  # [b]: the most tokens a row may keep, drafts and the one after them (k + 1 or fewer)
     last_positions: jax.Array  # [b]: the position of the request's last output token (its max_tokens-th)
     draft_rows: jax.Array  # [b, k]: the state rows that get the slot's state as of 1..k tokens into the step
 
@@ -281,14 +281,16 @@ def _take_back(cache: list[list[LayerCache]], inputs: StepInputs, kept: jax.Arra
 
 def _resolved(verify: VerifyInputs, slot_positions: jax.Array, state_rows: int) -> StepInputs:
     """A verify group's StepInputs (its tokens zeros until the drafts are made): each row at its slot's position,
-    keeping at most as many tokens as its max_tokens leaves (none once it has them all: a request the host ends on an
-    earlier step's tokens), and writing the draft rows of the tokens it may keep past its first."""
+    keeping its k drafts and the token after them, or as many as its max_tokens leaves (none once it has them all: a
+    request the host ends on an earlier step's tokens), and writing the draft rows of the tokens it may keep past its
+    first."""
+    k = verify.draft_rows.shape[1]
     positions = slot_positions[verify.slots]
-    lengths = jnp.clip(jnp.minimum(verify.lengths, verify.last_positions - positions), 0, None)
-    tokens_in = jnp.arange(1, verify.draft_rows.shape[1] + 1, dtype=jnp.int32)[None, :]
+    lengths = jnp.clip(jnp.minimum(k + 1, verify.last_positions - positions), 0, None)
+    tokens_in = jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]
     writes = tokens_in < lengths[:, None]
     return StepInputs(
-        tokens=jnp.zeros((verify.slots.shape[0], verify.draft_rows.shape[1] + 1), jnp.int32),
+        tokens=jnp.zeros((verify.slots.shape[0], k + 1), jnp.int32),
         positions=positions,
         lengths=lengths.astype(jnp.int32),
         slots=verify.slots,
