@@ -1,11 +1,14 @@
-"""FP8 storage of KV vectors: e4m3 codes with power-of-two block scales, and the RoPE dims kept in bfloat16.
+"""FP8 storage of KV vectors: e4m3 codes with power-of-two block scales, and the RoPE dims kept in bfloat16, packed
+byte for byte into one uint8 row per vector.
 
-An `Fp8KV` holds vectors `[..., width]` as three leaves that share the leading axes, so gathering or scattering
-rows of a store is a `jax.tree.map` over them:
-- `codes [..., n]` e4m3: the first n dims, each block of `block` consecutive dims divided by its scale;
-- `scales [..., n / block]`: one power of two per block, as a ue8m0 byte (uint8, 2^(u - 127), as the weights'
-  scales in jaxserve.kernels.quant) or as its float32 value;
-- `rope [..., width - n]` bfloat16: the trailing RoPE dims, or None when every dim is quantized.
+An `Fp8KV` holds vectors `[..., width]` as one leaf, `packed [..., row_bytes]`, each row laid out as
+- `n` bytes: the e4m3 codes of the first n dims, each block of `block` consecutive dims divided by its scale;
+- the block scales, `n / block` of them: ue8m0 bytes (2^(u - 127), as the weights' scales in
+  jaxserve.kernels.quant) or float32 values (4 bytes each, native byte order);
+- the trailing `width - n` RoPE dims as bfloat16 (2 bytes each), none when every dim is quantized.
+DeepSeek's FP8 KV layout (FlashMLA's, vLLM's `fp8_ds_mla`) packs an entry the same way: 448 codes, 64 RoPE dims, 7
+scales. One leaf a store means one gather or scatter a read or write, where three leaves took three kernels each;
+the layout (n, block, RoPE dims, scale type) is static, part of the pytree's structure.
 
 The scale of a block is the smallest power of two that fits the block's amax (floored at 1e-4) into e4m3's 448:
 the rule of jaxserve.kernels.quant.quantize, and the one DeepSeek-V4's training simulated on its window and
@@ -22,28 +25,76 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .quant import FP8, quantize, scale_values
 
 F32 = jnp.float32
+U8 = jnp.uint8
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """`x [..., m]` as its bytes `[..., m * itemsize]` uint8 (a bitcast: no rounding)."""
+    if x.dtype == U8:
+        return x
+    raw = jax.lax.bitcast_convert_type(x, U8)
+    return raw.reshape(*x.shape[:-1], -1) if raw.ndim > x.ndim else raw
+
+
+def _from_bytes(raw: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of `_as_bytes`: `raw [..., m * itemsize]` uint8 as `[..., m]` of `dtype`."""
+    size = np.dtype(dtype).itemsize
+    if size > 1:
+        raw = raw.reshape(*raw.shape[:-1], -1, size)
+    return jax.lax.bitcast_convert_type(raw, dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Fp8KV:
-    codes: Any  # float8_e4m3fn [..., n]
-    scales: Any  # [..., n / block]: uint8 ue8m0 exponents or float32 powers of two
-    rope: Any = None  # bfloat16 [..., width - n], the RoPE dims; None: none kept apart
+    packed: Any  # uint8 [..., row_bytes]: each vector's codes, scales and RoPE dims (the module's layout)
+    n: int = dataclasses.field(metadata=dict(static=True))  # the quantized dims
+    block: int = dataclasses.field(metadata=dict(static=True))  # dims a scale covers
+    rope_dim: int = dataclasses.field(metadata=dict(static=True))  # trailing bfloat16 dims
+    scale_dtype: str = dataclasses.field(metadata=dict(static=True))  # "uint8" (ue8m0) or "float32"
+
+    @staticmethod
+    def row_bytes(n: int, block: int, rope_dim: int, scale_dtype: Any) -> int:
+        return n + (n // block) * np.dtype(scale_dtype).itemsize + 2 * rope_dim
+
+    @classmethod
+    def pack(cls, codes: jax.Array, scales: jax.Array, rope: jax.Array | None = None) -> Fp8KV:
+        """The store of `codes [..., n]` e4m3, `scales [..., n / block]` (uint8 or float32) and `rope [..., r]`."""
+        parts = [_as_bytes(codes), _as_bytes(scales)] + ([] if rope is None else [_as_bytes(rope.astype(jnp.bfloat16))])
+        n = codes.shape[-1]
+        return cls(
+            jnp.concatenate(parts, axis=-1),
+            n,
+            n // scales.shape[-1],
+            0 if rope is None else rope.shape[-1],
+            np.dtype(scales.dtype).name,
+        )
 
     @property
-    def block(self) -> int:
-        return self.codes.shape[-1] // self.scales.shape[-1]
+    def _scale_end(self) -> int:
+        return self.n + (self.n // self.block) * np.dtype(self.scale_dtype).itemsize
+
+    @property
+    def codes(self) -> jax.Array:
+        return _from_bytes(self.packed[..., : self.n], jnp.float8_e4m3fn)
+
+    @property
+    def scales(self) -> jax.Array:
+        return _from_bytes(self.packed[..., self.n : self._scale_end], self.scale_dtype)
+
+    @property
+    def rope(self) -> jax.Array | None:
+        return _from_bytes(self.packed[..., self._scale_end :], jnp.bfloat16) if self.rope_dim else None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The decoded vectors' shape."""
-        rope = 0 if self.rope is None else self.rope.shape[-1]
-        return (*self.codes.shape[:-1], self.codes.shape[-1] + rope)
+        return (*self.packed.shape[:-1], self.n + self.rope_dim)
 
 
 def quantize_kv(x: jax.Array, block: int, rope_dim: int, scale_dtype: Any) -> Fp8KV:
@@ -54,17 +105,18 @@ def quantize_kv(x: jax.Array, block: int, rope_dim: int, scale_dtype: Any) -> Fp
         raise ValueError(f"a block of {block} does not divide the {n} quantized dims")
     with jax.named_scope("kv_quantize"):
         q = quantize(x[..., :n], FP8, (block,))
-        scales = q.scales if jnp.dtype(scale_dtype) == jnp.uint8 else scale_values(q.scales)
-        rope = x[..., n:].astype(jnp.bfloat16) if rope_dim else None
-        return Fp8KV(q.codes, scales, rope)
+        scales = q.scales if jnp.dtype(scale_dtype) == U8 else scale_values(q.scales)
+        return Fp8KV.pack(q.codes, scales, x[..., n:] if rope_dim else None)
 
 
 def dequantize_kv(kv: Fp8KV, dtype: Any) -> jax.Array:
     """The vectors `[..., width]` in `dtype`."""
     with jax.named_scope("kv_dequantize"):
-        scales = scale_values(kv.scales) if kv.scales.dtype == jnp.uint8 else kv.scales.astype(F32)
+        scales = kv.scales
+        scales = scale_values(scales) if scales.dtype == U8 else scales.astype(F32)
         values = (kv.codes.astype(F32) * jnp.repeat(scales, kv.block, axis=-1)).astype(dtype)
-        return values if kv.rope is None else jnp.concatenate([values, kv.rope.astype(dtype)], axis=-1)
+        rope = kv.rope
+        return values if rope is None else jnp.concatenate([values, rope.astype(dtype)], axis=-1)
 
 
 def encode(values: jax.Array, like: Any) -> Any:
@@ -72,8 +124,7 @@ def encode(values: jax.Array, like: Any) -> Any:
     width)."""
     if not isinstance(like, Fp8KV):
         return values.astype(like.dtype)
-    rope_dim = 0 if like.rope is None else like.rope.shape[-1]
-    return quantize_kv(values, like.block, rope_dim, like.scales.dtype)
+    return quantize_kv(values, like.block, like.rope_dim, like.scale_dtype)
 
 
 def decode(stored: Any, dtype: Any) -> jax.Array:

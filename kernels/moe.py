@@ -173,14 +173,17 @@ def expert_rows(
     *,
     swiglu_limit: float | None = None,
     out_dtype: Any = F32,
+    repeats: int = 1,
 ) -> jax.Array:
-    """Routed rows in any order, each times its own expert: x [a, d] (one row per assignment), `stacks` one expert
+    """Routed rows in any order, each times its own expert: x [a / repeats, d] (assignment i's row is x[i // repeats]:
+    a token's top-k assignments share its row, never copied `repeats` times by a kernel), `stacks` one expert
     stack [n, d, f] (an array or Quantized), or two (gate, up) with `swiglu_limit`, experts [a] int32 indices into the
     stacks -> [a, f] in `out_dtype`, float32 accumulation: x W[experts], or clamped_swiglu(x W_gate, x W_up, limit).
     A row whose index is outside [0, n) belongs to no expert; its result is unspecified (zero here; a kernel may
     leave it unwritten), so callers mask it. No sort, no groups: the decode-sized form (`EXPERT_ROWS_MAX` rows)."""
     if (len(stacks) == 2) != (swiglu_limit is not None):
         raise ValueError("expert_rows takes one stack, or two (gate, up) with a swiglu_limit")
+    x = jnp.repeat(x, repeats, axis=0)
     valid = (experts >= 0) & (experts < stacks[0].shape[0])
     safe = jnp.where(valid, experts, 0)
     outs = [row_matmul(x, w, safe, fused_decode) for w in stacks]

@@ -87,7 +87,7 @@ def test_each_scale_decodes_its_own_block_and_a_misplaced_scale_is_far_off():
     q = quantize_kv(jnp.asarray(x), block, 0, jnp.uint8)
     assert _worst_block_error(dequantize_kv(q, jnp.float32), x, block) <= E4M3_REL
     for axis in (-1, 0):
-        shifted = Fp8KV(q.codes, jnp.roll(q.scales, 1, axis=axis))
+        shifted = Fp8KV.pack(q.codes, jnp.roll(q.scales, 1, axis=axis))
         assert _worst_block_error(dequantize_kv(shifted, jnp.float32), x, block) > 0.7, axis
 
 
@@ -96,37 +96,48 @@ def _store_infos(store) -> list:
 
 
 def test_fp8_layout_flash_and_tiny():
-    """Flash: 448 e4m3 dims with 7 ue8m0 scales and 64 bf16 RoPE dims per K=V vector, 128 e4m3 dims and a float32
-    scale per indexer key; tiny (24 non-RoPE dims): one block. Every leaf of a store keeps the store's leading
-    axes, so gathers and scatters index them alike."""
+    """Flash: 448 e4m3 dims with 7 ue8m0 scales and 64 bf16 RoPE dims per K=V vector (583 bytes, DeepSeek's packed
+    layout), 128 e4m3 dims and a float32 scale per indexer key (132 bytes); tiny (24 non-RoPE dims): one block. A
+    store is one uint8 leaf with the store's leading axes, so a gather or scatter of its rows is one operation."""
     geo = CacheGeometry(num_slots=2, num_pages=3, page_size=128, max_pages_per_seq=3, kv_cache_dtype="fp8")
     flash = [layer for segment in abstract_cache(preset("flash", dtype="bfloat16"), geo) for layer in segment]
     csa = next(layer for layer in flash if layer.index_entries is not None)
     assert isinstance(csa.entries, Fp8KV) and isinstance(csa.window, Fp8KV)
-    assert [(info.shape[-1], np.dtype(info.dtype)) for info in _store_infos(csa.entries)] == [
-        (448, jnp.float8_e4m3fn),
-        (7, np.uint8),
-        (64, jnp.bfloat16),
-    ]
-    assert [(info.shape[-1], np.dtype(info.dtype)) for info in _store_infos(csa.index_entries)] == [
-        (128, jnp.float8_e4m3fn),
-        (1, np.float32),
-    ]
-    for store, lead in (
-        (csa.window, ("layers", "slots", None)),
-        (csa.entries, ("layers", "pages", None)),
-        (csa.index_entries, ("layers", "pages", None)),
+    layout = lambda store: (store.n, store.block, store.rope_dim, store.scale_dtype)  # noqa: E731
+    assert layout(csa.entries) == layout(csa.window) == (448, 64, 64, "uint8")
+    assert layout(csa.index_entries) == (128, 128, 0, "float32")
+    for store, lead, row in (
+        (csa.window, ("layers", "slots", None), 583),
+        (csa.entries, ("layers", "pages", None), 583),
+        (csa.index_entries, ("layers", "pages", None), 132),
     ):
-        infos = _store_infos(store)
-        assert {info.shape[:3] for info in infos} == {infos[0].shape[:3]}
-        assert {info.axes[:3] for info in infos} == {lead}
+        (info,) = _store_infos(store)
+        assert (info.axes[:3], info.shape[-1], np.dtype(info.dtype)) == (lead, row, np.uint8)
     assert all(np.dtype(info.dtype) == np.float32 for info in _store_infos(csa.state))
 
     tiny = abstract_cache(
         preset("tiny"), CacheGeometry(num_slots=2, num_pages=3, page_size=8, max_pages_per_seq=3, kv_cache_dtype="fp8")
     )
-    window = tiny[0][0].window
-    assert (window.codes.shape[-1], window.scales.shape[-1], window.rope.shape[-1]) == (24, 1, 8)
+    assert layout(tiny[0][0].window) == (24, 24, 8, "uint8")
+
+
+def test_packed_rows_hold_each_part_byte_for_byte():
+    """The views of a packed store give back exactly the codes, scales and RoPE dims packed into it (uint8 and
+    float32 scales), and a row's bytes are its own: rows gathered from a store decode as the vectors they were."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 3, 40)), jnp.float32)
+    for scale_dtype, rope, block in ((jnp.uint8, 8, 16), (jnp.float32, 0, 40)):
+        q = quantize_kv(x, block, rope, scale_dtype)
+        again = Fp8KV.pack(q.codes, q.scales, q.rope)
+        assert again.packed.shape == (4, 3, Fp8KV.row_bytes(40 - rope, block, rope, scale_dtype))
+        np.testing.assert_array_equal(np.asarray(again.packed), np.asarray(q.packed))
+        rows = Fp8KV(q.packed[jnp.asarray([2, 0])], q.n, q.block, q.rope_dim, q.scale_dtype)
+        np.testing.assert_array_equal(
+            np.asarray(dequantize_kv(rows, jnp.float32)), np.asarray(dequantize_kv(q, jnp.float32))[[2, 0]]
+        )
+        if rope:
+            np.testing.assert_array_equal(
+                np.asarray(q.rope, np.float32), np.asarray(x[..., -rope:].astype(jnp.bfloat16), np.float32)
+            )
 
 
 def test_the_knob_reaches_the_geometry_auto_stores_the_model_dtype_and_bad_values_are_refused_naming_the_field():

@@ -3,6 +3,9 @@ prefill followed by token-by-token decode, several rows per batch at different p
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from reference import build_reference, reference_logits
 import jaxserve.model.forward as forward_module
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.config import config_from_dict
+from jaxserve.kernels.table import REFERENCE_KERNELS
 from jaxserve.presets import preset_dict
 
 TOL = 1e-4
@@ -116,6 +120,22 @@ def test_irregular_chunked_prefill(case, which):
 def test_prefill_then_decode(case):
     steps = prefill_then_decode(case["prefill"], case["lengths"])
     got = run_schedule(case["weights"], case["cfg"], case["prompts"], steps, case["buckets"])
+    assert _max_error(got, case["expected"]) < TOL
+
+
+def test_the_layers_traced_in_line_as_on_a_gpu(case):
+    """On a GPU the kernel table unrolls the layer scan (`Kernels.unrolled_layers`): config D's repeated layers traced
+    in line give transformers' logits too, prefill then decode."""
+    if case["name"] != "D":
+        pytest.skip("only config D scans repeated layers")
+    kernels = dataclasses.replace(REFERENCE_KERNELS, unrolled_layers=True)
+    forward = jax.jit(
+        functools.partial(forward_module.logits_all, kernels=kernels),
+        static_argnames=("cfg",),
+        donate_argnames=("cache",),
+    )
+    steps = prefill_then_decode(case["prefill"], case["lengths"])
+    got = run_schedule(case["weights"], case["cfg"], case["prompts"], steps, case["buckets"], forward=forward)
     assert _max_error(got, case["expected"]) < TOL
 
 

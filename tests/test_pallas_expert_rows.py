@@ -20,7 +20,7 @@ from jaxserve.kernels.quant import FP4, FP8, LayerOf, Quantized, quantize
 
 N, D, F = 12, 70, 45  # two layers of 6 experts; d and f not multiples of any tile (FP4 needs an even d)
 LIMIT = 7.0
-reference = jax.jit(expert_rows, static_argnames=("swiglu_limit", "out_dtype"))
+reference = jax.jit(expert_rows, static_argnames=("swiglu_limit", "out_dtype", "repeats"))
 
 
 def _stack(fmt: str, seed: int):
@@ -55,6 +55,27 @@ def test_pallas_expert_rows_equals_the_reference(routing, fmt, swiglu):
     # Float32 sums in another order (k tiles, FP4's even / odd split), then the SwiGLU: relative to the magnitudes.
     np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5 * np.abs(want[valid]).max())
     assert np.abs(want[valid]).max() > 1.0
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", FP8, FP4])
+def test_a_tokens_assignments_read_its_row_in_place(fmt):
+    """`repeats`: each row of x serves that many consecutive assignments (a token's top-k), as the model calls it:
+    the same result as the row repeated, in the kernel and the reference alike; a count that does not match is
+    refused."""
+    k = 3
+    experts = jnp.asarray(ROUTINGS["shared experts, odd count"][:9], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(len(experts) // k, D)), jnp.bfloat16)
+    stacks = (_stack(fmt, 1), _stack(fmt, 2))
+    repeated = jnp.repeat(x, k, axis=0)
+    got = np.asarray(kernel(x, stacks, experts, swiglu_limit=LIMIT, repeats=k, interpret=True, block_k=32, block_f=16))
+    want = np.asarray(kernel(repeated, stacks, experts, swiglu_limit=LIMIT, interpret=True, block_k=32, block_f=16))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        np.asarray(reference(x, stacks, experts, swiglu_limit=LIMIT, repeats=k)),
+        np.asarray(reference(repeated, stacks, experts, swiglu_limit=LIMIT)),
+    )
+    with pytest.raises(ValueError, match="9 expert indices for 3 rows of x, each 2 times"):
+        kernel(x, stacks, experts, swiglu_limit=LIMIT, repeats=2, interpret=True)
 
 
 def test_too_many_rows_and_mismatched_stacks_are_refused():

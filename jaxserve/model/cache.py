@@ -20,7 +20,8 @@ chunk into one (`StepInputs.snapshot_rows`), and a later request's first chunk m
 (`StepInputs.state_rows`) while writing its own slot: a hit starts exactly where the snapshot was taken.
 
 `kv_cache_dtype` (the geometry's) stores the window, entries and indexer keys as plain arrays of the model's dtype
-(`auto`) or bfloat16, or as `Fp8KV` nodes (`fp8`, jaxserve.kernels.kv_quant) whose leaves share the leading axes:
+(`auto`) or bfloat16, or as `Fp8KV` nodes (`fp8`, jaxserve.kernels.kv_quant): one uint8 row a vector, its codes,
+scales and RoPE dims packed byte for byte (one gather or scatter a read or write):
 - K=V vectors (window, entries): the D - R non-RoPE dims in e4m3 with one power-of-two scale (a ue8m0 byte) per
   block of 64 dims, the quantization DeepSeek-V4 was trained with on these dims; the R RoPE dims (the last ones)
   stay bfloat16, since positions need the precision. A head dim whose non-RoPE part is under 64 (tiny configs) is
@@ -33,7 +34,7 @@ Compressor state stays float32. `read_kv` / `write_kv` take either form, so the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -148,10 +149,57 @@ def fp8_block(cfg: ModelConfig) -> int:
 @jax.tree_util.register_dataclass
 @dataclass
 class CompressorState:
-    buf_kv: jax.Array  # [slots, m, coff*c] f32: projected kv of the current partial window, token p at p % m
-    buf_gate: jax.Array  # [slots, m, coff*c] f32: its gate logits, position bias included
-    prev_kv: jax.Array | None = None  # [slots, m, c] f32: A-half of the last complete window (overlap only)
-    prev_gate: jax.Array | None = None
+    """A compressor's per-row state as one float32 array `packed [..., m, width]` (one gather or scatter a read or
+    write, where four arrays took four kernels each), its parts side by side along the last axis:
+    - buf_kv [..., m, coff*c]: projected kv of the current partial window, token p at p % m;
+    - buf_gate [..., m, coff*c]: its gate logits, position bias included;
+    - overlapped kind only: prev_kv, prev_gate [..., m, c], the A-half of the last complete window.
+    (coff = 2 for the overlapped kind, else 1.)"""
+
+    packed: Any
+    c: int = field(metadata=dict(static=True))  # the entry width
+    overlap: bool = field(metadata=dict(static=True))
+
+    @staticmethod
+    def width(c: int, overlap: bool) -> int:
+        return 6 * c if overlap else 2 * c
+
+    @classmethod
+    def pack(
+        cls,
+        buf_kv: jax.Array,
+        buf_gate: jax.Array,
+        prev_kv: jax.Array | None = None,
+        prev_gate: jax.Array | None = None,
+    ) -> CompressorState:
+        previous = [part for part in (prev_kv, prev_gate) if part is not None]
+        overlap = bool(previous)
+        parts = [buf_kv, buf_gate, *previous]
+        c = buf_kv.shape[-1] // (2 if overlap else 1)
+        return cls(jnp.concatenate(parts, axis=-1), c, overlap)
+
+    def _part(self, start: int, size: int) -> jax.Array:
+        return self.packed[..., start : start + size]
+
+    @property
+    def buf_kv(self) -> jax.Array:
+        return self._part(0, self._buf)
+
+    @property
+    def buf_gate(self) -> jax.Array:
+        return self._part(self._buf, self._buf)
+
+    @property
+    def prev_kv(self) -> jax.Array | None:
+        return self._part(2 * self._buf, self.c) if self.overlap else None
+
+    @property
+    def prev_gate(self) -> jax.Array | None:
+        return self._part(2 * self._buf + self.c, self.c) if self.overlap else None
+
+    @property
+    def _buf(self) -> int:
+        return (2 if self.overlap else 1) * self.c
 
 
 @jax.tree_util.register_dataclass
@@ -186,11 +234,9 @@ def write_kv(store: jax.Array | Fp8KV, index: tuple, values: jax.Array) -> jax.A
 
 
 def _compressor_state(slots: int, rate: int, width: int, overlap: bool) -> CompressorState:
-    coff = 2 if overlap else 1
-    buf = ArrayInfo((slots, rate, coff * width), F32, ("slots", None, None), "zeros")
-    prev = ArrayInfo((slots, rate, width), F32, ("slots", None, None), "zeros") if overlap else None
-    # The abstract state: ArrayInfo leaves where the live cache's CompressorState holds arrays.
-    return CompressorState(buf_kv=buf, buf_gate=buf, prev_kv=prev, prev_gate=prev)  # type: ignore[arg-type]
+    packed = ArrayInfo((slots, rate, CompressorState.width(width, overlap)), F32, ("slots", None, None), "zeros")
+    # The abstract state: an ArrayInfo leaf where the live cache's CompressorState holds its array.
+    return CompressorState(packed, width, overlap)
 
 
 def _kv_store(
@@ -203,11 +249,11 @@ def _kv_store(
         return ArrayInfo((*lead, width), dtype, (*lead_axes, axis), "zeros")
     rope = 0 if index else cfg.rope_head_dim
     block = width if index else fp8_block(cfg)
-    return Fp8KV(
-        codes=ArrayInfo((*lead, width - rope), jnp.float8_e4m3fn, (*lead_axes, axis), "zeros"),
-        scales=ArrayInfo((*lead, (width - rope) // block), F32 if index else jnp.uint8, (*lead_axes, None), "zeros"),
-        rope=ArrayInfo((*lead, rope), jnp.bfloat16, (*lead_axes, None), "zeros") if rope else None,
-    )
+    n = width - rope
+    scale_dtype = F32 if index else jnp.uint8
+    row = Fp8KV.row_bytes(n, block, rope, scale_dtype)
+    packed = ArrayInfo((*lead, row), jnp.uint8, (*lead_axes, None), "zeros")
+    return Fp8KV(packed, n, block, rope, jnp.dtype(scale_dtype).name)
 
 
 def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:

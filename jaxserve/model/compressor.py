@@ -41,7 +41,7 @@ def compress_chunk(
     snapshot_lengths: jax.Array | None = None,  # [b, j] int32: also return the states this many tokens in
 ) -> tuple[NewEntries, CompressorState, list[CompressorState]]:
     m = rate
-    overlap = state.prev_kv is not None
+    overlap = state.overlap
     c = weights.norm.shape[0]
     b, t, _ = x.shape
     n_windows = (m - 1 + t) // m + 1  # enough to hold the partial window plus the whole chunk
@@ -89,14 +89,8 @@ def compress_chunk(
     def state_after(tokens: jax.Array) -> CompressorState:
         """The rows' state once `tokens [b]` of the chunk are in."""
         pick = ((offset + tokens) // m)[:, None, None, None]  # the sequence window holding the partial window
-        state = CompressorState(
-            buf_kv=jnp.take_along_axis(win_kv, pick, axis=1)[:, 0],
-            buf_gate=jnp.take_along_axis(win_gate, pick, axis=1)[:, 0],
-        )
-        if overlap:
-            state.prev_kv = jnp.take_along_axis(ext_kv, pick, axis=1)[:, 0]
-            state.prev_gate = jnp.take_along_axis(ext_gate, pick, axis=1)[:, 0]
-        return state
+        parts = [win_kv, win_gate] + ([ext_kv, ext_gate] if overlap else [])
+        return CompressorState.pack(*(jnp.take_along_axis(part, pick, axis=1)[:, 0] for part in parts))
 
     with jax.named_scope("carry_state"):
         new_state = state_after(lengths)

@@ -114,9 +114,10 @@ def block_logits(
             (h,), _ = block([h], one, experts, rings, index, [block_inputs], cfg, SWA, kernels, draft_block=True)
             return h, None
 
-        # The stages as one scanned body: one layer compiled, not one per stage.
+        # The stages as one scanned body: one layer compiled, not one per stage (on a GPU traced in line, as the
+        # target's layers are: Kernels.unrolled_layers).
         indices = jnp.arange(cfg.dspark.stages, dtype=jnp.int32)
-        h, _ = jax.lax.scan(stage, h, (layers, indices))
+        h, _ = jax.lax.scan(stage, h, (layers, indices), unroll=kernels.unrolled_layers)
         y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
         return vocab_logits(y, head, cfg.vocab_size)
 

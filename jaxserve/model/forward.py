@@ -126,9 +126,10 @@ def run_segment(
         return (hs, cache, taps), None
 
     indices = jnp.arange(segment.repeats, dtype=jnp.int32)
-    # A single repeat is inlined rather than looped.
+    # A single repeat is inlined rather than looped; so is every repeat where the kernel table says so.
     carry = (hs, list(cache), taps)
-    (hs, cache, taps), _ = jax.lax.scan(one_repeat, carry, (sliced, indices), unroll=segment.repeats == 1)
+    unroll = kernels.unrolled_layers or segment.repeats == 1
+    (hs, cache, taps), _ = jax.lax.scan(one_repeat, carry, (sliced, indices), unroll=unroll)
     return hs, cache, taps
 
 

@@ -58,8 +58,7 @@ def _local_experts(
     # their experts, no sort, no groups. More rows an expert are cheaper sorted into groups.
     if n * k <= min(EXPERT_ROWS_MAX, cfg.n_routed_experts):
         experts = jnp.where(mine, offset + flat, -1)  # -1: another device's expert, no row of this one
-        rows = jnp.repeat(x, k, axis=0)
-        hidden = kernels.expert_rows(rows, (w_gate, w_up), experts, swiglu_limit=limit, out_dtype=x.dtype)
+        hidden = kernels.expert_rows(x, (w_gate, w_up), experts, swiglu_limit=limit, out_dtype=x.dtype, repeats=k)
         out = jnp.where(mine[:, None], kernels.expert_rows(hidden, (w_down,), experts, out_dtype=x.dtype), 0)
         out = out * weights.reshape(-1, 1).astype(x.dtype)
         return out.astype(F32).reshape(n, k, -1).sum(axis=1)

@@ -31,6 +31,7 @@ Unverified without a GPU: any run and its speed; the tiles and num_warps are the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -42,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..moe import EXPERT_ROWS_MAX, clamped_swiglu
 from .block_scaled_matmul import einsum, expert_view
-from .grouped_matmul import _Layout, _operands, _weight_tiles
+from .grouped_matmul import _Layout, _operands, _weight_tiles, x_tiles
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -50,8 +51,10 @@ I32 = jnp.int32
 
 @functools.partial(
     jax.jit,
-    static_argnames=("swiglu_limit", "out_dtype", "interpret", "block_k", "block_f", "num_warps", "num_stages"),
-)
+    static_argnames=(
+        "swiglu_limit", "out_dtype", "repeats", "interpret", "block_k", "block_f", "num_warps", "num_stages"
+    ),
+)  # fmt: skip
 def expert_rows(
     x: jax.Array,
     stacks: tuple[Any, ...],
@@ -59,15 +62,19 @@ def expert_rows(
     *,
     swiglu_limit: float | None = None,
     out_dtype: Any = F32,
+    repeats: int = 1,
     interpret: bool = False,
     block_k: int = 128,
     block_f: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
-    """As the reference: x [a, d], one stack [n, d, f] or two (gate, up) with `swiglu_limit`, experts [a] ->
-    [a, f] in `out_dtype`; rows whose index is outside [0, n) are left unwritten."""
-    a = x.shape[0]
+    """As the reference: x [a / repeats, d] (assignment i reads row i // repeats, in place), one stack [n, d, f] or
+    two (gate, up) with `swiglu_limit`, experts [a] -> [a, f] in `out_dtype`; rows whose index is outside [0, n) are
+    left unwritten."""
+    a = experts.shape[0]
+    if x.shape[0] * repeats != a:
+        raise ValueError(f"{a} expert indices for {x.shape[0]} rows of x, each {repeats} times")
     if a > EXPERT_ROWS_MAX:
         raise ValueError(f"expert_rows takes at most {EXPERT_ROWS_MAX} rows (a decode step's); got {a}")
     if (len(stacks) == 2) != (swiglu_limit is not None):
@@ -76,8 +83,8 @@ def expert_rows(
     layouts: list[_Layout] = []
     w_operands: list[jax.Array] = []
     for w in stacks:
-        layout, x_halves, operands = _operands(x, w, bm, block_k, block_f)
-        layouts.append(layout)
+        layout, operands = _operands(x, w, bm, block_k, block_f)
+        layouts.append(dataclasses.replace(layout, m=a))
         w_operands.extend(operands)
     if any(layout != layouts[0] for layout in layouts) or len({w.shape for w in stacks}) > 1:
         raise ValueError(f"the gate and up stacks must have one shape and format; got {[w.shape for w in stacks]}")
@@ -90,18 +97,19 @@ def expert_rows(
             n_stacks=len(stacks),
             n_experts=stacks[0].shape[0],
             swiglu_limit=swiglu_limit,
+            repeats=repeats,
         ),
         out_shape=jax.ShapeDtypeStruct((a, f), out_dtype, manual_axis_type=varying),
         grid=(a, pl.cdiv(f, layouts[0].bf)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="expert_rows",
-    )(experts.astype(I32), x_halves, *w_operands)
+    )(experts.astype(I32), x, *w_operands)
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled, in order: the expert indices [a], x
-    [halves, a, kc] (FP4: its even and odd columns), then each stack's weights (a plain stack, or codes and scales:
+    """The most HBM bytes one call moves, from its operands as compiled, in order: the expert indices [a], x [a, d],
+    then each stack's weights (a plain stack, or codes and scales:
     [n, ...]). Each touched expert's weights once, at most min(rows, stack) experts; x read and the output written
     once; the index array once a program (it is a few bytes)."""
     rows, stack = operand_shapes[0][0], operand_shapes[2][0]
@@ -114,7 +122,7 @@ def experts_read_at_most(rows: int, stack: int) -> int:
     return min(rows, stack)
 
 
-def _kernel(experts_ref, x_ref, *refs, layout: _Layout, n_stacks: int, n_experts: int, swiglu_limit):
+def _kernel(experts_ref, x_ref, *refs, layout: _Layout, n_stacks: int, n_experts: int, swiglu_limit, repeats: int):
     """Program (row, f tile): if the row is the first of its expert, that expert's rows times its matrices."""
     lo = layout
     out_ref = refs[-1]
@@ -136,13 +144,10 @@ def _kernel(experts_ref, x_ref, *refs, layout: _Layout, n_stacks: int, n_experts
             k0 = step * lo.bkc
             x_mask = mine & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
             w_mask = (k0 + lax.broadcasted_iota(I32, (lo.bkc, 1), 0) < lo.kc) & (cols < lo.f)
-            x_tiles = [
-                plgpu.load(x_ref.at[jnp.asarray(half, I32), pl.ds(0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0)
-                for half in range(x_ref.shape[0])
-            ]
+            tiles = x_tiles(x_ref, index[:, None] // repeats, k0, x_mask, lo)
             out = []
             for acc, w_refs in zip(accs, w_sets, strict=True):
-                for x_tile, w_tile in zip(x_tiles, _weight_tiles(w_refs, expert, k0, col0, w_mask, lo), strict=True):
+                for x_tile, w_tile in zip(tiles, _weight_tiles(w_refs, expert, k0, col0, w_mask, lo), strict=True):
                     acc += jnp.dot(
                         x_tile.astype(lo.compute_dtype), w_tile, preferred_element_type=F32,
                         precision=lax.Precision.HIGHEST,

@@ -80,8 +80,8 @@ I32 = jnp.int32
 class _Layout:
     """The static shape of the work, in the units the kernel indexes.
 
-    The x operand ([halves, m, kc]) has `kc` columns and the code ref `kc` rows (plain, FP8: kc = d; FP4: kc = d / 2
-    bytes, and x is split into even and odd columns); `bkc` is the k step in those units. Scales: `scale_shape` is the
+    The code ref has `kc` rows (plain, FP8: kc = d; FP4: kc = d / 2 bytes, and x [m, d] is read as `halves` = 2 tiles
+    a step, its even and odd columns); `bkc` is the k step in those units. Scales: `scale_shape` is the
     per-expert [rows, cols] of the scale ref, `scale_block` how many code rows / columns one scale covers."""
 
     fmt: str | None  # None for a plain array, else FP8 / FP4
@@ -94,6 +94,7 @@ class _Layout:
     compute_dtype: Any
     scale_shape: tuple[int, int] = (0, 0)
     scale_block: tuple[int, int] = (1, 1)
+    halves: int = 1
 
     @property
     def k_steps(self) -> int:
@@ -136,12 +137,12 @@ def grouped_matmul(
     of x (FP4: two per code byte)."""
     m, e, f = x.shape[0], group_sizes.shape[0], w.shape[-1]
     bm = block_m or min(128, max(16, pl.next_power_of_2(pl.cdiv(m, e))))
-    layout, x_halves, w_operands = _operands(x, w, bm, block_k, block_f)
+    layout, w_operands = _operands(x, w, bm, block_k, block_f)
     n_tiles = pl.cdiv(m, bm)
     metadata = _work_items(group_sizes.astype(I32), expert_offset, bm, n_tiles)
     # Under shard_map (expert parallelism) the result varies over the mesh axes the expert stack does.
     varying = jax.typeof(w_operands[0]).manual_axis_type
-    inputs = (*metadata, x_halves, *w_operands)
+    inputs = (*metadata, x, *w_operands)
     aliases = {}
     if not every_row_grouped:  # rows in no group keep these zeros
         inputs, aliases = (*inputs, jnp.zeros((m, f), out_dtype)), {len(inputs): 0}
@@ -157,17 +158,17 @@ def grouped_matmul(
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x [*batch, halves,
-    m, kc] (FP4: its even and odd columns; batch: axes a vmap of the call added, as the model's per-group output
-    projection has), the weights (a plain stack, or codes and scales: [*batch, n, ...]), any zeros aliased to the
-    output. Each work item reads its expert's codes and scales once (each f tile its own slice), and there are at most
-    min(items - 1, rows) items that meet a row, in each batch's own stack; x is read and the output written once. The
-    expert stack itself, n experts of every layer, is never read whole: only the experts the rows use (this is what
-    "only the experts the step touches are read" means above, bounded for any routing)."""
+    """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x [*batch, m, d]
+    (batch: axes a vmap of the call added, as the model's per-group output projection has), the weights (a plain
+    stack, or codes and scales: [*batch, n, ...]), any zeros aliased to the output. Each work item reads its expert's
+    codes and scales once (each f tile its own slice), and there are at most min(items - 1, rows) items that meet a
+    row, in each batch's own stack; x is read and the output written once. The expert stack itself, n experts of
+    every layer, is never read whole: only the experts the rows use (this is what "only the experts the step touches
+    are read" means above, bounded for any routing)."""
     x_dims = operand_shapes[5]
-    zeros = len(operand_shapes) > 7 and operand_bytes[-1] == out_bytes and len(operand_shapes[-1]) == len(x_dims) - 1
+    zeros = len(operand_shapes) > 7 and operand_bytes[-1] == out_bytes and len(operand_shapes[-1]) == len(x_dims)
     weights = range(6, len(operand_shapes) - zeros)
-    batch = math.prod(x_dims[:-3])
+    batch = math.prod(x_dims[:-2])
     experts = math.prod(operand_shapes[6][:-2])  # every batch's stack
     per_expert = sum(operand_bytes[i] for i in weights) / experts
     reads = batch * experts_read_at_most(operand_shapes[1][0], x_dims[-2], experts // batch)
@@ -181,9 +182,8 @@ def experts_read_at_most(items: int, rows: int, stack: int) -> int:
     return min(items - 1, rows, stack)
 
 
-def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout, jax.Array, tuple]:
-    """Checks the tiles against the format; returns the layout, the x operand [halves, m, kc] and the weight
-    operand(s)."""
+def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout, tuple]:
+    """Checks the tiles against the format; returns the layout and the weight operand(s)."""
     m, d = x.shape
     f = w.shape[-1]
     fp4 = isinstance(w, Quantized) and w.format == FP4
@@ -192,24 +192,31 @@ def _operands(x: jax.Array, w: Any, bm: int, bk: int, bf: int) -> tuple[_Layout,
             raise ValueError(f"{name} must be a power of two >= {least} (Triton's dot minimum); got {size}")
     if not isinstance(w, Quantized):
         dtype = jnp.promote_types(x.dtype, w.dtype)
-        return _Layout(None, m, d, f, bm, bk, bf, dtype), x[None], (w,)
+        return _Layout(None, m, d, f, bm, bk, bf, dtype), (w,)
     if w.format == FP8:
         scale_block = (w.blocks[-2], w.blocks[-1])
         layout = _Layout(FP8, m, d, f, bm, bk, bf, x.dtype, w.scales.shape[-2:], scale_block)
-        x_halves = x[None]
     elif w.format == FP4:
         if w.blocks[-2] % 2:
             raise ValueError(f"FP4 scale blocks must cover whole code bytes (an even input count); got {w.blocks}")
         scale_block = (w.blocks[-2] // 2, w.blocks[-1])
-        layout = _Layout(FP4, m, d // 2, f, bm, bk // 2, bf, x.dtype, w.scales.shape[-2:], scale_block)
-        # Inputs 2k (low nibbles) and 2k+1 (high nibbles) as one array: one XLA fusion makes both halves.
-        x_halves = jnp.stack([x[:, 0::2], x[:, 1::2]])
+        layout = _Layout(FP4, m, d // 2, f, bm, bk // 2, bf, x.dtype, w.scales.shape[-2:], scale_block, halves=2)
     else:
         raise ValueError(f"unknown weight format {w.format!r}")
     for tile, block in zip((layout.bkc, bf), scale_block):
         if tile % block and block % tile:
             raise ValueError(f"tiles (block_k={bk}, block_f={bf}) and scale blocks {w.blocks} must divide one another")
-    return layout, x_halves, (w.codes, w.scales)
+    return layout, (w.codes, w.scales)
+
+
+def x_tiles(x_ref, rows: jax.Array, k0: Any, mask: jax.Array, lo: _Layout) -> list[jax.Array]:
+    """x's [bm, bkc] tiles of the rows `rows` [bm, 1] at k step k0: one, or for FP4 two, inputs 2k and 2k + 1 (the
+    low and high nibbles' rows), read in place at every other column (a split copy of x was one more launch a call).
+    Indexed by arrays, not slices: Pallas's interpret mode loads no strided slice, nor slices beside arrays."""
+    steps = k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1)
+    if lo.halves == 1:
+        return [plgpu.load(x_ref.at[rows, steps], mask=mask, other=0)]
+    return [plgpu.load(x_ref.at[rows, 2 * steps + half], mask=mask, other=0) for half in range(lo.halves)]
 
 
 def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int, n_tiles: int) -> tuple[jax.Array, ...]:
@@ -248,14 +255,8 @@ def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, x_ref, *refs, l
             k0 = step * lo.bkc
             x_mask = (rows < lo.m) & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
             w_mask = (k0 + lax.broadcasted_iota(I32, (lo.bkc, 1), 0) < lo.kc) & (cols < lo.f)
-            x_tiles = [
-                plgpu.load(
-                    x_ref.at[jnp.asarray(half, I32), pl.ds(row0, lo.bm), pl.ds(k0, lo.bkc)], mask=x_mask, other=0
-                )
-                for half in range(x_ref.shape[0])
-            ]
             w_tiles = _weight_tiles(w_refs, expert, k0, col0, w_mask, lo)
-            for x_tile, w_tile in zip(x_tiles, w_tiles, strict=True):
+            for x_tile, w_tile in zip(x_tiles(x_ref, rows, k0, x_mask, lo), w_tiles, strict=True):
                 acc += jnp.dot(
                     x_tile.astype(lo.compute_dtype), w_tile, preferred_element_type=F32, precision=lax.Precision.HIGHEST
                 )  # float32 inputs: IEEE, not TF32
