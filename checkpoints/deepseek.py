@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -44,6 +44,14 @@ def drafter_folder(folder: Path) -> Path | None:
     """The DSpark drafter kept beside the checkpoint in `folder` (DSPARK_FOLDER), if there is one."""
     apart = folder / DSPARK_FOLDER
     return apart if (apart / "config.json").is_file() else None
+
+
+def with_drafter_apart(cfg: ModelConfig, folder: Path) -> ModelConfig:
+    """`cfg` (the checkpoint's in `folder`) with the DSpark drafter kept beside it, where its own config has none."""
+    apart = drafter_folder(folder)
+    if cfg.dspark is not None or apart is None:
+        return cfg
+    return replace(cfg, dspark=load_config(apart).dspark)
 
 
 FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)

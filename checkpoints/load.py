@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.checkpoints.deepseek import drafter_folder, load_weights
+from jaxserve.checkpoints.deepseek import load_weights, with_drafter_apart
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
-from jaxserve.checkpoints.safetensors_file import CheckpointError
 from jaxserve.config import ModelConfig, load_config
 from jaxserve.model.sharding import for_mesh, shardings_for
 from jaxserve.model.weights import Weights, abstract_weights
@@ -34,8 +32,8 @@ def model_config(
     decoding's `drafter` method drafts with ("mtp", "dspark"; None: none)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
     cfg = load_config(folder)
-    if drafter == "dspark" and cfg.dspark is None and (apart := drafter_folder(folder)) is not None:
-        cfg = dataclasses.replace(cfg, dspark=load_config(apart).dspark)  # the drafter kept beside the checkpoint
+    if drafter == "dspark":
+        cfg = with_drafter_apart(cfg, folder)
     return cfg.with_dtype(dtype).with_quantization(quantization).with_drafter(drafter)
 
 
@@ -54,11 +52,6 @@ def load_model(
     split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
     orbax = is_orbax_checkpoint(folder)
-    if orbax and drafter is not None:
-        raise CheckpointError(
-            f"{folder}: an orbax conversion holds the backbone only (no MTP block or DSpark drafter); serve the "
-            f"safetensors checkpoint it was converted from for speculative decoding (method {drafter!r})"
-        )
     config = for_mesh(model_config(folder, dtype, quantization, drafter), mesh)
     if orbax:
         weights = restore_weights(folder, config, mesh, show_progress)

@@ -1,11 +1,13 @@
 """DeepSeek-V4 safetensors folder -> a sharded orbax checkpoint, converted once, restored straight into any mesh.
 
-Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...) and one
-for the rest (`misc`: embeddings, final norm, HC head, LM head), each a flat dict keyed by the leaf's release name
-(`layers.3.attn.wq_b`, see `release_leaves`; a weight kept quantized is two entries, `....wq_b.codes` and
-`....wq_b.scales`, so a conversion keeps the checkpoint's FP8 / FP4 as the engine holds them); beside them
-config.json, the tokenizer files and `jaxserve_orbax.json`, the marker
-written last, so a conversion that stopped half way is never mistaken for a checkpoint.
+Layout of a conversion (jax-llm-examples' per-layer layout): one orbax item per layer (`layer_00`, ...), one for
+the rest of the backbone (`misc`: embeddings, final norm, HC head, LM head) and one per drafter the checkpoint
+ships (`drafter_mtp`: the first MTP block; `drafter_dspark`: the DSpark stages and heads), each a flat dict keyed by
+the leaf's release name (`layers.3.attn.wq_b`, see `release_leaves`; a weight kept quantized is two entries,
+`....wq_b.codes` and `....wq_b.scales`, so a conversion keeps the checkpoint's FP8 / FP4 as the engine holds them);
+beside them config.json (a DSpark drafter kept beside the checkpoint keeps its own, in `dspark/`), the tokenizer
+files and `jaxserve_orbax.json`, the marker (format, dtype, the drafters held) written last, so a conversion that
+stopped half way is never mistaken for a checkpoint.
 
 Orbax API: the stable v0 `ocp.StandardCheckpointer`. Restoring with a target of ShapeDtypeStructs carrying
 NamedShardings makes every device read only its own shards, on 8 fake CPU devices as on accelerators, so a
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -24,15 +27,26 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxserve.checkpoints.deepseek import TensorReader, check_complete, read_leaf, weight_sources
+from jaxserve.checkpoints.deepseek import (
+    DRAFTER_PREFIXES,
+    DSPARK_FOLDER,
+    TensorReader,
+    check_complete,
+    drafter_folder,
+    read_leaf,
+    weight_sources,
+    with_drafter_apart,
+)
 from jaxserve.checkpoints.safetensors_file import CheckpointError, SafetensorsFolder
 from jaxserve.checkpoints.writer import write_config
-from jaxserve.config import ModelConfig, load_config
+from jaxserve.config import ConfigError, ModelConfig, load_config
 from jaxserve.kernels.quant import Quantized
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.model.stacking import WeightsBuilder
 from jaxserve.model.weights import LayerLeaf, Weights, abstract_weights, release_leaves
 from jaxserve.progress import progress
+
+log = logging.getLogger("jaxserve.checkpoints")
 
 MARKER = "jaxserve_orbax.json"
 FORMAT_VERSION = 1
@@ -52,8 +66,16 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def _item_name(name: str) -> str:
-    """The orbax item a leaf lives in: 'layers.3.attn.wq_b' -> 'layer_03', 'embed' -> 'misc'."""
+def drafter_of(cfg: ModelConfig) -> str | None:
+    """The drafter `cfg` holds ("mtp", "dspark"; None: none), as `ModelConfig.with_drafter` names it."""
+    return "dspark" if cfg.dspark_drafting else "mtp" if cfg.mtp_layers else None
+
+
+def _item_name(name: str, drafter: str | None) -> str:
+    """The orbax item a leaf lives in: 'layers.3.attn.wq_b' -> 'layer_03', a drafter's 'mtp.0.e_proj' ->
+    'drafter_mtp', 'embed' -> 'misc'."""
+    if name.startswith(DRAFTER_PREFIXES):
+        return f"drafter_{drafter}"
     return f"layer_{int(name.split('.')[1]):02d}" if name.startswith("layers.") else MISC
 
 
@@ -61,7 +83,7 @@ def _by_item(cfg: ModelConfig) -> dict[str, dict[str, LayerLeaf]]:
     """The un-stacked model's leaves as {item: {release name: leaf}}, items and leaves in release order."""
     items: dict[str, dict[str, LayerLeaf]] = {}
     for leaf in release_leaves(cfg):
-        items.setdefault(_item_name(leaf.name), {})[leaf.name] = leaf
+        items.setdefault(_item_name(leaf.name, drafter_of(cfg)), {})[leaf.name] = leaf
     return items
 
 
@@ -92,17 +114,21 @@ def convert_checkpoint(
     cfg = load_config(src).with_dtype(dtype).with_quantization(quantization)
     reader = TensorReader(SafetensorsFolder(src))
     sources = weight_sources(cfg)
-    items = _by_item(cfg)
-    check_complete(reader, [sources[name] for leaves in items.values() for name in leaves], src)
+    items = {item: (leaves, reader, sources) for item, leaves in _by_item(cfg).items()}
+    check_complete(reader, [sources[name] for leaves, _, _ in items.values() for name in leaves], src)
+    drafters = _drafters(src, cfg, reader)
+    for method, (drafter_cfg, drafter_reader) in drafters.items():
+        drafter_leaves = _by_item(drafter_cfg)[f"drafter_{method}"]
+        items[f"drafter_{method}"] = (drafter_leaves, drafter_reader, weight_sources(drafter_cfg))
     _clear_destination(src, dst, overwrite)
 
     started = time.perf_counter()
     with _checkpointer() as checkpointer:
-        for done, (item, leaves) in enumerate(items.items(), start=1):
+        for done, (item, (leaves, item_reader, item_sources)) in enumerate(items.items(), start=1):
             arrays = {}
             for name, leaf in leaves.items():
                 # As the checkpoint stores it (its own vocabulary): a conversion is restored into any mesh.
-                arrays.update(_parts(name, read_leaf(reader, sources[name], leaf.stored, name)))
+                arrays.update(_parts(name, read_leaf(item_reader, item_sources[name], leaf.stored, name)))
             checkpointer.save(dst / item, arrays)
             checkpointer.wait_until_finished()  # the save is async; waiting keeps one layer in memory, not two
             if show_progress:
@@ -111,8 +137,36 @@ def convert_checkpoint(
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     write_config(cfg, dst)  # with the formats the leaves were written in
-    (dst / MARKER).write_text(json.dumps({"format_version": FORMAT_VERSION, "dtype": dtype}, indent=2) + "\n")
+    if (apart := drafter_folder(src)) is not None and "dspark" in drafters:  # kept beside the backbone, as there
+        (dst / DSPARK_FOLDER).mkdir()
+        shutil.copyfile(apart / "config.json", dst / DSPARK_FOLDER / "config.json")
+    marker = {"format_version": FORMAT_VERSION, "dtype": dtype, "drafters": sorted(drafters)}
+    (dst / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return dst
+
+
+def _drafters(src: Path, cfg: ModelConfig, reader: TensorReader) -> dict[str, tuple[ModelConfig, TensorReader]]:
+    """The drafters `src` ships, each as (the config holding it, the reader of its tensors): its first MTP block,
+    its DSpark drafter (in its tensors, or kept beside them in DSPARK_FOLDER). One the config declares but whose
+    tensors are missing is left out, loudly."""
+    found: dict[str, tuple[ModelConfig, TensorReader]] = {}
+    apart = drafter_folder(src) if cfg.dspark is None else None
+    dspark_reader = reader if apart is None else TensorReader(SafetensorsFolder(apart))
+    candidates = {"mtp": (cfg, reader), "dspark": (with_drafter_apart(cfg, src), dspark_reader)}
+    for method, (base, method_reader) in candidates.items():
+        try:
+            drafter_cfg = base.with_drafter(method)
+        except ConfigError:
+            continue  # the checkpoint declares no such drafter
+        sources = weight_sources(drafter_cfg)
+        names = _by_item(drafter_cfg)[f"drafter_{method}"]
+        try:
+            check_complete(method_reader, [sources[name] for name in names], src)
+        except CheckpointError as missing:
+            log.warning("%s: the conversion holds no %s drafter: %s", src, method, missing)
+            continue
+        found[method] = (drafter_cfg, method_reader)
+    return found
 
 
 def _clear_destination(src: Path, dst: Path, overwrite: bool) -> None:
@@ -196,8 +250,16 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
             f"{dst / MARKER}: converted as {marker.get('dtype')}, but {cfg.dtype} was asked for; "
             f"load with dtype={marker.get('dtype')!r} or convert again with dtype={cfg.dtype!r}"
         )
+    drafter = drafter_of(cfg)
+    if drafter is not None and drafter not in marker.get("drafters", ()):
+        raise CheckpointError(
+            f"{dst}: the conversion holds no {'DSpark drafter' if drafter == 'dspark' else 'MTP block'} (its "
+            f"checkpoint shipped none, or it was converted by a jaxserve that converted the backbone only); convert "
+            f"again, or serve the safetensors checkpoint, for speculative decoding with method {drafter!r}"
+        )
     # The vocabulary's padding is the mesh's (sharding.for_mesh), never the conversion's.
-    converted = load_config(dst).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
+    converted = with_drafter_apart(load_config(dst), dst) if drafter == "dspark" else load_config(dst)
+    converted = converted.with_drafter(drafter).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
         hint = (

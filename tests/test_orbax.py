@@ -4,6 +4,7 @@ meshes with the target shardings, giving the same logits as the safetensors load
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 
@@ -70,9 +71,24 @@ def test_load_model_restores_a_conversion_with_its_tokenizer(tmp_path):
     for (path, got), (_, want) in zip(flatten_with_names(converted.weights), flatten_with_names(original.weights)):
         assert got.dtype == want.dtype and got.sharding == want.sharding, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
-    # A conversion holds no drafter: drafting from one is refused, naming what to serve instead.
-    for method in ("mtp", "dspark"):
-        with pytest.raises(CheckpointError, match=f"holds the backbone only.*safetensors.*method '{method}'"):
+    # The default's drafters (its MTP block, and its DSpark drafter kept beside it in dspark/) come along: each
+    # restores exactly as the safetensors load reads it.
+    marker = dst / "jaxserve_orbax.json"
+    assert json.loads(marker.read_text())["drafters"] == ["dspark", "mtp"]
+    for method, prefix in (("mtp", "mtp."), ("dspark", "dspark.")):
+        drafting, original = load_model(dst, mesh, drafter=method), load_model(None, mesh, drafter=method)
+        assert drafting.config == original.config
+        pairs = zip(flatten_with_names(drafting.weights), flatten_with_names(original.weights), strict=True)
+        for (path, got), (_, want) in pairs:
+            assert got.sharding == want.sharding, path
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+        assert any(path.startswith(prefix) for path, _ in flatten_with_names(drafting.weights)), method
+    # A conversion without them (a jaxserve that converted the backbone only wrote no list): a clear error.
+    marker.write_text(
+        json.dumps({key: value for key, value in json.loads(marker.read_text()).items() if key != "drafters"})
+    )
+    for method, what in (("mtp", "MTP block"), ("dspark", "DSpark drafter")):
+        with pytest.raises(CheckpointError, match=f"holds no {what}.*convert again.*method '{method}'"):
             load_model(dst, mesh, drafter=method)
 
 

@@ -20,12 +20,13 @@ from test_quantized_weights import PROMPTS, _greedy_over_http
 
 from jaxserve.checkpoints.deepseek import load_weights
 from jaxserve.checkpoints.load import load_model
+from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.checkpoints.safetensors_file import SafetensorsFolder
 from jaxserve.checkpoints.writer import checkpoint_tensors, write_checkpoint
 from jaxserve.config import CSA, HCA, SWA, ConfigError, DSparkConfig, load_config
 from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.sharding import make_mesh
-from jaxserve.model.weights import init_weights
+from jaxserve.model.weights import flatten_with_names, init_weights
 from jaxserve.presets import preset
 
 # hidden 160 and experts 64 wide, as tests/test_quantized_weights.py, for full and partial FP8 / FP4 blocks; HCA at
@@ -121,3 +122,21 @@ def test_dspark_drafting_reads_the_drafter_with_its_heads_at_the_top_level(relea
     assert np.array_equal(np.asarray(drafter.markov_embed), stored.get("markov_head.markov_w1.weight"))
     assert np.array_equal(np.asarray(drafter.markov_out), stored.get("markov_head.markov_w2.weight").T)
     assert np.array_equal(np.asarray(drafter.main_proj), stored.get("mtp.0.main_proj.weight").T)
+
+
+def test_an_orbax_conversion_keeps_the_dspark_drafter(release, tmp_path):
+    """Converted, the release restores its DSpark drafter (FP8 / FP4 as stored) exactly as the safetensors load reads
+    it, its config from the converted config.json; MTP, which it ships none of, stays refused the same way."""
+    dst = convert_checkpoint(release["folder"], tmp_path / "orbax", dtype="float32")
+    assert json.loads((dst / "jaxserve_orbax.json").read_text())["drafters"] == ["dspark"]
+    mesh = make_mesh(1, 1)
+    converted = load_model(dst, mesh, "float32", drafter="dspark", skip_tokenizer=True)
+    original = load_model(release["folder"], mesh, "float32", drafter="dspark", skip_tokenizer=True)
+    assert converted.config == original.config and converted.config.dspark_drafting
+    pairs = zip(flatten_with_names(converted.weights), flatten_with_names(original.weights), strict=True)
+    for (path, got), (_, want) in pairs:
+        assert got.dtype == want.dtype, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+    assert any(path.startswith("dspark.") for path, _ in flatten_with_names(converted.weights))
+    with pytest.raises(ConfigError, match="dspark_block_size=5: the checkpoint ships a DSpark drafter"):
+        load_model(dst, mesh, "float32", drafter="mtp", skip_tokenizer=True)
