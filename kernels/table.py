@@ -7,7 +7,7 @@ else in jaxserve tests the backend or picks an implementation. `--kernels`:
   tests run them against their references), the reference for the others;
 - `auto`: the Pallas kernels that compile natively for the devices' platform, the references elsewhere (on CPU:
   every reference).
-Whatever the choice, on a GPU the forward traces every layer in line rather than scanning a segment's repeats
+Whatever the choice, on one GPU the forward traces every layer in line rather than scanning a segment's repeats
 (`Kernels.unrolled_layers`).
 
 Operations without a Pallas kernel yet run their reference under every choice: the lightning indexer's scoring
@@ -43,14 +43,15 @@ class Kernels:
     indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
     hc_pre: Callable  # kernels.mhc.hc_pre: mHC's collapse of the streams, with its Sinkhorn mixing matrices
     implementations: tuple[tuple[str, str], ...] = ()  # (operation, "reference" or "pallas"), for logs and reports
-    # How the forward walks a segment's repeated layers: one traced body scanned (a while loop), or every layer traced
-    # in line. Unrolled, a GPU step launches no per-layer loop overhead (the loop's condition, the copies of its
-    # carry, a slice of each stacked small weight a Triton or Pallas consumer cannot read in place: 14 launches a
-    # layer of Flash's 75) for a compile about a second a layer longer; on CPU the scan keeps compiles short.
+    # How the forward walks a segment's repeated layers on one device: one traced body scanned (a while loop), or
+    # every layer traced in line. Unrolled, a GPU step launches no per-layer loop overhead (the loop's condition, the
+    # copies of its carry, a slice of each stacked small weight a Triton or Pallas consumer cannot read in place: 14
+    # launches a layer of Flash's 75) for a compile about a second a layer longer; on CPU the scan keeps compiles
+    # short, and under a mesh that splits the weights the forward scans (jaxserve.model.forward.run_segment).
     unrolled_layers: bool = False
 
     def describe(self) -> str:
-        layers = ", layers unrolled" if self.unrolled_layers else ""
+        layers = ", layers unrolled on one device" if self.unrolled_layers else ""
         return ", ".join(f"{op} {impl}" for op, impl in self.implementations) + layers
 
 

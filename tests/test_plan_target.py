@@ -71,7 +71,7 @@ def test_plan_compiles_every_step_shape_for_an_h200_and_estimates_the_largest_de
     assert report["device_memory"] == usable_memory(h200.memory_bytes)  # --device-memory defaults to the GPU's
     for kernel in ("grouped_matmul", "einsum", "sink_attention", "hc_pre"):
         assert f"{kernel} pallas" in report["kernels"]  # natively, through Triton: not "pallas (interpret)"
-    assert report["kernels"].endswith("layers unrolled")  # a GPU's forward traces every layer in line
+    assert report["kernels"].endswith("layers unrolled on one device")  # one GPU traces every layer in line
 
     shapes = [str(shape) for shape in Buckets.for_config(EngineConfig(**KNOBS, mixed_batches=True)).shapes()]
     assert len(shapes) == 4 and report["compiled_steps"] == shapes and "+ decode" in shapes[-1]

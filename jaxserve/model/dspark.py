@@ -114,8 +114,8 @@ def block_logits(
             (h,), _ = block([h], one, experts, rings, index, [block_inputs], cfg, SWA, kernels, draft_block=True)
             return h, None
 
-        # The stages as one scanned body: one layer compiled, not one per stage (on a GPU traced in line, as the
-        # target's layers are: Kernels.unrolled_layers).
+        # The stages as one scanned body: one layer compiled, not one per stage (on a GPU traced in line,
+        # Kernels.unrolled_layers: three stages, little to compile, whatever the mesh).
         indices = jnp.arange(cfg.dspark.stages, dtype=jnp.int32)
         h, _ = jax.lax.scan(stage, h, (layers, indices), unroll=kernels.unrolled_layers)
         y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
