@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -18,11 +19,11 @@ import pytest
 from reference import reference_greedy
 from test_quantized_weights import PROMPTS, _greedy_over_http
 
-from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.deepseek import TensorReader, load_weights
 from jaxserve.checkpoints.load import load_model
 from jaxserve.checkpoints.orbax_io import convert_checkpoint
 from jaxserve.checkpoints.safetensors_file import SafetensorsFolder
-from jaxserve.checkpoints.writer import checkpoint_tensors, write_checkpoint
+from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_checkpoint
 from jaxserve.config import CSA, HCA, SWA, ConfigError, DSparkConfig, load_config
 from jaxserve.kernels.quant import FP4, FP8
 from jaxserve.model.sharding import make_mesh
@@ -140,3 +141,33 @@ def test_an_orbax_conversion_keeps_the_dspark_drafter(release, tmp_path):
     assert any(path.startswith("dspark.") for path, _ in flatten_with_names(converted.weights))
     with pytest.raises(ConfigError, match="dspark_block_size=5: the checkpoint ships a DSpark drafter"):
         load_model(dst, mesh, "float32", drafter="mtp", skip_tokenizer=True)
+
+
+def _hf_name(name: str) -> str:
+    """An official tensor name as transformers' `save_pretrained` names it: behind `model.`, renamed where its layout
+    differs (TensorReader.HF_RENAMES, read backwards); a block scale follows its weight; the LM head stays as it is."""
+    if name == "head.weight":
+        return name
+    weight = name[: -len("scale")] + "weight" if name.endswith(".scale") else name
+    for pattern, replacement in TensorReader.HF_RENAMES:
+        if pattern.match(weight):
+            weight = pattern.sub(replacement, weight)
+            break
+    return "model." + (weight[: -len("weight")] + "scale" if name.endswith(".scale") else weight)
+
+
+def test_dspark_drafting_reads_the_release_under_transformers_names(release, tmp_path):
+    """The same release with every tensor under transformers' names (`model.`-prefixed, its renames; the drafter's
+    stages and heads too, as hub conversions store them): the backbone and the DSpark drafter load exactly as from
+    the official names."""
+    official = SafetensorsFolder(release["folder"])
+    hf = tmp_path / "hf"
+    save_tensors({_hf_name(name): official.get(name) for name in official.keys()}, hf, max_shard_bytes=400_000)
+    shutil.copyfile(release["folder"] / "config.json", hf / "config.json")
+    assert any(name.startswith("model.mtp.") for name in SafetensorsFolder(hf).keys())
+    mesh = make_mesh(1, 1)
+    renamed = load_model(hf, mesh, "float32", drafter="dspark", skip_tokenizer=True)
+    original = load_model(release["folder"], mesh, "float32", drafter="dspark", skip_tokenizer=True)
+    pairs = zip(flatten_with_names(renamed.weights), flatten_with_names(original.weights), strict=True)
+    for (path, got), (_, want) in pairs:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
