@@ -109,6 +109,7 @@ class FakeRunner:
             prefill_rows=max(buckets.prefill_rows),
             decode_rows=max(buckets.decode_rows),
             mixed_decode_rows=buckets.mixed_decode_group.rows if buckets.mixed else 0,
+            decode_row_tokens=buckets.decode_row_tokens,
         )
         self.reset_cache()
 
@@ -161,7 +162,7 @@ class FakeRunner:
         if prefill is not None and decode is not None:
             assert limits.mixed, "a mixed step before mixed shapes compiled"
             assert prefill.num_rows <= MIXED_PREFILL_ROWS, "a mixed step with more prompt chunks than it carries"
-            assert int(prefill.lengths.sum()) + limits.mixed_decode_rows <= limits.prefill_tokens, (
+            assert int(prefill.lengths.sum()) + limits.mixed_decode_tokens <= limits.prefill_tokens, (
                 "a mixed step whose chunk and decode rows exceed a pure chunk's tokens"
             )
         outputs = {group.decode: self._run_group(group) for group in groups}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from harness import chunk_schedule, prefill_then_decode, run_schedule
 
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.model.cache import CacheGeometry
 from jaxserve.model.sharding import make_mesh, place
 from jaxserve.model.weights import abstract_weights, init_weights
@@ -126,6 +127,11 @@ def test_buckets_compile_what_one_request_needs_first_and_one_mixed_shape_per_on
     # A chunk no longer than the decode rows has no mixed form.
     narrow = Buckets.for_limits(max_prefill_rows=1, chunked_prefill_size=64, max_num_seqs=16, mixed=True)
     assert {s for s in narrow.shapes() if s.kind is StepKind.MIXED} == {mixed(1, 48, 16)}
+    # Verify rows (k = 2 drafts) carry 3 tokens each: the chunk leaves 8 x 3 (and a 16-token chunk has no mixed form).
+    drafting = Buckets.for_limits(2, 256, 8, mixed=True, decode_row_tokens=3)
+    assert {s for s in drafting.shapes() if s.kind is StepKind.MIXED} == {mixed(1, c - 24, 8) for c in (64, 256)}
+    engine = EngineConfig(max_num_seqs=8, speculative_config=SpeculativeConfig("mtp", 2))
+    assert Buckets.for_config(engine).decode_row_tokens == 3
 
 
 def test_step_limits_grow_with_the_compiled_shapes():

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from jaxserve.request import Request
-from jaxserve.request.step import StepKind, StepRow
+from jaxserve.request.step import StepKind, StepLimits, StepRow
 from jaxserve.scheduler import DecodeInterleavePolicy, MixedSteps, Scheduler
 
 
@@ -185,6 +185,15 @@ def test_a_mixed_step_leaves_its_decode_rows_room_in_the_chunk_budget():
     assert steps(scheduler, 2) == "MM"
     # The chunk gets what a pure chunk has, less the compiled mixed step's decode rows (here max_num_seqs = 4).
     assert prefill.budgets == [256 - 4] * 2
+
+
+def test_a_mixed_step_leaves_verify_rows_room_for_their_drafts_too():
+    """With speculative decoding a decode row carries k + 1 tokens (its last token and k drafts): the chunk leaves
+    them all room, as the compiled mixed shape does (Buckets.mixed_shape)."""
+    scheduler, prefill, _ = make_scheduler(mixed=True)
+    scheduler.set_step_limits(StepLimits(256, 2, 4, mixed_decode_rows=4, decode_row_tokens=3))
+    assert steps(scheduler, 2) == "MM"
+    assert prefill.budgets == [256 - 4 * 3] * 2
 
 
 def test_mixed_steps_reset_the_interleave_count_so_it_never_forces_a_decode():

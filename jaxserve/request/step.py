@@ -227,14 +227,20 @@ class StepLimits:
     """What the compiled shapes allow a step to carry (the scheduler keeps every plan within it).
 
     A mixed step's decode group always has `mixed_decode_rows` rows (padding the rest) and its prefill part one row
-    (MIXED_PREFILL_ROWS) of at most `prefill_tokens - mixed_decode_rows` tokens, so it costs what a pure chunk does
+    (MIXED_PREFILL_ROWS) of at most `prefill_tokens - mixed_decode_tokens` tokens, so it costs what a pure chunk does
     (0: no mixed step compiled)."""
 
     prefill_tokens: int  # the longest chunk one row may have
     prefill_rows: int
     decode_rows: int
     mixed_decode_rows: int = 0
+    decode_row_tokens: int = 1  # tokens a decode row carries: 1, or k + 1 where it verifies k drafts
 
     @property
     def mixed(self) -> bool:
         return self.mixed_decode_rows > 0
+
+    @property
+    def mixed_decode_tokens(self) -> int:
+        """The tokens a mixed step's decode group takes of the step's."""
+        return self.mixed_decode_rows * self.decode_row_tokens

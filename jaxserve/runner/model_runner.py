@@ -78,10 +78,16 @@ class Buckets:
     prefill_chunks: tuple[int, ...]
     decode_rows: tuple[int, ...]
     mixed: bool = False  # also compile prefill steps that carry a decode group
+    decode_row_tokens: int = 1  # tokens a decode row carries: 1, or k + 1 where it verifies k drafts
 
     @staticmethod
     def for_limits(
-        max_prefill_rows: int, chunked_prefill_size: int, max_num_seqs: int, min_chunk: int = 16, mixed: bool = False
+        max_prefill_rows: int,
+        chunked_prefill_size: int,
+        max_num_seqs: int,
+        min_chunk: int = 16,
+        mixed: bool = False,
+        decode_row_tokens: int = 1,
     ) -> Buckets:
         # Chunks grow by 4x: each bucket costs a compile at start-up, padding costs only a little compute.
         chunks, size = [], min(min_chunk, chunked_prefill_size)
@@ -93,6 +99,7 @@ class Buckets:
             prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
             decode_rows=powers_of_two_up_to(max_num_seqs),
             mixed=mixed,
+            decode_row_tokens=decode_row_tokens,
         )
 
     @staticmethod
@@ -103,6 +110,7 @@ class Buckets:
             engine_cfg.chunked_prefill_size,
             engine_cfg.max_num_seqs,
             mixed=engine_cfg.mixed_steps,
+            decode_row_tokens=engine_cfg.draft_tokens + 1,
         )
 
     @property
@@ -112,13 +120,14 @@ class Buckets:
         return GroupShape(max(self.decode_rows), 1)
 
     def mixed_shape(self, prefill: GroupShape) -> StepShape | None:
-        """The mixed step that costs what the pure step `prefill` does: its chunk shortened by the decode rows, so
-        chunk + decode rows is the pure chunk's tokens (None: the chunk is no longer than the decode rows, or the pure
-        step has more prefill rows than a mixed step carries, MIXED_PREFILL_ROWS)."""
+        """The mixed step that costs what the pure step `prefill` does: its chunk shortened by the decode rows' tokens
+        (a row verifying k drafts carries k + 1), so chunk + those tokens is the pure chunk's (None: the chunk is no
+        longer than them, or the pure step has more prefill rows than a mixed step carries, MIXED_PREFILL_ROWS)."""
         decode = self.mixed_decode_group
-        if prefill.chunk <= decode.rows or prefill.rows != MIXED_PREFILL_ROWS:
+        tokens = decode.rows * self.decode_row_tokens
+        if prefill.chunk <= tokens or prefill.rows != MIXED_PREFILL_ROWS:
             return None
-        return StepShape(GroupShape(prefill.rows, prefill.chunk - decode.rows), decode)
+        return StepShape(GroupShape(prefill.rows, prefill.chunk - tokens), decode)
 
     def shapes(self) -> list[StepShape]:
         """Every step shape, in the order they are compiled: first what one request at a time needs (the smallest
@@ -158,6 +167,7 @@ def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None
         prefill_rows=rows,
         decode_rows=max(decode),
         mixed_decode_rows=buckets.mixed_decode_group.rows if mixed else 0,
+        decode_row_tokens=buckets.decode_row_tokens,
     )
 
 

@@ -86,6 +86,7 @@ class Scheduler:
             min(configured.prefill_rows, compiled.prefill_rows),
             min(configured.decode_rows, compiled.decode_rows),
             compiled.mixed_decode_rows,
+            compiled.decode_row_tokens,
         )
 
     @property
@@ -131,9 +132,10 @@ class Scheduler:
         riders = self.decode_manager.schedule_next_rows(limits.decode_rows) if mixed else ()
         max_rows = limits.prefill_rows
         if riders:
-            # One chunk, and the decode rows take their share of the step's tokens, whoever set them (the pure chunk
-            # or a policy's limit): chunk + decode rows then fits the mixed shape of the bucket that limit names.
-            budget, max_rows = max(budget - limits.mixed_decode_rows, 1), MIXED_PREFILL_ROWS
+            # One chunk, and the decode rows take their share of the step's tokens (k + 1 a row verifying k drafts),
+            # whoever set them (the pure chunk or a policy's limit): chunk + the rows' tokens then fits the mixed shape
+            # of the bucket that limit names.
+            budget, max_rows = max(budget - limits.mixed_decode_tokens, 1), MIXED_PREFILL_ROWS
         chunks = self.prefill_manager.schedule_next_chunks(budget, max_rows, limits.decode_rows)
         if chunks:
             return StepPlan(prefill=chunks, decode=riders)
