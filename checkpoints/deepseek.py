@@ -54,6 +54,13 @@ def with_drafter_apart(cfg: ModelConfig, folder: Path) -> ModelConfig:
     return replace(cfg, dspark=load_config(apart).dspark)
 
 
+def drafting_config(folder: Path, drafter: str | None) -> ModelConfig:
+    """The config of the checkpoint in `folder` holding the drafter speculative decoding's `drafter` method drafts
+    with ("mtp", "dspark", a DSpark drafter kept beside the checkpoint included; None: none)."""
+    cfg = load_config(folder)
+    return (with_drafter_apart(cfg, folder) if drafter == "dspark" else cfg).with_drafter(drafter)
+
+
 FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.checkpoints.deepseek import load_weights, with_drafter_apart
+from jaxserve.checkpoints.deepseek import drafting_config, load_weights
 from jaxserve.checkpoints.orbax_io import is_orbax_checkpoint, restore_weights
-from jaxserve.config import ModelConfig, load_config
+from jaxserve.config import ModelConfig
 from jaxserve.model.sharding import for_mesh, shardings_for
 from jaxserve.model.weights import Weights, abstract_weights
 from jaxserve.text.tokenizer import TokenIdOnly, Tokenizer, load_tokenizer
@@ -31,10 +31,7 @@ def model_config(
     kept as it ships them (`quantization="auto"`) or dequantized (`"none"`), holding the drafter speculative
     decoding's `drafter` method drafts with ("mtp", "dspark"; None: none)."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    cfg = load_config(folder)
-    if drafter == "dspark":
-        cfg = with_drafter_apart(cfg, folder)
-    return cfg.with_dtype(dtype).with_quantization(quantization).with_drafter(drafter)
+    return drafting_config(folder, drafter).with_dtype(dtype).with_quantization(quantization)
 
 
 def load_model(
@@ -51,9 +48,8 @@ def load_model(
     streamed leaf by leaf into its target sharding. The config is the checkpoint's with its vocabulary padded to
     split over `mesh` (`sharding.for_mesh`): the weights hold the padded rows, `vocab_size` stays the real one."""
     folder = Path(path) if path is not None else default_checkpoint_path()
-    orbax = is_orbax_checkpoint(folder)
     config = for_mesh(model_config(folder, dtype, quantization, drafter), mesh)
-    if orbax:
+    if is_orbax_checkpoint(folder):
         weights = restore_weights(folder, config, mesh, show_progress)
     else:
         weights, _ = load_weights(folder, config, shardings_for(abstract_weights(config), mesh), show_progress)

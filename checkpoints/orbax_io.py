@@ -33,6 +33,7 @@ from jaxserve.checkpoints.deepseek import (
     TensorReader,
     check_complete,
     drafter_folder,
+    drafting_config,
     read_leaf,
     weight_sources,
     with_drafter_apart,
@@ -150,9 +151,10 @@ def _drafters(src: Path, cfg: ModelConfig, reader: TensorReader) -> dict[str, tu
     its DSpark drafter (in its tensors, or kept beside them in DSPARK_FOLDER). One the config declares but whose
     tensors are missing is left out, loudly."""
     found: dict[str, tuple[ModelConfig, TensorReader]] = {}
-    apart = drafter_folder(src) if cfg.dspark is None else None
+    with_dspark = with_drafter_apart(cfg, src)
+    apart = drafter_folder(src) if with_dspark is not cfg else None  # the drafter's config, so its tensors, beside
     dspark_reader = reader if apart is None else TensorReader(SafetensorsFolder(apart))
-    candidates = {"mtp": (cfg, reader), "dspark": (with_drafter_apart(cfg, src), dspark_reader)}
+    candidates = {"mtp": (cfg, reader), "dspark": (with_dspark, dspark_reader)}
     for method, (base, method_reader) in candidates.items():
         try:
             drafter_cfg = base.with_drafter(method)
@@ -258,8 +260,7 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
             f"again, or serve the safetensors checkpoint, for speculative decoding with method {drafter!r}"
         )
     # The vocabulary's padding is the mesh's (sharding.for_mesh), never the conversion's.
-    converted = with_drafter_apart(load_config(dst), dst) if drafter == "dspark" else load_config(dst)
-    converted = converted.with_drafter(drafter).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
+    converted = drafting_config(dst, drafter).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
         hint = (

@@ -33,6 +33,10 @@ F32 = jnp.float32
 U8 = jnp.uint8
 
 
+def _codes_and_scales_bytes(n: int, block: int, scale_dtype: Any) -> int:
+    return n + (n // block) * np.dtype(scale_dtype).itemsize
+
+
 def _as_bytes(x: jax.Array) -> jax.Array:
     """`x [..., m]` as its bytes `[..., m * itemsize]` uint8 (a bitcast: no rounding)."""
     if x.dtype == U8:
@@ -60,7 +64,7 @@ class Fp8KV:
 
     @staticmethod
     def row_bytes(n: int, block: int, rope_dim: int, scale_dtype: Any) -> int:
-        return n + (n // block) * np.dtype(scale_dtype).itemsize + 2 * rope_dim
+        return _codes_and_scales_bytes(n, block, scale_dtype) + 2 * rope_dim
 
     @classmethod
     def pack(cls, codes: jax.Array, scales: jax.Array, rope: jax.Array | None = None) -> Fp8KV:
@@ -77,7 +81,7 @@ class Fp8KV:
 
     @property
     def _scale_end(self) -> int:
-        return self.n + (self.n // self.block) * np.dtype(self.scale_dtype).itemsize
+        return _codes_and_scales_bytes(self.n, self.block, self.scale_dtype)
 
     @property
     def codes(self) -> jax.Array:

@@ -71,7 +71,9 @@ def runners(loaded):
     built = {}
     for k in (None, 1, 2, 3):
         cfg = _config(k)
-        buckets = dataclasses.replace(BUCKETS, mixed=cfg.mixed_steps)
+        # The engine's own rule for what a mixed step's verify rows take of its chunk (Buckets.for_config).
+        engines = Buckets.for_config(cfg)
+        buckets = dataclasses.replace(BUCKETS, mixed=engines.mixed, decode_row_tokens=engines.decode_row_tokens)
         runner = ModelRunner(loaded.config, loaded.weights, kv_geometry(cfg, loaded.config), make_mesh(1, 1), buckets)
         runner.warmup()
         built[k] = runner

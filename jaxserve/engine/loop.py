@@ -812,9 +812,10 @@ def _check_mixed_steps(cfg: EngineConfig, buckets: Buckets) -> None:
     if not buckets.mixed:
         why = "the runner was built without mixed step shapes (build_runner builds them)"
     elif buckets.mixed_shape(GroupShape(1, max(buckets.prefill_chunks))) is None:
+        rows, tokens = buckets.mixed_decode_group.rows, buckets.decode_row_tokens
         why = (
-            f"a mixed step's chunk is --chunked-prefill-size ({cfg.chunked_prefill_size}) minus its decode rows "
-            f"(--max-num-seqs, {cfg.max_num_seqs}), which leaves nothing"
+            f"a mixed step's chunk is --chunked-prefill-size ({cfg.chunked_prefill_size}) minus its decode rows' "
+            f"tokens ({rows} rows, --max-num-seqs, x {tokens} a row), which leaves nothing"
         )
     else:
         return

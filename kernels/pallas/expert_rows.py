@@ -108,10 +108,10 @@ def expert_rows(
 
 
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
-    """The most HBM bytes one call moves, from its operands as compiled, in order: the expert indices [a], x [a, d],
-    then each stack's weights (a plain stack, or codes and scales:
-    [n, ...]). Each touched expert's weights once, at most min(rows, stack) experts; x read and the output written
-    once; the index array once a program (it is a few bytes)."""
+    """The most HBM bytes one call moves, from its operands as compiled, in order: the expert indices [a], x [a /
+    repeats, d], then each stack's weights (a plain stack, or codes and scales: [n, ...]). Each touched expert's
+    weights once, at most min(rows, stack) experts; x read and the output written once; the index array once a
+    program (it is a few bytes)."""
     rows, stack = operand_shapes[0][0], operand_shapes[2][0]
     per_expert = sum(operand_bytes[2:]) / stack
     return experts_read_at_most(rows, stack) * per_expert + operand_bytes[1] + out_bytes + rows * operand_bytes[0]

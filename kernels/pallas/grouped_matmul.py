@@ -214,9 +214,7 @@ def x_tiles(x_ref, rows: jax.Array, k0: Any, mask: jax.Array, lo: _Layout) -> li
     low and high nibbles' rows), read in place at every other column (a split copy of x was one more launch a call).
     Indexed by arrays, not slices: Pallas's interpret mode loads no strided slice, nor slices beside arrays."""
     steps = k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1)
-    if lo.halves == 1:
-        return [plgpu.load(x_ref.at[rows, steps], mask=mask, other=0)]
-    return [plgpu.load(x_ref.at[rows, 2 * steps + half], mask=mask, other=0) for half in range(lo.halves)]
+    return [plgpu.load(x_ref.at[rows, lo.halves * steps + half], mask=mask, other=0) for half in range(lo.halves)]
 
 
 def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int, n_tiles: int) -> tuple[jax.Array, ...]:
