@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .norm import rms_norm
 from .quant import one_layer
 
 F32 = jnp.float32
@@ -26,12 +27,13 @@ def hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 
 
 def hc_pre(
-    h: jax.Array, fn: Any, base: Any, scale: Any, *, norm_eps: float, hc_eps: float, iters: int
+    h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float, iters: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]; both float32):
     mixes = hc_mixes(h, fn) * scale (per part) + base; pre = sigmoid(mixes_pre) + hc_eps, x = sum_n pre_n h_n;
-    post = 2 sigmoid(mixes_post); comb = sinkhorn(mixes_comb). The weights (fn [n * d, m], base [m], scale [3]) may
-    be `LayerOf` views of stacks (sliced here)."""
+    post = 2 sigmoid(mixes_post); comb = sinkhorn(mixes_comb). `norm` [d]: the block's input norm weight; given, x
+    comes out RMS-normalised (`rms_norm(x, norm, norm_eps)`), as the block reads it. The weights (fn [n * d, m],
+    base [m], scale [3], norm) may be `LayerOf` views of stacks (sliced here)."""
     fn, base, scale = (one_layer(a) for a in (fn, base, scale))
     n = h.shape[-2]
     mixes = hc_mixes(h, fn, norm_eps)
@@ -41,6 +43,8 @@ def hc_pre(
     comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
     comb = sinkhorn(comb_logits, iters, hc_eps)
     x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
+    if norm is not None:
+        x = rms_norm(x, norm, norm_eps)
     return x, post, comb
 
 

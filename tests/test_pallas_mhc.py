@@ -1,7 +1,8 @@
 """kernels.pallas.mhc: the Pallas mHC collapse (interpret=True on CPU) equals the reference kernels.mhc.hc_pre for
 decode- and prefill-shaped inputs, row counts that are not a multiple of the block, widths that are not a multiple
-of the splits, bfloat16 and float32 streams, peaked and flat mixing logits; its comb is doubly stochastic; it
-refuses a stream count Triton cannot block. Compiling it for a GPU: tests/test_plan_target.py."""
+of the splits, bfloat16 and float32 streams, peaked and flat mixing logits, with and without the block's input norm
+folded in; its comb is doubly stochastic; it refuses a stream count Triton cannot block. Compiling it for a GPU:
+tests/test_plan_target.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def _inputs(lead: tuple[int, ...], n: int, d: int, dtype, comb_scale: float, see
     return h, fn, base, scale
 
 
+def _norm(d: int, seed: int) -> jax.Array:
+    return jnp.asarray(1.0 + 0.5 * np.random.default_rng(seed).normal(size=(d,)), jnp.float32)
+
+
+@pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize(
     "lead, d, dtype, comb_scale",
     [
@@ -38,10 +44,11 @@ def _inputs(lead: tuple[int, ...], n: int, d: int, dtype, comb_scale: float, see
         ((130,), 512, jnp.bfloat16, 1.0),  # more rows than two blocks, more columns than one split
     ],
 )
-def test_pallas_hc_pre_equals_the_reference(lead, d, dtype, comb_scale):
+def test_pallas_hc_pre_equals_the_reference(lead, d, dtype, comb_scale, normed):
     h, fn, base, scale = _inputs(lead, 4, d, dtype, comb_scale, seed=d + len(lead))
-    want = reference(h, fn, base, scale, **EPS)
-    got = hc_pre(h, fn, base, scale, interpret=True, block_cols=32, split_cols=128, **EPS)
+    norm = _norm(d, seed=d) if normed else None
+    want = reference(h, fn, base, scale, norm, **EPS)
+    got = hc_pre(h, fn, base, scale, norm, interpret=True, block_cols=32, split_cols=128, **EPS)
     for name, g, w in zip(("x", "post", "comb"), got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         if name == "x" and dtype == jnp.bfloat16:  # float32 sums rounded once to bfloat16: one ulp apart at most
@@ -54,8 +61,10 @@ def test_pallas_hc_pre_equals_the_reference(lead, d, dtype, comb_scale):
 
 def test_the_default_tiles_match_the_reference_at_flash_width():
     h, fn, base, scale = _inputs((2, 1), 4, 4096, jnp.bfloat16, 1.0, seed=7)
-    want = reference(h, fn, base, scale, **EPS)
-    got = hc_pre(h, fn, base, scale, interpret=True, **EPS)
+    norm = _norm(4096, seed=7)
+    want = reference(h, fn, base, scale, norm, **EPS)
+    got = hc_pre(h, fn, base, scale, norm, interpret=True, **EPS)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2**-7, atol=1e-4)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **TOL)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), **TOL)
 
@@ -70,18 +79,20 @@ def test_a_stream_count_triton_cannot_block_is_refused(n):
 def test_a_layer_of_stacked_weights_is_read_in_place():
     """The model passes a looped segment's hyper-connections as `LayerOf` views of their stacks (three layers here;
     the layer a traced index): the kernels read that layer, as the reference's slice does."""
-    layers = [_inputs((4, 1), 4, 64, jnp.bfloat16, 1.0, seed=s) for s in range(3)]
+    layers = [(*_inputs((4, 1), 4, 64, jnp.bfloat16, 1.0, seed=s), _norm(64, seed=s)) for s in range(3)]
     h = layers[0][0]
-    fn, base, scale = (jnp.stack([weights[i] for weights in layers]) for i in (1, 2, 3))
+    fn, base, scale, norm = (jnp.stack([weights[i] for weights in layers]) for i in (1, 2, 3, 4))
     pick = jax.jit(
-        lambda h, fn, base, scale, layer: hc_pre(
-            h, LayerOf(fn, layer), LayerOf(base, layer), LayerOf(scale, layer), interpret=True, **EPS
+        lambda h, fn, base, scale, norm, layer: hc_pre(
+            h, *(LayerOf(w, layer) for w in (fn, base, scale, norm)), interpret=True, **EPS
         )
     )
-    got = pick(h, fn, base, scale, jnp.int32(1))
+    got = pick(h, fn, base, scale, norm, jnp.int32(1))
     want = reference(h, *layers[1][1:], **EPS)
     for g, w in zip(got[1:], want[1:], strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2**-7, atol=1e-4)
     with pytest.raises(ValueError, match="all LayerOf views or all plain"):
         hc_pre(h, LayerOf(fn, 1), base[1], scale[1], interpret=True, **EPS)
+    with pytest.raises(ValueError, match="all LayerOf views or all plain"):
+        hc_pre(h, LayerOf(fn, 1), LayerOf(base, 1), LayerOf(scale, 1), norm[1], interpret=True, **EPS)

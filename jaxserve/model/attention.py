@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
+from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.quant import LayerOf, Quantized, dense, one_layer
+from jaxserve.kernels.rope import apply_rope
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import LayerCache, decode, encode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import apply_rope, rms_norm, rope_frequencies
+from jaxserve.model.layers import rope_frequencies
 from jaxserve.model.weights import Attention
 
 F32 = jnp.float32

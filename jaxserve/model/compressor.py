@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels.norm import rms_norm
+from jaxserve.kernels.rope import apply_rope
 from jaxserve.model.cache import CompressorState
-from jaxserve.model.layers import apply_rope, rms_norm
 from jaxserve.model.weights import Compressor
 
 F32 = jnp.float32

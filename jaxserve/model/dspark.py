@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import SWA, ModelConfig
+from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import keys, write_window
 from jaxserve.model.cache import LayerCache, gather
 from jaxserve.model.forward import block, vocab_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_head, rms_norm, rope_frequencies
+from jaxserve.model.layers import hc_head, rope_frequencies
 from jaxserve.model.weights import DSparkDrafter, RoutedExperts
 
 

@@ -12,15 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_head, hc_post, hc_pre, rms_norm
+from jaxserve.model.layers import hc_head, hc_post, hc_pre
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import (
+    BLOCK_NORMS,
     MTP_KIND,
     HyperConnection,
     Layer,
@@ -52,16 +54,13 @@ def block(
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
-            x, post, comb = hc_pre(h, w.attn_hc, cfg, kernels)
-            normed = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+            normed, post, comb = hc_pre(h, w.attn_hc, cfg, kernels, w.attn_norm)
             out, cache = attention_block(normed, w.attn, cache, layer, inputs, cfg, kind, kernels, draft_block)
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
-        pres = [hc_pre(h, w.ffn_hc, cfg, kernels) for h in hs]
-        flat = jnp.concatenate(
-            [rms_norm(x, w.ffn_norm, cfg.rms_norm_eps).reshape(1, -1, x.shape[-1]) for x, _, _ in pres], axis=1
-        )
+        pres = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm) for h in hs]
+        flat = jnp.concatenate([normed.reshape(1, -1, normed.shape[-1]) for normed, _, _ in pres], axis=1)
         tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
         out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
         sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
@@ -101,14 +100,18 @@ def run_segment(
     def read_in_place(a) -> bool:
         return is_quantized(a) or isinstance(a, HyperConnection)
 
-    def kept_whole(a) -> bool:
-        # A hyper-connection's weights are replicated on every mesh (read whole, they cost no gather).
-        return isinstance(a, HyperConnection) or (in_place and is_quantized(a))
+    def kept_whole(path, a) -> bool:
+        # A hyper-connection's weights and the block norms are replicated on every mesh (read whole, no gather).
+        name = getattr(path[-1], "name", None)
+        return isinstance(a, HyperConnection) or name in BLOCK_NORMS or (in_place and is_quantized(a))
 
-    # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), those the scan slices (the
-    # rest left None) and the structure to put a repeat's layer back together.
-    flat = [jax.tree.flatten(stack, is_leaf=read_in_place) for stack in stacks]
-    sliced = [[None if kept_whole(a) else a for a in leaves] for leaves, _ in flat]
+    # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), whether each is kept whole,
+    # those the scan slices (the rest left None) and the structure to put a repeat's layer back together.
+    flat = []
+    for stack in stacks:
+        with_paths, tree = jax.tree_util.tree_flatten_with_path(stack, is_leaf=read_in_place)
+        flat.append(([a for _, a in with_paths], [kept_whole(p, a) for p, a in with_paths], tree))
+    sliced = [[None if whole else a for a, whole in zip(leaves, wholes)] for leaves, wholes, _ in flat]
 
     slots = None if taps is None else tap_slots(cfg)
 
@@ -116,8 +119,9 @@ def run_segment(
         hs, cache, taps = carry
         layers, index = xs
         cache = list(cache)
-        for p, (kind, (leaves, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):
-            w = jax.tree.unflatten(tree, [LayerOf(a, index) if kept_whole(a) else s for a, s in zip(leaves, slices)])
+        for p, (kind, (leaves, wholes, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):
+            kept = [LayerOf(a, index) if whole else s for a, whole, s in zip(leaves, wholes, slices)]
+            w = jax.tree.unflatten(tree, kept)
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
                 hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
             if taps is not None and slots is not None:

@@ -6,6 +6,7 @@ Letters: b batch rows, t query time, n hc streams, d embed, h heads, k head dim.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +19,6 @@ from jaxserve.kernels.table import Kernels
 from jaxserve.model.weights import HyperConnection
 
 F32 = jnp.float32
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) [* weight], in float32, cast back to x's dtype."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        y = y * weight.astype(F32)
-    return y.astype(x.dtype)
 
 
 # ---- RoPE --------------------------------------------------------------------------------------------------------
@@ -54,38 +46,22 @@ def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:
     return freqs * (1.0 - ramp) + freqs / yarn.factor * ramp
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
-    """Rotate the last 2*len(freqs) dims of x as interleaved pairs (x[2i], x[2i+1]).
-
-    x: [..., k]; positions broadcast against x's leading dims (x.shape[:-1] after any head axes are
-    accounted for by the caller). float32 maths, result in x's dtype.
-    """
-    r = 2 * freqs.shape[0]
-    angles = positions.astype(F32)[..., None] * jnp.asarray(freqs, F32)  # [..., R/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., :-r], x[..., -r:].astype(F32)
-    a, b = rope[..., 0::2], rope[..., 1::2]
-    rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rope.shape)
-    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
-
-
 # ---- mHC -----------------------------------------------------------------------------------------------------------
 
 
 def hc_pre(
-    h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig, kernels: Kernels
+    h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig, kernels: Kernels, norm: Any = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Collapse the streams into one block input; return it with the post weights and the comb matrix. `hc` is one
-    layer's weights, or a layer of the segment's stacked ones (kernels that can read it in place)."""
+    layer's weights, or a layer of the segment's stacked ones (kernels that can read it in place). `norm`: the
+    block's input norm weight (a `LayerOf` view where `hc` is one): the block input comes out normalised by it."""
     if isinstance(hc, LayerOf):
         fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
     else:
         fn, base, scale = hc.fn, hc.base, hc.scale
     with jax.named_scope("hc_pre"):
         return kernels.hc_pre(
-            h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
+            h, fn, base, scale, norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
         )
 
 

@@ -120,6 +120,12 @@ class RoutedExperts:
         return rest, RoutedExperts(moe.w_gate, moe.w_up, moe.w_down)
 
 
+# The layer's weights, besides the projections, that kernels read from a segment's stacks in place (as `LayerOf`
+# views; sliced out, each is copied every step): the block-input norms, which the mHC collapse folds in, replicated
+# on every mesh like the hyper-connections' own weights, so read in place on any mesh.
+BLOCK_NORMS = ("attn_norm", "ffn_norm")
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class Layer:

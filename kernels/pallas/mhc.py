@@ -1,22 +1,26 @@
 """Pallas mHC collapse: `jaxserve.kernels.mhc.hc_pre` in two kernels.
 
 The reference is, on a GPU, five or six kernels a hyper-connection (the projection as a split-K matmul and its
-reduction, the RMS sum, the Sinkhorn loop, the weighted sum of the streams), twice a layer. Here:
+reduction, the RMS sum, the Sinkhorn loop, the weighted sum of the streams), and two more for the block's input
+norm, twice a layer. Here:
 
-1. `mixes`: grid (row blocks, splits of the flattened streams x = n * d). Program (i, s) reads its rows' slice of x
-   [bm, x / splits] in steps of bc columns, accumulates the three projections (pre, post, comb: each a [bc, P]
-   slice of fn, columns past the part masked to 0) and the sum of squares, and stores the partial sums [bm, 4P]
-   (pre | post | comb | the square sum repeated). The reduction over x is spread over `splits` programs so that a
-   decode step's few rows do not stream fn (n * d * m floats) through one multiprocessor.
+1. `mixes`: grid (row blocks, splits of d). Program (i, s) reads its rows' columns of d [bm, d / splits] of every
+   stream in steps of bc columns, accumulates the three projections (pre, post, comb: each a [bc, P] slice of fn,
+   columns past the part masked to 0) and the streams' Gram matrix G[a, b] = sum_d h_a h_b (n^2 sums), and stores
+   the partial sums [bm, 4P] (pre | post | comb | G row-major). The reduction over x = n * d is spread over
+   `splits` programs so that a decode step's few rows do not stream fn (n * d * m floats) through one
+   multiprocessor.
 2. `collapse`: grid (row blocks, chunks of d). Program (i, c) adds the splits' partial sums, normalises them (RMS
-   over x), applies scale and base and the sigmoids, and writes x[rows, chunk] = sum_n pre_n h_n[rows, chunk]; the
-   programs of chunk 0 also run the Sinkhorn loop in registers and write post and comb. Every chunk recomputes the
-   few floats of pre: cheaper than a third kernel.
+   over x: the square sum is G's trace), applies scale and base and the sigmoids, and writes x[rows, chunk] =
+   sum_n pre_n h_n[rows, chunk]; the programs of chunk 0 also run the Sinkhorn loop in registers and write post
+   and comb. Every chunk recomputes the few floats of pre: cheaper than a third kernel. With the block's norm
+   weight, x comes out RMS-normalised: sum_d x^2 = pre^T G pre, known to every chunk without reading the others,
+   so the norm costs no kernel of its own.
 
-The operations are the reference's, in float32; sums associate differently (split sums, then the splits' total), a
-few ulps. P = max(16, n^2) (Triton's dot minimum), n a power of two with n^2 >= 16 so that the comb part reshapes to
-[bm, n, n] without slicing registers (V4: n = 4). Rows and columns past the arrays' ends are masked, so nothing is
-padded or copied outside the kernels.
+The operations are the reference's, in float32; sums associate differently (split sums, then the splits' total; the
+norm's square sum from G, of x before its rounding to h's dtype), a few ulps. P = max(16, n^2) (Triton's dot
+minimum), n a power of two with n^2 >= 16 so that the comb part reshapes to [bm, n, n] without slicing registers
+(V4: n = 4). Rows and columns past the arrays' ends are masked, so nothing is padded or copied outside the kernels.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def hc_pre(
     fn: Any,
     base: Any,
     scale: Any,
+    norm: Any = None,
     *,
     norm_eps: float,
     hc_eps: float,
@@ -55,12 +60,13 @@ def hc_pre(
     block_cols: int = 256,
     split_cols: int = 1024,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]), as the reference; the weights
-    plain or `LayerOf` views of the segment's stacks, read in place (slicing a layer out is a launch a weight).
-    `split_cols` columns of the flattened streams per program of the first kernel, `block_cols` a step (and the
-    second kernel's chunk of d); all powers of two, block_rows and block_cols at least 16."""
+    """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]), as the reference (x normalised
+    when `norm` is given); the weights plain or `LayerOf` views of the segment's stacks, read in place (slicing a
+    layer out is a launch a weight). `split_cols` elements of the flattened streams per program of the first kernel
+    (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's chunk of d);
+    all powers of two, block_rows and block_cols at least 16."""
     *lead, n, d = h.shape
-    (fn, base, scale), layer = _layer_stacks(fn, base, scale)
+    (fn, base, scale, *norms), layer = _layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
     width = max(DOT_MIN, n * n)
     if n & (n - 1) or n * n < DOT_MIN:
         raise ValueError(f"the Pallas mHC collapse takes a power-of-two stream count with n^2 >= 16; got n = {n}")
@@ -72,12 +78,12 @@ def hc_pre(
     flat = h.reshape(-1, n * d)
     rows = flat.shape[0]
     bm, bc = block_rows, min(block_cols, pl.next_power_of_2(d))
-    steps = max(1, split_cols // bc)
-    splits = pl.cdiv(n * d, steps * bc)
+    steps = max(1, split_cols // (n * bc))
+    splits = pl.cdiv(d, steps * bc)
     row_blocks = pl.cdiv(rows, bm)
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     sums = pl.pallas_call(
-        functools.partial(_mixes_kernel, rows=rows, n=n, bm=bm, bc=bc, steps=steps, width=width),
+        functools.partial(_mixes_kernel, rows=rows, n=n, d=d, bm=bm, bc=bc, steps=steps, width=width),
         out_shape=jax.ShapeDtypeStruct((splits, rows, (PARTS + 1) * width), F32),
         grid=(row_blocks, splits),
         interpret=interpret,
@@ -97,6 +103,7 @@ def hc_pre(
             norm_eps=norm_eps,
             hc_eps=hc_eps,
             iters=iters,
+            normed=bool(norms),
         ),
         out_shape=(
             jax.ShapeDtypeStruct((rows, d), h.dtype),
@@ -107,7 +114,7 @@ def hc_pre(
         interpret=interpret,
         compiler_params=params,
         name="hc_collapse",
-    )(layer, sums, flat, base, scale)
+    )(layer, sums, flat, base, scale, *norms)
     return x.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
 
@@ -118,7 +125,7 @@ def _layer_stacks(*weights: Any) -> tuple[tuple[jax.Array, ...], jax.Array]:
     if not views:
         return tuple(w[None] for w in weights), jnp.zeros((1,), I32)
     if len(views) < len(weights):
-        raise ValueError("the hyper-connection's weights must be all LayerOf views or all plain")
+        raise ValueError("the hyper-connection's weights (and its norm's) must be all LayerOf views or all plain")
     return tuple(w.stack for w in views), jnp.reshape(views[0].layer, (1,)).astype(I32)
 
 
@@ -131,43 +138,51 @@ def _part(n: int, part: int) -> tuple[int, int]:
     return (0, n) if part == 0 else (n, n) if part == 1 else (2 * n, n * n)
 
 
-def _mixes_kernel(layer_ref, h_ref, fn_ref, out_ref, *, rows: int, n: int, bm: int, bc: int, steps: int, width: int):
-    """Program (row block, split): the split's partial projections and square sum of its rows."""
+def _mixes_kernel(
+    layer_ref, h_ref, fn_ref, out_ref, *, rows: int, n: int, d: int, bm: int, bc: int, steps: int, width: int
+):
+    """Program (row block, split): the split's partial projections and Gram matrix of its rows."""
     block, split = pl.program_id(0), pl.program_id(1)
     row0 = block * bm
     row = row0 + _iota((bm, 1), 0)
     layer = layer_ref[0]
-    total = fn_ref.shape[1]  # n * d
     col = _iota((1, width), 1)
 
     def step(i, carry):
-        squares, *acc = carry
+        gram, *acc = carry
         c0 = (split * steps + i) * bc
-        hx = plgpu.load(
-            h_ref.at[pl.ds(row0, bm), pl.ds(c0, bc)], mask=(row < rows) & (c0 + _iota((1, bc), 1) < total), other=0
-        ).astype(F32)
-        in_range = c0 + _iota((bc, 1), 0) < total
-        out = [squares + jnp.sum(hx * hx, axis=1, keepdims=True)]
-        for part, sums in enumerate(acc):
-            first, size = _part(n, part)
-            part_slice = fn_ref.at[layer, pl.ds(c0, bc), pl.ds(first, width)]
-            w = plgpu.load(part_slice, mask=in_range & (col < size), other=0).astype(F32)
-            out.append(sums + jnp.dot(hx, w, preferred_element_type=F32, precision=lax.Precision.HIGHEST))
-        return tuple(out)
+        h_mask = (row < rows) & (c0 + _iota((1, bc), 1) < d)
+        fn_rows = c0 + _iota((bc, 1), 0) < d
+        hs = [
+            plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(stream * d + c0, bc)], mask=h_mask, other=0).astype(F32)
+            for stream in range(n)
+        ]
+        for stream, hx in enumerate(hs):
+            for part in range(PARTS):
+                first, size = _part(n, part)
+                part_slice = fn_ref.at[layer, pl.ds(stream * d + c0, bc), pl.ds(first, width)]
+                w = plgpu.load(part_slice, mask=fn_rows & (col < size), other=0).astype(F32)
+                acc[part] += jnp.dot(hx, w, preferred_element_type=F32, precision=lax.Precision.HIGHEST)
+        for a in range(n):
+            for b in range(a, n):
+                pair = jnp.sum(hs[a] * hs[b], axis=1, keepdims=True)
+                gram += jnp.where((col == a * n + b) | (col == b * n + a), pair, 0.0)
+        return (gram, *acc)
 
     zeros = jnp.zeros((bm, width), F32)
-    squares, *acc = lax.fori_loop(0, steps, step, (jnp.zeros((bm, 1), F32), *([zeros] * PARTS)))
-    for part, sums in enumerate([*acc, jnp.broadcast_to(squares, (bm, width))]):
+    gram, *acc = lax.fori_loop(0, steps, step, (zeros,) * (PARTS + 1))
+    for part, sums in enumerate([*acc, gram]):
         plgpu.store(out_ref.at[split, pl.ds(row0, bm), pl.ds(part * width, width)], sums, mask=row < rows)
 
 
 def _collapse_kernel(
-    layer_ref,
-    sums_ref, h_ref, base_ref, scale_ref, x_ref, post_ref, comb_ref,
-    *, rows: int, n: int, d: int, bm: int, bd: int, splits: int, width: int,
-    norm_eps: float, hc_eps: float, iters: int,
+    layer_ref, sums_ref, h_ref, base_ref, scale_ref, *refs,
+    rows: int, n: int, d: int, bm: int, bd: int, splits: int, width: int,
+    norm_eps: float, hc_eps: float, iters: int, normed: bool,
 ):  # fmt: skip
-    """Program (row block, chunk of d): the mixes, x over the chunk; chunk 0 also post and comb."""
+    """Program (row block, chunk of d): the mixes, x over the chunk (normalised if `normed`: refs start with the
+    norm weight); chunk 0 also post and comb."""
+    *norm_refs, x_ref, post_ref, comb_ref = refs
     block, chunk = pl.program_id(0), pl.program_id(1)
     row0, c0 = block * bm, chunk * bd
     layer = layer_ref[0]
@@ -181,7 +196,9 @@ def _collapse_kernel(
         )
 
     zeros = jnp.zeros((bm, width), F32)
-    *acc, squares = lax.fori_loop(0, splits, add_split, (zeros,) * (PARTS + 1))
+    *acc, gram = lax.fori_loop(0, splits, add_split, (zeros,) * (PARTS + 1))
+    in_gram = col < n * n
+    squares = jnp.sum(jnp.where(in_gram & (col // n == col % n), gram, 0.0), axis=1, keepdims=True)
     inv_rms = lax.rsqrt(squares / (n * d) + norm_eps)
 
     def logits(part: int) -> jax.Array:
@@ -190,12 +207,18 @@ def _collapse_kernel(
         return acc[part] * inv_rms * scale_ref[layer, part].astype(F32) + base[None, :]
 
     pre = jax.nn.sigmoid(logits(0)) + hc_eps
+    weights = [jnp.sum(jnp.where(col == stream, pre, 0.0), axis=1, keepdims=True) for stream in range(n)]
     x = jnp.zeros((bm, bd), F32)
     in_chunk = (row < rows) & (c0 + _iota((1, bd), 1) < d)
-    for stream in range(n):
-        weight = jnp.sum(jnp.where(col == stream, pre, 0.0), axis=1, keepdims=True)
+    for stream, weight in enumerate(weights):
         h = plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(stream * d + c0, bd)], mask=in_chunk, other=0)
         x += weight * h.astype(F32)
+    if normed:  # sum_d x^2 = sum_ab pre_a pre_b G[a, b]; x rounded to h's dtype first, as the reference norms it
+        pre_a = sum(jnp.where(col // n == stream, weight, 0.0) for stream, weight in enumerate(weights))
+        pre_b = sum(jnp.where(col % n == stream, weight, 0.0) for stream, weight in enumerate(weights))
+        x_squares = jnp.sum(jnp.where(in_gram, pre_a * pre_b * gram, 0.0), axis=1, keepdims=True)
+        norm = plgpu.load(norm_refs[0].at[layer, pl.ds(c0, bd)], mask=c0 + _iota((bd,), 0) < d, other=0)
+        x = x.astype(x_ref.dtype).astype(F32) * lax.rsqrt(x_squares / d + norm_eps) * norm.astype(F32)[None, :]
     plgpu.store(x_ref.at[pl.ds(row0, bm), pl.ds(c0, bd)], x.astype(x_ref.dtype), mask=in_chunk)
 
     @pl.when(chunk == 0)
@@ -229,8 +252,8 @@ def mixes_hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[f
 
 def collapse_hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
     """The HBM bytes one `hc_collapse` call moves, from its operands as compiled (the layer index, the partial sums,
-    h, base [layers, m], scale [layers, 3]): the sums and h once (each chunk's programs read their part of every
-    stream), one layer of base and scale, x, post and comb written."""
-    layer, sums, h, base, scale = operand_bytes
+    h, base [layers, m], scale [layers, 3], any norm weight [layers, d]): the sums and h once (each chunk's programs
+    read their part of every stream), one layer of the weights, x, post and comb written."""
+    layer, sums, h, *weights = operand_bytes
     layers = operand_shapes[3][0]
-    return layer + sums + h + (base + scale) / layers + out_bytes
+    return layer + sums + h + sum(weights) / layers + out_bytes
