@@ -44,7 +44,7 @@ def hc_pre(
     comb = sinkhorn(comb_logits, iters, hc_eps)
     x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
     if norm is not None:
-        x = rms_norm(x, norm, norm_eps)
+        x = rms_norm(x, one_layer(norm), norm_eps)
     return x, post, comb
 
 

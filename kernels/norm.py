@@ -3,21 +3,16 @@ norm, a projection's input norm) and the model's own everywhere else."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-
-from .quant import one_layer
 
 F32 = jnp.float32
 
 
-def rms_norm(x: jax.Array, weight: Any, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) [* weight], in float32, cast back to x's dtype. `weight`: None, an array or a
-    `LayerOf` view of a stack."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) [* weight], in float32, cast back to x's dtype."""
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
-        y = y * one_layer(weight).astype(F32)
+        y = y * weight.astype(F32)
     return y.astype(x.dtype)

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .norm import rms_norm
+
 FP8 = "fp8_e4m3"
 FP4 = "fp4_e2m1"
 FORMATS = (FP8, FP4)
@@ -56,6 +58,17 @@ class LayerOf:
 
     stack: Any  # Quantized or array [layers, ...] (Any: vmap's in_axes give a LayerOf of axes)
     layer: Any  # int32 scalar
+
+
+def layer_stacks(*weights: Any) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Plain weights as a kernel reads them in place: their stacks of layers and the layer's index [1] int32 (`LayerOf`
+    views: their stacks, all of one layer; plain weights: stacks of one)."""
+    views = [w for w in weights if isinstance(w, LayerOf)]
+    if not views:
+        return tuple(w[None] for w in weights), jnp.zeros((1,), jnp.int32)
+    if len(views) < len(weights):
+        raise ValueError("weights a kernel reads in place together must be all LayerOf views or all plain")
+    return tuple(w.stack for w in views), jnp.reshape(views[0].layer, (1,)).astype(jnp.int32)
 
 
 def one_layer(w: Any) -> Any:
@@ -145,12 +158,16 @@ def _contracts_first_axis(spec: str) -> bool:
     return x_letters[-1] == w_letters[0] and w_letters[0] not in out
 
 
-def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: Any, *, norm: Any = None, norm_eps: float = 0.0, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain or a quantized weight, decoded in x's dtype inside the computation.
+    `norm` (an array or a `LayerOf`) normalises x first, `rms_norm(x, norm, norm_eps)`: the projection's input norm,
+    which a kernel folds into its loads of x.
 
     An FP8 weight whose decoded form would pass DECODE_PASS_BYTES (Flash's wider projections) and whose first axis
     the spec contracts with x's last is decoded a slice of whole scale blocks of that axis at a time, the partial
     products summed in float32: never as a whole tensor. A `LayerOf` is sliced out of its stack first."""
+    if norm is not None:
+        x = rms_norm(x, one_layer(norm), norm_eps)
     w = one_layer(w)
     if not isinstance(w, Quantized):
         return jnp.einsum(spec, x, w, **kwargs)

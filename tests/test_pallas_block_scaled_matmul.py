@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.extend.core import jaxprs_in_params
 
+from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.pallas.block_scaled_matmul import _ue8m0_to_f32, einsum, fp8_matmul
 from jaxserve.kernels.quant import FP4, FP8, LayerOf, Quantized, dequantize, quantize, scale_values, scales_shape
 from jaxserve.kernels.quant import einsum as reference
@@ -242,3 +243,31 @@ def test_lowers_to_a_triton_call(x_dtype):
     scales = jax.ShapeDtypeStruct((32, 1024), jnp.uint8)
     lowered = fp8_matmul.trace(x, codes, scales, 128).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("case", [0, 1, 4, 11])
+def test_an_input_norm_is_folded_into_the_grouped_kernel(case):
+    """einsum(..., norm=) (the query's low-rank norm, which both projections reading it fold in) equals the reference's
+    rms_norm and then the einsum, with the norm weight plain or a `LayerOf` of a stack; where the grouped kernel takes
+    the weight it normalises x's rows as it loads them: no rsqrt runs outside the kernel."""
+    spec, x_shape, w_shape, blocks, dtype = CASES[case]
+    rng = np.random.default_rng(case)
+    x, w = _x(rng, x_shape, dtype), _weight(rng, w_shape, blocks)
+    norms = jnp.asarray(1.0 + 0.5 * rng.normal(size=(3, x_shape[-1])), jnp.float32)
+    run = jax.jit(lambda x, w, norm: einsum(spec, x, w, norm=norm, norm_eps=1e-6, interpret=True))
+    for norm in (norms[1], LayerOf(norms, jnp.int32(1))):
+        _assert_close(spec, run(x, w, norm), rms_norm(x, norms[1], 1e-6), w)
+        jaxpr = jax.make_jaxpr(run)(x, w, norm).jaxpr
+        (call,) = _pallas_calls(jaxpr)
+        if call.params["name"] == "grouped_matmul":
+            assert "rsqrt" not in _primitives_outside_kernels(jaxpr)
+
+
+def _primitives_outside_kernels(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "pallas_call":
+            names.add(eqn.primitive.name)
+            for sub in jaxprs_in_params(eqn.params):
+                names |= _primitives_outside_kernels(sub)
+    return names

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.moe import grouped_matmul
+from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.pallas.grouped_matmul import grouped_matmul as kernel
 from jaxserve.kernels.quant import FP4, FP8, Quantized, dequantize, quantize
 from jaxserve.runner.targets import compile_for_target, target_devices
@@ -310,3 +311,25 @@ def test_bad_blocks_rejected():
     for blocks in (dict(block_k=24), dict(block_k=16), dict(block_f=8), dict(block_m=48)):
         with pytest.raises(ValueError, match="power of two"):
             kernel(x, w, sizes, interpret=True, **blocks)
+
+
+@pytest.mark.parametrize("fmt,x_dtype", [(FP8, jnp.bfloat16), (FP4, jnp.bfloat16), (FP4, jnp.float32)])
+def test_an_input_norm_normalises_each_row_as_it_is_loaded(fmt, x_dtype):
+    """x_norm (a stack of norm weights and the row to use): the result is the reference's on rms_norm(x, that row),
+    FP4's even and odd input columns each meeting their own weights."""
+    rng = np.random.default_rng(6)
+    d = D_FP4 if fmt == FP4 else D
+    x, w = _rows(rng, M, d, x_dtype), _stack(fmt, rng, d)
+    norms = jnp.asarray(1.0 + 0.5 * rng.normal(size=(2, d)), jnp.float32)
+    sizes, offset = jnp.asarray([10, 0, 15, 0, 3, 9], jnp.int32), jnp.int32(E)
+    x_norm = (norms, jnp.ones((1,), jnp.int32))
+    got = np.asarray(kernel(x, w, sizes, offset, interpret=True, x_norm=x_norm, norm_eps=1e-6))
+    normed = rms_norm(x, norms[1], 1e-6)
+    want = _check(normed, w, sizes, E)  # the kernel on the reference's normalised rows, checked against the reference
+    # The kernel sums a row's squares in another order, so a normalised element may round to the neighbouring value
+    # of x's dtype (2^-8 of it in bfloat16; in float32 a few ulps): each such term moves the sum by that much.
+    group = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
+    dense = np.nan_to_num(np.abs(_dense(w, x.dtype)[E : E + len(sizes)][group]), posinf=0)
+    magnitude = np.einsum("md,mdf->mf", np.abs(np.asarray(normed, np.float64)), dense)
+    rounding = 2.0**-8 if x_dtype == jnp.bfloat16 else 2.0**-21
+    assert (np.abs(got - want) <= rounding * magnitude).all(), np.abs(got - want).max()

@@ -99,8 +99,10 @@ def attention_block(
     write_slots = writing_slots(inputs, num_slots)
 
     with jax.named_scope("query"):
-        qr = rms_norm(kernels.einsum("btd,dr->btr", x, w.wq_a), w.q_norm, cfg.rms_norm_eps)
-        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b)
+        # The low-rank query's norm is folded into both projections that read it (this one and the indexer's).
+        q_norm = dict(norm=w.q_norm, norm_eps=cfg.rms_norm_eps)
+        qr = kernels.einsum("btd,dr->btr", x, w.wq_a)
+        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b, **q_norm)
         q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
 
     with jax.named_scope("kv"):
@@ -155,7 +157,7 @@ def attention_block(
                 )
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
                 index_keys = _read_entries(index_entries, layer, inputs.page_table, kv.dtype)
-                qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b), qpos[:, :, None], freqs)
+                qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b, **q_norm), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads**-0.5
                 k = min(cfg.index_topk, index_keys.shape[1])

@@ -24,6 +24,7 @@ from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import (
     BLOCK_NORMS,
     MTP_KIND,
+    ONE_DEVICE_IN_PLACE,
     HyperConnection,
     Layer,
     MTPBlock,
@@ -103,7 +104,8 @@ def run_segment(
     def kept_whole(path, a) -> bool:
         # A hyper-connection's weights and the block norms are replicated on every mesh (read whole, no gather).
         name = getattr(path[-1], "name", None)
-        return isinstance(a, HyperConnection) or name in BLOCK_NORMS or (in_place and is_quantized(a))
+        in_place_here = is_quantized(a) or name in ONE_DEVICE_IN_PLACE
+        return isinstance(a, HyperConnection) or name in BLOCK_NORMS or (in_place and in_place_here)
 
     # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), whether each is kept whole,
     # those the scan slices (the rest left None) and the structure to put a repeat's layer back together.

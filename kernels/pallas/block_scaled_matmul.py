@@ -49,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..quant import FP8, LayerOf, Quantized, expand_scales, one_layer
+from ..norm import rms_norm
+from ..quant import FP8, LayerOf, Quantized, expand_scales, layer_stacks, one_layer
 from ..quant import einsum as reference_einsum
 from .grouped_matmul import grouped_matmul
 
@@ -192,23 +193,43 @@ def _takes_kernel(spec: str, x: jax.Array, w: Any, kwargs: dict) -> bool:
     return _k_tile(w.shape[0], _full_blocks(w)[0], MIN_TILE) >= MIN_TILE
 
 
-def einsum(spec: str, x: jax.Array, w: Any, *, interpret: bool = False, **kwargs) -> jax.Array:
+def einsum(
+    spec: str, x: jax.Array, w: Any, *, norm: Any = None, norm_eps: float = 0.0, interpret: bool = False, **kwargs
+) -> jax.Array:
     """`jaxserve.kernels.quant.einsum` with the FP8 kernel behind it where it applies: an FP8 weight contracted on its
     first axis with x's last, the output being x's other axes then w's, x float32, bfloat16 or float16. Everything
     else (a plain or FP4 weight, other specs or x dtypes, einsum options besides `preferred_element_type`, empty
     operands, K blocks no dot-sized tile fits in) is the reference's own result. A `LayerOf` whose blocks suit the
-    grouped kernel is read in place from its stack (the stack's layers are its experts); otherwise it is sliced."""
+    grouped kernel is read in place from its stack (the stack's layers are its experts); otherwise it is sliced.
+    The input norm (`norm`, a weight or a `LayerOf`) is folded into the grouped kernel's loads; before the other
+    kernel it is the reference's."""
     stack, layers, layer, one = _layers(w)
     if not _takes_kernel(spec, x, one, kwargs):
-        return reference_einsum(spec, x, w, **kwargs)
+        return reference_einsum(spec, x, w, norm=norm, norm_eps=norm_eps, **kwargs)
     k = one.shape[0]
     dtype = kwargs.get("preferred_element_type") or x.dtype
     experts = _expert_stack(stack, layers, one)
     if experts is not None:
         rows = x.reshape(-1, k)
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul(rows, experts, sizes, layer, interpret=interpret, out_dtype=dtype, every_row_grouped=True)
+        x_norm = None
+        if norm is not None:
+            (norm_stack,), norm_layer = layer_stacks(norm)
+            x_norm = (norm_stack, norm_layer)
+        out = grouped_matmul(
+            rows,
+            experts,
+            sizes,
+            layer,
+            interpret=interpret,
+            out_dtype=dtype,
+            every_row_grouped=True,
+            x_norm=x_norm,
+            norm_eps=norm_eps,
+        )
         return out.reshape(*x.shape[:-1], *one.shape[1:])
+    if norm is not None:
+        x = rms_norm(x, one_layer(norm), norm_eps)
     w = one_layer(w)
     out = fp8_matmul(
         x.reshape(-1, k), w.codes.reshape(k, -1), _column_scales(w), _full_blocks(w)[0], interpret=interpret

@@ -109,7 +109,8 @@ class _Layout:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "interpret", "block_m", "block_k", "block_f", "num_warps", "num_stages", "out_dtype", "every_row_grouped"
+        "interpret", "block_m", "block_k", "block_f", "num_warps", "num_stages", "out_dtype", "every_row_grouped",
+        "norm_eps",
     ),
 )  # fmt: skip
 def grouped_matmul(
@@ -126,12 +127,16 @@ def grouped_matmul(
     num_stages: int = 2,
     out_dtype: Any = F32,
     every_row_grouped: bool = False,
+    x_norm: tuple[jax.Array, jax.Array] | None = None,
+    norm_eps: float = 0.0,
 ) -> jax.Array:
     """x [m, d] (rows sorted by group), w [n, d, f] (an array or an FP8 / FP4 Quantized stack), group_sizes [e]
     (sum <= m) -> [m, f] in `out_dtype` (the float32 sums, rounded once); group g's rows times expert
     w[expert_offset + g]; rows past sum(group_sizes) are zero. `every_row_grouped`: the caller's promise that the
     groups hold all m rows (a projection as a stack of one expert), so the output needs no zeros first: one kernel
-    fewer a call.
+    fewer a call. `x_norm` (a stack of norm weights [layers, d] and the layer to use [1] int32): x's rows are
+    RMS-normalised by it as they are loaded, `rms_norm(x, norm, norm_eps)` in float32 rounded to x's dtype as the
+    reference does (a first pass over the row sums its squares): the projection's input norm costs no kernel.
 
     block_m defaults to the rows per group rounded up to a power of two, within [16, 128]; block_k counts inputs
     of x (FP4: two per code byte)."""
@@ -146,8 +151,14 @@ def grouped_matmul(
     aliases = {}
     if not every_row_grouped:  # rows in no group keep these zeros
         inputs, aliases = (*inputs, jnp.zeros((m, f), out_dtype)), {len(inputs): 0}
+    if x_norm is not None:
+        norms, norm_row = x_norm
+        if norms.ndim != 2 or norms.shape[1] != x.shape[1] or norm_row.shape != (1,):
+            raise ValueError(f"x_norm must be ([layers, {x.shape[1]}], [1]); got {norms.shape}, {norm_row.shape}")
+        inputs = (*inputs, norms, norm_row.astype(I32))
+    kernel = functools.partial(_kernel, layout=layout, n_w=len(w_operands), normed=x_norm is not None, eps=norm_eps)
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, n_w=len(w_operands)),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((m, f), out_dtype, manual_axis_type=varying),
         grid=(n_tiles + e, pl.cdiv(f, layout.bf)),
         input_output_aliases=aliases,
@@ -160,11 +171,16 @@ def grouped_matmul(
 def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
     """The most HBM bytes one call moves, from its operands as compiled, in order: 5 metadata arrays, x [*batch, m, d]
     (batch: axes a vmap of the call added, as the model's per-group output projection has), the weights (a plain
-    stack, or codes and scales: [*batch, n, ...]), any zeros aliased to the output. Each work item reads its expert's
-    codes and scales once (each f tile its own slice), and there are at most min(items - 1, rows) items that meet a
-    row, in each batch's own stack; x is read and the output written once. The expert stack itself, n experts of
-    every layer, is never read whole: only the experts the rows use (this is what "only the experts the step touches
-    are read" means above, bounded for any routing)."""
+    stack, or codes and scales: [*batch, n, ...]), any zeros aliased to the output, any input norm (its stack
+    [layers, d] and row [1]: the only operand of one dimension). Each work item reads its expert's codes and scales
+    once (each f tile its own slice), and there are at most min(items - 1, rows) items that meet a row, in each
+    batch's own stack; x, one norm row, and the output are read or written once. The expert stack itself, n experts
+    of every layer, is never read whole: only the experts the rows use (this is what "only the experts the step
+    touches are read" means above, bounded for any routing)."""
+    norm = 0.0
+    if len(operand_shapes[-1]) == 1:
+        norm = operand_bytes[-2] / operand_shapes[-2][0] + operand_bytes[-1]
+        operand_shapes, operand_bytes = operand_shapes[:-2], operand_bytes[:-2]
     x_dims = operand_shapes[5]
     zeros = len(operand_shapes) > 7 and operand_bytes[-1] == out_bytes and len(operand_shapes[-1]) == len(x_dims)
     weights = range(6, len(operand_shapes) - zeros)
@@ -172,7 +188,7 @@ def hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float],
     experts = math.prod(operand_shapes[6][:-2])  # every batch's stack
     per_expert = sum(operand_bytes[i] for i in weights) / experts
     reads = batch * experts_read_at_most(operand_shapes[1][0], x_dims[-2], experts // batch)
-    return reads * per_expert + operand_bytes[5] + out_bytes + sum(operand_bytes[:5])
+    return reads * per_expert + operand_bytes[5] + out_bytes + sum(operand_bytes[:5]) + norm
 
 
 def experts_read_at_most(items: int, rows: int, stack: int) -> int:
@@ -236,9 +252,13 @@ def _work_items(group_sizes: jax.Array, expert_offset: jax.Array | int, bm: int,
     return (items_end[-1:], *(jnp.where(used, a, 0).astype(I32) for a in per_item))
 
 
-def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, x_ref, *refs, layout: _Layout, n_w: int):
-    """Program (item, f tile): out[tile rows in the group, f tile] = x[tile rows] @ W[expert][:, f tile]."""
-    w_refs, out_ref = refs[:n_w], refs[-1]  # any ref between: zeros aliased to out
+def _kernel(
+    count_ref, tile_ref, expert_ref, start_ref, end_ref, x_ref, *refs, layout: _Layout, n_w: int, normed: bool,
+    eps: float,
+):  # fmt: skip
+    """Program (item, f tile): out[tile rows in the group, f tile] = x[tile rows] @ W[expert][:, f tile], x's rows
+    normalised first if `normed` (the norm's stack and row are the refs before out)."""
+    w_refs, out_ref = refs[:n_w], refs[-1]  # any ref between: zeros aliased to out, the norm's refs
     item, f_tile = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode can't lower it inside
     lo = layout
 
@@ -249,12 +269,33 @@ def _kernel(count_ref, tile_ref, expert_ref, start_ref, end_ref, x_ref, *refs, l
         rows = row0 + lax.broadcasted_iota(I32, (lo.bm, 1), 0)
         cols = col0 + lax.broadcasted_iota(I32, (1, lo.bf), 1)
 
+        def x_mask(k0):
+            return (rows < lo.m) & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
+
+        if normed:  # a first pass sums the rows' squares
+            norm_ref, norm_row_ref = refs[-3], refs[-2]
+            norm_rows = jnp.full((lo.bm, 1), norm_row_ref[0], I32)
+
+            def add_squares(step, squares):
+                tiles = x_tiles(x_ref, rows, step * lo.bkc, x_mask(step * lo.bkc), lo)
+                return squares + sum(jnp.sum(jnp.square(t.astype(F32)), axis=1, keepdims=True) for t in tiles)
+
+            squares = lax.fori_loop(0, lo.k_steps, add_squares, jnp.zeros((lo.bm, 1), F32))
+            inv_rms = lax.rsqrt(squares / (lo.kc * lo.halves) + eps)
+
+        def loaded(k0):
+            """x's tile(s) at k0, normalised as the reference's rms_norm rounds them if `normed`."""
+            tiles = x_tiles(x_ref, rows, k0, x_mask(k0), lo)
+            if not normed:
+                return tiles
+            weights = x_tiles(norm_ref, norm_rows, k0, x_mask(k0), lo)
+            return [(t.astype(F32) * inv_rms * w.astype(F32)).astype(t.dtype) for t, w in zip(tiles, weights)]
+
         def k_step(step, acc):
             k0 = step * lo.bkc
-            x_mask = (rows < lo.m) & (k0 + lax.broadcasted_iota(I32, (1, lo.bkc), 1) < lo.kc)
             w_mask = (k0 + lax.broadcasted_iota(I32, (lo.bkc, 1), 0) < lo.kc) & (cols < lo.f)
             w_tiles = _weight_tiles(w_refs, expert, k0, col0, w_mask, lo)
-            for x_tile, w_tile in zip(x_tiles(x_ref, rows, k0, x_mask, lo), w_tiles, strict=True):
+            for x_tile, w_tile in zip(loaded(k0), w_tiles, strict=True):
                 acc += jnp.dot(
                     x_tile.astype(lo.compute_dtype), w_tile, preferred_element_type=F32, precision=lax.Precision.HIGHEST
                 )  # float32 inputs: IEEE, not TF32

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..quant import LayerOf
+from ..quant import layer_stacks
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -66,7 +66,7 @@ def hc_pre(
     (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's chunk of d);
     all powers of two, block_rows and block_cols at least 16."""
     *lead, n, d = h.shape
-    (fn, base, scale, *norms), layer = _layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
+    (fn, base, scale, *norms), layer = layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
     width = max(DOT_MIN, n * n)
     if n & (n - 1) or n * n < DOT_MIN:
         raise ValueError(f"the Pallas mHC collapse takes a power-of-two stream count with n^2 >= 16; got n = {n}")
@@ -116,17 +116,6 @@ def hc_pre(
         name="hc_collapse",
     )(layer, sums, flat, base, scale, *norms)
     return x.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
-
-
-def _layer_stacks(*weights: Any) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    """The weights as stacks of layers and the layer's index [1]: `LayerOf` views as their stacks (read in place;
-    all of one layer), plain weights as stacks of one."""
-    views = [w for w in weights if isinstance(w, LayerOf)]
-    if not views:
-        return tuple(w[None] for w in weights), jnp.zeros((1,), I32)
-    if len(views) < len(weights):
-        raise ValueError("the hyper-connection's weights (and its norm's) must be all LayerOf views or all plain")
-    return tuple(w.stack for w in views), jnp.reshape(views[0].layer, (1,)).astype(I32)
 
 
 def _iota(shape: tuple[int, ...], axis: int) -> jax.Array:
