@@ -1,7 +1,9 @@
 """kernels.pallas.sparse_attention: the Pallas sink attention (interpret=True on CPU) equals the pure-JAX reference
 kernels.attention.sink_attention -- decode and short chunks, with and without selected keys, key counts that are not
 multiples of the block, masked keys and invalid picks, fully masked queries, dominant and negligible sinks, float32
-and bfloat16 -- and lowers to a Triton call for GPUs (lowering only: no GPU here to compile or run it)."""
+and bfloat16, DeepSeek-V4's query norm and rotation (and the output's inverse) folded in, sinks read from a stack of
+layers -- and lowers to a Triton call for GPUs (lowering only: no GPU here to compile or run it; compiled for an
+H200 with the model: tests/test_plan_target.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.attention import QueryRotation
 from jaxserve.kernels.attention import sink_attention as reference
 from jaxserve.kernels.pallas.sparse_attention import sink_attention
+from jaxserve.kernels.quant import LayerOf
 
 BATCH, HEADS = 2, 4
 SHARED, SELECTED = 37, 21  # 3 and 2 key blocks of 16, each with a partial last block
@@ -60,6 +64,27 @@ def test_matches_reference_float32(t, selected):
 @pytest.mark.parametrize("t,selected", [(1, True), (3, False)], ids=["decode-with-selected", "chunk-shared-only"])
 def test_matches_reference_bfloat16(t, selected):
     _assert_matches_reference(_inputs(1, t=t, dims=64, selected=selected, dtype=jnp.bfloat16), tol=BF16_TOL)
+
+
+@pytest.mark.parametrize(
+    "t,selected,dtype,tol",
+    [(1, True, jnp.float32, F32_TOL), (3, False, jnp.float32, F32_TOL), (1, True, jnp.bfloat16, BF16_TOL)],
+    ids=["decode-with-selected", "chunk-shared-only", "decode-bfloat16"],
+)
+def test_the_query_rotation_and_a_layer_of_stacked_sinks(t, selected, dtype, tol):
+    """With a QueryRotation (queries normalised per head and rotated to their positions, the output rotated back; the
+    last 16 of 64 dims rotate) and the sinks a LayerOf of three layers' (the middle one used), the kernel equals the
+    reference; the positions matter (a rotation at other positions gives another answer)."""
+    rng = np.random.default_rng(8)
+    args = _inputs(8, t=t, dims=64, selected=selected, dtype=dtype)
+    args["q"] = args["q"] * 5.0  # the per-head norm is no identity
+    freqs = tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+    args["rotation"] = QueryRotation(jnp.asarray(rng.integers(0, 5000, (BATCH, t)), jnp.int32), freqs, 1e-6)
+    stack = jnp.stack([args["sinks"] + 3.0, args["sinks"], args["sinks"] - 3.0])
+    got = _assert_matches_reference(dict(args, sinks=LayerOf(stack, jnp.int32(1))), tol)
+    np.testing.assert_allclose(got, np.asarray(reference(**args), np.float32), **tol)
+    moved = QueryRotation(args["rotation"].positions + 7, freqs, 1e-6)
+    assert np.abs(np.asarray(_pallas(dict(args, rotation=moved)), np.float32) - got).max() > 1e-2
 
 
 def test_heads_not_a_multiple_of_the_head_block():

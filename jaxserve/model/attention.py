@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CSA, HCA, SWA, ModelConfig
+from jaxserve.kernels.attention import QueryRotation
 from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.quant import LayerOf, Quantized, dense, one_layer
 from jaxserve.kernels.rope import apply_rope
@@ -102,8 +103,7 @@ def attention_block(
         # The low-rank query's norm is folded into both projections that read it (this one and the indexer's).
         q_norm = dict(norm=w.q_norm, norm_eps=cfg.rms_norm_eps)
         qr = kernels.einsum("btd,dr->btr", x, w.wq_a)
-        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b, **q_norm)
-        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), qpos[:, :, None], freqs)
+        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b, **q_norm)  # normalised per head and rotated in attention
 
     with jax.named_scope("kv"):
         kv = keys(x, w, qpos, freqs, cfg, kernels)
@@ -166,8 +166,8 @@ def attention_block(
                 selected = _read_picked_entries(entries, layer, inputs.page_table, picks, kv.dtype)  # [b, t, k, dim]
 
     with jax.named_scope("attend"):
-        o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask)
-        o = apply_rope(o, qpos[:, :, None], freqs, inverse=True)
+        rotation = QueryRotation(qpos, tuple(float(f) for f in freqs), cfg.rms_norm_eps)
+        o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask, rotation)
 
     with jax.named_scope("output_projection"):
         r = _grouped_output(o, w.wo_a, cfg, kernels)

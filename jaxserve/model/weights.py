@@ -123,9 +123,9 @@ class RoutedExperts:
 # The layer's weights, besides the projections, that kernels read from a segment's stacks in place (as `LayerOf`
 # views; sliced out, each is copied every step): the block-input norms, which the mHC collapse folds in, replicated
 # on every mesh like the hyper-connections' own weights, so read in place on any mesh; and those read in place on one
-# device as the projections are (the query's low-rank norm, which its projections fold in).
+# device as the projections are (the query's low-rank norm, which its projections fold in; the attention sinks).
 BLOCK_NORMS = ("attn_norm", "ffn_norm")
-ONE_DEVICE_IN_PLACE = ("q_norm",)
+ONE_DEVICE_IN_PLACE = ("q_norm", "sinks")
 
 
 @jax.tree_util.register_dataclass

@@ -18,6 +18,17 @@ Numerics: q . K^T runs in the inputs' dtype with float32 accumulation when q and
 products are exact in float32, so this equals the reference's upcast), else in float32; the probabilities stay
 float32 and the keys are upcast for p . K, so every sum is float32 as in the reference. Output in q's dtype.
 
+DeepSeek-V4's query norm and rotary embedding (a `QueryRotation`): the program normalises its q heads (RMS over k, in
+float32, rounded to q's dtype as the reference's rms_norm) and rotates them as it loads them, x[c] cos[c] + x[c ^ 1]
+sin[c] over the tables of kernels.rope at the query's position (its row of the [b, t, k] tables, which XLA builds
+once per step and layer kind), the partner elements c ^ 1 loaded from q's block by index. The output's inverse
+rotation is linear and the same for every key of the program, so it is applied to each value block instead (the
+partner columns of the key block loaded by index, L1-resident): sum_s p_s R^-1 v_s = R^-1 sum_s p_s v_s. The output
+is rounded once, where the reference rounds before its rotation and after: a bfloat16 ulp apart at most.
+
+Sinks are one layer's, or read in place from a stack of layers (a `LayerOf`: the layer an operand; a slice of the
+stack would be one more launch a layer).
+
 Tails: s, j and h need not be multiples of their blocks: out-of-range keys, mask entries and heads are loaded
 masked (keys as 0, mask as False) and out-of-range heads are not stored, so nothing is padded in HBM.
 
@@ -32,11 +43,17 @@ lowering, a cost to measure against casting p to the key dtype.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from ..attention import QueryRotation
+from ..quant import layer_stacks
+from ..rope import rotation_tables
 
 F32 = jnp.float32
 
@@ -45,9 +62,10 @@ def sink_attention(
     q: jax.Array,  # [b, t, h, k]
     shared: jax.Array,  # [b, s, k]
     shared_mask: jax.Array,  # [b, t, s] bool
-    sinks: jax.Array,  # [h]
+    sinks: Any,  # [h], or a LayerOf of a stack [layers, h]
     selected: jax.Array | None = None,  # [b, t, j, k]
     selected_mask: jax.Array | None = None,  # [b, t, j] bool
+    rotation: QueryRotation | None = None,
     *,
     interpret: bool = False,
     block_h: int = 16,
@@ -67,13 +85,20 @@ def sink_attention(
             raise ValueError(f"{name}={block}: the Triton lowering needs a power of two >= 16")
     if selected is not None and selected_mask is None:
         raise ValueError("selected keys need selected_mask")
+    (sinks,), layer = layer_stacks(sinks)
+    tables = None
+    if rotation is not None:
+        tables = rotation_tables(rotation.positions, rotation.freqs, q.shape[-1])
     return _sink_attention(
         q,
         shared,
         shared_mask,
         sinks,
+        layer,
         selected,
         selected_mask,
+        tables,
+        norm_eps=None if rotation is None else rotation.norm_eps,
         interpret=interpret,
         block_h=block_h,
         block_s=block_s,
@@ -83,15 +108,20 @@ def sink_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_h", "block_s", "block_j", "num_warps", "num_stages"))
+@functools.partial(
+    jax.jit, static_argnames=("norm_eps", "interpret", "block_h", "block_s", "block_j", "num_warps", "num_stages")
+)
 def _sink_attention(
     q,
     shared,
     shared_mask,
     sinks,
+    layer,
     selected,
     selected_mask,
+    tables,
     *,
+    norm_eps,
     interpret,
     block_h,
     block_s,
@@ -102,12 +132,19 @@ def _sink_attention(
     b, t, h, k = q.shape
     s = shared.shape[1]
     in_specs = [
+        pl.BlockSpec((1,), lambda row, query, heads: (0,)),  # the sinks' layer
         pl.BlockSpec((None, None, block_h, k), _head_block),  # q
-        pl.BlockSpec((block_h,), lambda row, query, heads: (heads,)),  # sinks
+        pl.BlockSpec(sinks.shape, lambda row, query, heads: (0, 0)),  # the sinks' stack, whole
+    ]
+    operands = [layer, q, sinks]
+    if tables is not None:  # cos and sin [b, t, k]: this query's rows
+        in_specs += [pl.BlockSpec((None, None, k), lambda row, query, heads: (row, query, 0))] * 2
+        operands += list(tables)
+    in_specs += [
         pl.BlockSpec((None, s, k), lambda row, query, heads: (row, 0, 0)),  # shared keys: the whole row
         pl.BlockSpec((None, None, s), lambda row, query, heads: (row, query, 0)),  # this query's shared mask
     ]
-    operands = [q, sinks, shared, shared_mask]
+    operands += [shared, shared_mask]
     key_blocks = [block_s]
     if selected is not None:
         j = selected.shape[2]
@@ -117,7 +154,9 @@ def _sink_attention(
         ]
         operands += [selected, selected_mask]
         key_blocks.append(block_j)
-    kernel = functools.partial(_kernel, num_heads=h, block_h=block_h, key_blocks=tuple(key_blocks), scale=k**-0.5)
+    kernel = functools.partial(
+        _kernel, num_heads=h, block_h=block_h, key_blocks=tuple(key_blocks), scale=k**-0.5, norm_eps=norm_eps
+    )
     return pl.pallas_call(
         kernel,
         grid=(b, t, pl.cdiv(h, block_h)),
@@ -134,23 +173,40 @@ def _head_block(row, query, heads):
     return row, query, heads, 0
 
 
-def _kernel(q_ref, sinks_ref, *refs, num_heads, block_h, key_blocks, scale):
-    """One (row, query, head block): refs are (keys, mask) per key group, then the output block [block_h, k]."""
+def _kernel(layer_ref, q_ref, sinks_ref, *refs, num_heads, block_h, key_blocks, scale, norm_eps):
+    """One (row, query, head block): refs are the rotation's cos and sin rows (with a rotation: `norm_eps` not None),
+    (keys, mask) per key group, then the output block [block_h, k]."""
     *group_refs, out_ref = refs
     first_head = pl.program_id(2) * block_h
     head_in_range = first_head + jnp.arange(block_h) < num_heads  # the last head block may overhang h
     q = plgpu.load(q_ref, mask=head_in_range[:, None], other=0)
-    sink = plgpu.load(sinks_ref, mask=head_in_range, other=0).astype(F32)
+    sinks = sinks_ref.at[layer_ref[0], pl.ds(first_head, block_h)]
+    sink = plgpu.load(sinks, mask=head_in_range, other=0).astype(F32)
+    inverse = None
+    if norm_eps is not None:
+        cos_ref, sin_ref, *group_refs = group_refs
+        cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
+        partner = lax.bitwise_xor(lax.broadcasted_iota(jnp.int32, (1, q.shape[1]), 1), 1)  # c ^ 1
+        heads = lax.broadcasted_iota(jnp.int32, (block_h, 1), 0)
+        q_partner = plgpu.load(q_ref.at[heads, partner], mask=head_in_range[:, None], other=0)
+        inv_rms = lax.rsqrt(jnp.mean(jnp.square(q.astype(F32)), axis=1, keepdims=True) + norm_eps)
+
+        def normed(x):  # as the reference's rms_norm rounds it
+            return (x.astype(F32) * inv_rms).astype(q.dtype).astype(F32)
+
+        q = (normed(q) * cos + normed(q_partner) * sin).astype(q.dtype)
+        inverse = (cos, -sin, partner)
     state = (sink, jnp.ones_like(sink), jnp.zeros(q.shape, F32))  # (m, l, acc) with the sink already counted
     for group, block in enumerate(key_blocks):
         keys_ref, mask_ref = group_refs[2 * group : 2 * group + 2]
-        state = _attend_key_group(q, keys_ref, mask_ref, state, block=block, scale=scale)
+        state = _attend_key_group(q, keys_ref, mask_ref, state, block=block, scale=scale, inverse=inverse)
     _, total, acc = state
     plgpu.store(out_ref, (acc / total[:, None]).astype(out_ref.dtype), mask=head_in_range[:, None])
 
 
-def _attend_key_group(q, keys_ref, mask_ref, state, *, block, scale):
-    """Folds the keys of one group ([n, k], mask [n]) into the online softmax state, `block` keys per step."""
+def _attend_key_group(q, keys_ref, mask_ref, state, *, block, scale, inverse):
+    """Folds the keys of one group ([n, k], mask [n]) into the online softmax state, `block` keys per step; the
+    values rotated by `inverse` (cos, sin, partner columns) if given."""
     n = keys_ref.shape[0]
 
     def step(i, state):
@@ -158,7 +214,13 @@ def _attend_key_group(q, keys_ref, mask_ref, state, *, block, scale):
         key_in_range = start + jnp.arange(block) < n  # the last block may overhang n
         keys = plgpu.load(keys_ref.at[pl.ds(start, block), :], mask=key_in_range[:, None], other=0)
         keep = plgpu.load(mask_ref.at[pl.ds(start, block)], mask=key_in_range, other=False)
-        return _online_softmax_step(_logits(q, keys) * scale, keep, keys, state)
+        values = keys.astype(F32)
+        if inverse is not None:
+            cos, sin, partner = inverse
+            rows = start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+            partners = plgpu.load(keys_ref.at[rows, partner], mask=key_in_range[:, None], other=0)
+            values = values * cos + partners.astype(F32) * sin
+        return _online_softmax_step(_logits(q, keys) * scale, keep, values, state)
 
     return jax.lax.fori_loop(0, pl.cdiv(n, block), step, state)
 
@@ -170,13 +232,14 @@ def _logits(q, keys):
     return jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _online_softmax_step(logits, keep, keys, state):
-    """Adds one key block (logits [h, n], keep [n], keys [n, k]) to (running max, running sum, unnormalised out)."""
+def _online_softmax_step(logits, keep, values, state):
+    """Adds one key block (logits [h, n], keep [n], values [n, k] float32) to (running max, running sum, unnormalised
+    out)."""
     running_max, total, acc = state
     block_max = jnp.max(jnp.where(keep[None, :], logits, -jnp.inf), axis=1)
     new_max = jnp.maximum(running_max, block_max)  # finite: running_max starts at the sink
     rescale = jnp.exp(running_max - new_max)  # earlier terms were exponentiated against the old max
     # where, not exp(-inf): a masked key must add exactly nothing, whatever its logit
     probs = jnp.where(keep[None, :], jnp.exp(logits - new_max[:, None]), 0.0)
-    acc = acc * rescale[:, None] + jnp.dot(probs, keys.astype(F32), preferred_element_type=F32)
+    acc = acc * rescale[:, None] + jnp.dot(probs, values, preferred_element_type=F32)
     return new_max, total * rescale + jnp.sum(probs, axis=1), acc
