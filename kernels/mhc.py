@@ -48,6 +48,17 @@ def hc_pre(
     return x, post, comb
 
 
+def hc_head(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float):
+    """The final collapse of the streams h [..., n, d] -> [..., d] in h's dtype: sigmoid weights, no Sinkhorn (fn
+    [n * d, n], base [n], scale [1]); normalised by the final norm `norm` [d] when given (`rms_norm(x, norm,
+    norm_eps)`: what the LM head reads)."""
+    fn, base, scale = (one_layer(a) for a in (fn, base, scale))
+    mixes = hc_mixes(h, fn, norm_eps)
+    pre = jax.nn.sigmoid(mixes * scale.astype(F32)[0] + base.astype(F32)) + hc_eps
+    x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
+    return x if norm is None else rms_norm(x, one_layer(norm), norm_eps)
+
+
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """[..., n, n] logits -> row softmax (+ eps), then alternate column / row normalisation towards a
     doubly-stochastic matrix: one column pass after the softmax and iters - 1 (row, column) passes. Float32."""

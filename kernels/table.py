@@ -42,6 +42,7 @@ class Kernels:
     sink_attention: Callable  # kernels.attention.sink_attention: shared + selected keys, per-head sinks
     indexer_topk: Callable  # kernels.indexer.indexer_topk: CSA's entry scores and top-k
     hc_pre: Callable  # kernels.mhc.hc_pre: mHC's collapse of the streams, with its Sinkhorn mixing matrices
+    hc_head: Callable  # kernels.mhc.hc_head: the final collapse of the streams and the final norm
     implementations: tuple[tuple[str, str], ...] = ()  # (operation, "reference" or "pallas"), for logs and reports
     # How the forward walks a segment's repeated layers on one device: one traced body scanned (a while loop), or
     # every layer traced in line. Unrolled, a GPU step launches no per-layer loop overhead (the loop's condition, the
@@ -65,6 +66,7 @@ REFERENCES: dict[str, Callable] = {
     "sink_attention": attention.sink_attention,
     "indexer_topk": indexer.indexer_topk,
     "hc_pre": mhc.hc_pre,
+    "hc_head": mhc.hc_head,
 }
 
 
@@ -79,6 +81,7 @@ def _pallas_kernels() -> dict[str, Callable]:
         "einsum": block_scaled_matmul.einsum,
         "sink_attention": sparse_attention.sink_attention,
         "hc_pre": mhc.hc_pre,
+        "hc_head": mhc.hc_head,
     }
 
 

@@ -24,18 +24,27 @@ from jaxserve.runner import Buckets
 from jaxserve.runner.plan import AbstractRunner
 
 REPO = Path(__file__).parent.parent
-PALLAS_OPS = ("grouped_matmul", "expert_rows", "gated_matmul", "einsum", "sink_attention", "hc_pre")
+PALLAS_OPS = ("grouped_matmul", "expert_rows", "gated_matmul", "einsum", "sink_attention", "hc_pre", "hc_head")
 
 
 def test_auto_is_every_reference_on_cpu_and_pallas_where_it_compiles_on_gpus():
     cpu = kernels_for("auto", "cpu")
-    assert (cpu.grouped_matmul, cpu.expert_rows, cpu.einsum, cpu.sink_attention, cpu.indexer_topk, cpu.hc_pre) == (
+    assert (
+        cpu.grouped_matmul,
+        cpu.expert_rows,
+        cpu.einsum,
+        cpu.sink_attention,
+        cpu.indexer_topk,
+        cpu.hc_pre,
+        cpu.hc_head,
+    ) == (
         moe.grouped_matmul,
         moe.expert_rows,
         quant.einsum,
         attention.sink_attention,
         indexer.indexer_topk,
         mhc.hc_pre,
+        mhc.hc_head,
     )
     reference_gpu = kernels_for("reference", "gpu")
     # On a GPU the reference expert matmuls decode inside XLA's reduction (kernels.moe's fused_decode form).
@@ -137,9 +146,10 @@ def test_a_decode_step_has_no_cond_or_switch(platform_kernels):
     runner = _abstract_runner(cfg, rows=4, kernels=platform_kernels, max_len=512)
     decode = set().union(*(_primitives(j.jaxpr) for j in runner.jaxprs(StepShape(decode=GroupShape(4, 1)))))
     assert {"cond", "switch"}.isdisjoint(decode), sorted(decode)
-    assert "scan" in decode or "while" in decode  # the walk reached the layer stack's body
-    if platform_kernels == "pallas":
+    if platform_kernels == "pallas":  # the walk reached the layers' kernels, inside their jitted wrappers
         assert "pallas_call" in decode
+    else:  # the walk reached the layer stack's body (or the Sinkhorn loop's)
+        assert "scan" in decode or "while" in decode
     # Prefill steps keep prompt logprobs behind a branch (a chunk's worth of head matmuls): the walk sees it.
     assert "cond" in _primitives(runner.jaxprs(StepShape(prefill=GroupShape(1, 16)))[0].jaxpr)
 

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.mhc import hc_head as reference_head
 from jaxserve.kernels.mhc import hc_pre as reference
-from jaxserve.kernels.pallas.mhc import hc_pre
+from jaxserve.kernels.pallas.mhc import hc_head, hc_pre
 from jaxserve.kernels.quant import LayerOf
 
 EPS = dict(norm_eps=1e-6, hc_eps=1e-6, iters=20)
@@ -67,6 +68,27 @@ def test_the_default_tiles_match_the_reference_at_flash_width():
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2**-7, atol=1e-4)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **TOL)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), **TOL)
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize(
+    "lead, d, dtype", [((1, 1), 64, jnp.float32), ((8, 1), 96, jnp.bfloat16), ((130,), 512, jnp.bfloat16)]
+)
+def test_pallas_hc_head_equals_the_reference(lead, d, dtype, normed):
+    """The final collapse (pre weights alone: fn [n * d, n], base [n], scale [1]) and the final norm, in the same two
+    kernels; as LayerOf views too."""
+    h, fn, base, scale = _inputs(lead, 4, d, dtype, 1.0, seed=d)
+    fn, base, scale = fn[:, :4], base[:4], scale[:1]
+    norm = _norm(d, seed=d) if normed else None
+    want = np.asarray(reference_head(h, fn, base, scale, norm, norm_eps=1e-6, hc_eps=1e-6), np.float32)
+    got = hc_head(h, fn, base, scale, norm, interpret=True, block_cols=32, split_cols=128, norm_eps=1e-6, hc_eps=1e-6)
+    assert got.shape == (*lead, d) and got.dtype == dtype
+    tol = dict(rtol=2**-7, atol=1e-4) if dtype == jnp.bfloat16 else TOL
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol)
+    views = [LayerOf(jnp.stack([w, w + 1.0]), jnp.int32(0)) for w in (fn, base, scale)]
+    norms = [] if norm is None else [LayerOf(jnp.stack([norm, norm * 2.0]), jnp.int32(0))]
+    got = hc_head(h, *views, *norms, interpret=True, block_cols=32, split_cols=128, norm_eps=1e-6, hc_eps=1e-6)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol)
 
 
 @pytest.mark.parametrize("n", [2, 3])

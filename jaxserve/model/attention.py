@@ -57,10 +57,13 @@ def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: j
 def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
     """Run a compressor over the chunk; store its new entries and state (and the rows' snapshots of it); return the
     updated pool and state."""
+    # The rows' states read once, materialised: XLA otherwise fuses the read into each consumer, some of which it
+    # orders after the write below, and copies the whole stacked state (twice) to keep the old one for them.
+    old = jax.lax.optimization_barrier(gather(state, (layer, inputs.state_source)))
     new, rows, snapshots = compress_chunk(
         x,
         comp_weights,
-        gather(state, (layer, inputs.state_source)),
+        old,
         inputs.positions,
         inputs.lengths,
         rate,

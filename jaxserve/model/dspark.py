@@ -29,7 +29,7 @@ from jaxserve.model.attention import keys, write_window
 from jaxserve.model.cache import LayerCache, gather
 from jaxserve.model.forward import block, vocab_logits
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_head, rope_frequencies
+from jaxserve.model.layers import rope_frequencies
 from jaxserve.model.weights import DSparkDrafter, RoutedExperts
 
 
@@ -119,7 +119,10 @@ def block_logits(
         # Kernels.unrolled_layers: three stages, little to compile, whatever the mesh).
         indices = jnp.arange(cfg.dspark.stages, dtype=jnp.int32)
         h, _ = jax.lax.scan(stage, h, (layers, indices), unroll=kernels.unrolled_layers)
-        y = rms_norm(hc_head(h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, cfg), w.norm, cfg.rms_norm_eps)
+        with jax.named_scope("hc_head"):
+            y = kernels.hc_head(
+                h, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps
+            )
         return vocab_logits(y, head, cfg.vocab_size)
 
 

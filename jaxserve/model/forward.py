@@ -6,6 +6,7 @@ Pure: (weights, cache, inputs) -> (outputs, cache). Decode is a chunk of length 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_head, hc_post, hc_pre
+from jaxserve.model.layers import hc_post, hc_pre
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import (
@@ -131,13 +132,18 @@ def run_segment(
                 taps = [tap.at[slot].set(jnp.mean(h.astype(F32), axis=-2).astype(h.dtype)) for tap, h in zip(taps, hs)]
         return (hs, cache, taps), None
 
-    indices = jnp.arange(segment.repeats, dtype=jnp.int32)
     # A single repeat is inlined rather than looped; so is every repeat where the kernel table says so, on one device
     # (under a mesh that splits the weights, Flash at TP 8 unrolled compiled 5x slower, 23 min for its 14 step shapes
-    # on 2 cores, and its steps' temporaries grew by up to 2.5 GB a device).
+    # on 2 cores, and its steps' temporaries grew by up to 2.5 GB a device). Inlined, each repeat's layer index is a
+    # constant: as an element of an index array (a scan's, even unrolled) XLA computes it with a kernel of its own
+    # for every layer whose kernels take it as an operand.
     carry = (hs, list(cache), taps)
-    unroll = (kernels.unrolled_layers and in_place) or segment.repeats == 1
-    (hs, cache, taps), _ = jax.lax.scan(one_repeat, carry, (sliced, indices), unroll=unroll)
+    if (kernels.unrolled_layers and in_place) or segment.repeats == 1:
+        for index in range(segment.repeats):
+            carry, _ = one_repeat(carry, (jax.tree.map(lambda a, i=index: a[i], sliced), jnp.int32(index)))
+    else:
+        carry, _ = jax.lax.scan(one_repeat, carry, (sliced, jnp.arange(segment.repeats, dtype=jnp.int32)))
+    hs, cache, taps = carry
     return hs, cache, taps
 
 
@@ -159,13 +165,15 @@ def hidden_states(
     runs the kernel-worthy operations."""
     hs, new_cache = hidden_streams(weights, cache, groups, cfg, kernels)
     return [
-        final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg) for h in hs
+        final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg, kernels)
+        for h in hs
     ], new_cache
 
 
-def final_norm(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm: jax.Array, cfg: ModelConfig):
+def final_norm(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any, cfg: ModelConfig, kernels: Kernels):
     """The hc streams [b, t, n, d] collapsed by an HC head and normed: what the LM head reads [b, t, d]."""
-    return rms_norm(hc_head(h, fn, base, scale, cfg), norm, cfg.rms_norm_eps)
+    with jax.named_scope("hc_head"):
+        return kernels.hc_head(h, fn, base, scale, norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
 
 
 def hidden_streams(
@@ -241,7 +249,7 @@ def mtp_block(
             MTP_KIND.attention,
             kernels,
         )
-        y = final_norm(out, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm, cfg)
+        y = final_norm(out, w.hc_head_fn, w.hc_head_base, w.hc_head_scale, w.norm, cfg, kernels)
     return out, y, cache
 
 

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SWA, ModelConfig
-from jaxserve.kernels.mhc import hc_mixes
 from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.weights import HyperConnection
@@ -80,11 +79,3 @@ def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> j
     # the previous layers' mixes into this one, each stream reading all of them: n^depth recomputation, and a decode
     # step of the tiny model took 54 s instead of 10 s to compile for an H200.
     return jax.lax.optimization_barrier(expanded + mixed.astype(dt))
-
-
-def hc_head(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final collapse of the streams (sigmoid weights, no Sinkhorn)."""
-    with jax.named_scope("hc_head"):
-        mixes = hc_mixes(h, fn, cfg.rms_norm_eps)
-        pre = jax.nn.sigmoid(mixes * scale.astype(F32)[0] + base.astype(F32)) + cfg.hc_eps
-        return jnp.einsum("btn,btnd->btd", pre, h.astype(F32)).astype(h.dtype)

@@ -135,7 +135,8 @@ class ExecutableCache:
         """Each group's logits at its rows' last tokens, and its prompt logprobs (None where not asked)."""
         logits, prompts = [], []
         for h, group in zip(hs, groups):
-            y = final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, self.cfg)
+            head = (weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm)
+            y = final_norm(h, *head, self.cfg, self.kernels)
             asked = group.asked
             logits.append(last_logits(y, group.step, weights.head, self.cfg.vocab_size))
             prompt = None

@@ -50,12 +50,15 @@ class Logprobs:
 
 
 def _logprobs_of(logits: jax.Array, tokens: jax.Array) -> Logprobs:
-    """logits [..., V] float32, tokens [...] -> their Logprobs; the token's value and the top values come from one
-    log-softmax, so a token that is the best has exactly the best value."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
-    top, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    return Logprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top)
+    """logits [..., V] float32, tokens [...] -> their Logprobs: log-softmax values, (x - max) - log(sum(exp(x - max))),
+    computed for the token and the top K only. The top K are the logits' own (the log-softmax keeps their order), and
+    the best of them is the max, so no log-softmax of the whole vocabulary is written and no pass looks for the max;
+    a token that is the best has exactly the best value."""
+    top_logits, top_ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    best = jax.lax.stop_gradient(top_logits[..., :1])
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1, keepdims=True))
+    token = (jnp.take_along_axis(logits, tokens[..., None], axis=-1) - best - log_sum)[..., 0]
+    return Logprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top_logits - best - log_sum)
 
 
 def _when_asked(asked: jax.Array, compute, shape: tuple[int, ...], k: int) -> Logprobs:

@@ -153,8 +153,9 @@ def processed_logits(logits: jax.Array, params: SamplingArrays, cuts: bool = Tru
     logits = jnp.where(allowed.astype(bool), logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
-    # min-p: a token whose probability is below min_p times the best one's is out (log 0 = -inf keeps them all).
-    best = jnp.max(scaled, axis=-1, keepdims=True)
+    # min-p: a token whose probability is below min_p times the best one's is out (log 0 = -inf keeps them all). The
+    # best scaled logit is the greedy token's (a positive divisor keeps the order): no second pass over the vocabulary.
+    best = jnp.take_along_axis(scaled, greedy[:, None], axis=-1)
     scaled = jnp.where(scaled >= best + jnp.log(params.min_p)[:, None], scaled, -jnp.inf)
     return greedy, jax.vmap(_filter_row)(scaled, params.top_k, params.top_p) if cuts else scaled
 

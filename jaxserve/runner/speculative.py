@@ -337,7 +337,8 @@ def speculative_step(
     with jax.named_scope("verify"):
         fed = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
         streams, cache, taps = tapped_streams(weights, state.kv, [*prompts, fed], cfg, kernels, tap=dspark)
-        y = final_norm(streams[-1], weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg)
+        head = (weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm)
+        y = final_norm(streams[-1], *head, cfg, kernels)
         logits = vocab_logits(y, weights.head, cfg.vocab_size)
     verified = _accept(drafts, logits, inputs, params, sampled)
     accepted = jnp.maximum(verified.counts - 1, 0)

@@ -1,4 +1,5 @@
-"""Pallas mHC collapse: `jaxserve.kernels.mhc.hc_pre` in two kernels.
+"""Pallas mHC collapse: `jaxserve.kernels.mhc.hc_pre` in two kernels, and the final `hc_head` in the same two with
+the pre part alone.
 
 The reference is, on a GPU, five or six kernels a hyper-connection (the projection as a split-K matmul and its
 reduction, the RMS sum, the Sinkhorn loop, the weighted sum of the streams), and two more for the block's input
@@ -42,9 +43,10 @@ DOT_MIN = 16  # Triton's smallest dot dimension
 PARTS = 3  # pre, post, comb
 
 
-@functools.partial(
-    jax.jit, static_argnames=("norm_eps", "hc_eps", "iters", "interpret", "block_rows", "block_cols", "split_cols")
-)
+STATIC = ("norm_eps", "hc_eps", "interpret", "block_rows", "block_cols", "split_cols")
+
+
+@functools.partial(jax.jit, static_argnames=(*STATIC, "iters"))
 def hc_pre(
     h: jax.Array,
     fn: Any,
@@ -65,6 +67,38 @@ def hc_pre(
     layer out is a launch a weight). `split_cols` elements of the flattened streams per program of the first kernel
     (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's chunk of d);
     all powers of two, block_rows and block_cols at least 16."""
+    tiles = dict(block_rows=block_rows, block_cols=block_cols, split_cols=split_cols)
+    x, post, comb = _collapse(h, fn, base, scale, norm, PARTS, norm_eps, hc_eps, iters, interpret, **tiles)
+    *lead, n, d = h.shape
+    return x, post.reshape(*lead, n), comb.reshape(*lead, n, n)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def hc_head(
+    h: jax.Array,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    norm: Any = None,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    interpret: bool = False,
+    block_rows: int = 16,
+    block_cols: int = 256,
+    split_cols: int = 1024,
+) -> jax.Array:
+    """The final collapse, as the reference `jaxserve.kernels.mhc.hc_head`: the same two kernels with the pre part
+    alone (fn [n * d, n], base [n], scale [1]), x normalised by the final norm when `norm` is given."""
+    tiles = dict(block_rows=block_rows, block_cols=block_cols, split_cols=split_cols)
+    return _collapse(h, fn, base, scale, norm, 1, norm_eps, hc_eps, 0, interpret, **tiles)[0]
+
+
+def _collapse(
+    h, fn, base, scale, norm, parts, norm_eps, hc_eps, iters, interpret, *, block_rows, block_cols, split_cols
+) -> tuple[jax.Array, ...]:
+    """The two kernels over the first `parts` parts of the mixes (3: pre, post, comb; 1: pre): (x [..., d], and for
+    3 parts post [rows, n] and comb [rows, n, n])."""
     *lead, n, d = h.shape
     (fn, base, scale, *norms), layer = layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
     width = max(DOT_MIN, n * n)
@@ -73,8 +107,9 @@ def hc_pre(
     for name, size in (("block_rows", block_rows), ("block_cols", block_cols), ("split_cols", split_cols)):
         if size < DOT_MIN or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {DOT_MIN}; got {size}")
-    if fn.shape[1:] != (n * d, 2 * n + n * n):
-        raise ValueError(f"fn must be [n * d, 2n + n^2] = {(n * d, 2 * n + n * n)}; got {fn.shape[1:]}")
+    mixes = sum(_part(n, part)[1] for part in range(parts))
+    if fn.shape[1:] != (n * d, mixes):
+        raise ValueError(f"fn must be [n * d, {mixes}] = {(n * d, mixes)}; got {fn.shape[1:]}")
     flat = h.reshape(-1, n * d)
     rows = flat.shape[0]
     bm, bc = block_rows, min(block_cols, pl.next_power_of_2(d))
@@ -83,14 +118,17 @@ def hc_pre(
     row_blocks = pl.cdiv(rows, bm)
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     sums = pl.pallas_call(
-        functools.partial(_mixes_kernel, rows=rows, n=n, d=d, bm=bm, bc=bc, steps=steps, width=width),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, (PARTS + 1) * width), F32),
+        functools.partial(_mixes_kernel, rows=rows, n=n, d=d, bm=bm, bc=bc, steps=steps, width=width, parts=parts),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, (parts + 1) * width), F32),
         grid=(row_blocks, splits),
         interpret=interpret,
         compiler_params=params,
         name="hc_mixes",
     )(layer, flat, fn)
-    x, post, comb = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((rows, d), h.dtype)]
+    if parts == PARTS:
+        out_shape += [jax.ShapeDtypeStruct((rows, n), F32), jax.ShapeDtypeStruct((rows, n, n), F32)]
+    x, *mixing = pl.pallas_call(
         functools.partial(
             _collapse_kernel,
             rows=rows,
@@ -100,22 +138,19 @@ def hc_pre(
             bd=bc,
             splits=splits,
             width=width,
+            parts=parts,
             norm_eps=norm_eps,
             hc_eps=hc_eps,
             iters=iters,
             normed=bool(norms),
         ),
-        out_shape=(
-            jax.ShapeDtypeStruct((rows, d), h.dtype),
-            jax.ShapeDtypeStruct((rows, n), F32),
-            jax.ShapeDtypeStruct((rows, n, n), F32),
-        ),
+        out_shape=tuple(out_shape),
         grid=(row_blocks, pl.cdiv(d, bc)),
         interpret=interpret,
         compiler_params=params,
         name="hc_collapse",
     )(layer, sums, flat, base, scale, *norms)
-    return x.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
+    return (x.reshape(*lead, d), *mixing)
 
 
 def _iota(shape: tuple[int, ...], axis: int) -> jax.Array:
@@ -128,8 +163,9 @@ def _part(n: int, part: int) -> tuple[int, int]:
 
 
 def _mixes_kernel(
-    layer_ref, h_ref, fn_ref, out_ref, *, rows: int, n: int, d: int, bm: int, bc: int, steps: int, width: int
-):
+    layer_ref, h_ref, fn_ref, out_ref, *, rows: int, n: int, d: int, bm: int, bc: int, steps: int, width: int,
+    parts: int,
+):  # fmt: skip
     """Program (row block, split): the split's partial projections and Gram matrix of its rows."""
     block, split = pl.program_id(0), pl.program_id(1)
     row0 = block * bm
@@ -147,7 +183,7 @@ def _mixes_kernel(
             for stream in range(n)
         ]
         for stream, hx in enumerate(hs):
-            for part in range(PARTS):
+            for part in range(parts):
                 first, size = _part(n, part)
                 part_slice = fn_ref.at[layer, pl.ds(stream * d + c0, bc), pl.ds(first, width)]
                 w = plgpu.load(part_slice, mask=fn_rows & (col < size), other=0).astype(F32)
@@ -159,19 +195,19 @@ def _mixes_kernel(
         return (gram, *acc)
 
     zeros = jnp.zeros((bm, width), F32)
-    gram, *acc = lax.fori_loop(0, steps, step, (zeros,) * (PARTS + 1))
+    gram, *acc = lax.fori_loop(0, steps, step, (zeros,) * (parts + 1))
     for part, sums in enumerate([*acc, gram]):
         plgpu.store(out_ref.at[split, pl.ds(row0, bm), pl.ds(part * width, width)], sums, mask=row < rows)
 
 
 def _collapse_kernel(
     layer_ref, sums_ref, h_ref, base_ref, scale_ref, *refs,
-    rows: int, n: int, d: int, bm: int, bd: int, splits: int, width: int,
+    rows: int, n: int, d: int, bm: int, bd: int, splits: int, width: int, parts: int,
     norm_eps: float, hc_eps: float, iters: int, normed: bool,
 ):  # fmt: skip
     """Program (row block, chunk of d): the mixes, x over the chunk (normalised if `normed`: refs start with the
-    norm weight); chunk 0 also post and comb."""
-    *norm_refs, x_ref, post_ref, comb_ref = refs
+    norm weight); with all three parts, chunk 0 also post and comb (the refs after x)."""
+    norm_refs, (x_ref, *mixing_refs) = refs[: int(normed)], refs[int(normed) :]
     block, chunk = pl.program_id(0), pl.program_id(1)
     row0, c0 = block * bm, chunk * bd
     layer = layer_ref[0]
@@ -185,7 +221,7 @@ def _collapse_kernel(
         )
 
     zeros = jnp.zeros((bm, width), F32)
-    *acc, gram = lax.fori_loop(0, splits, add_split, (zeros,) * (PARTS + 1))
+    *acc, gram = lax.fori_loop(0, splits, add_split, (zeros,) * (parts + 1))
     in_gram = col < n * n
     squares = jnp.sum(jnp.where(in_gram & (col // n == col % n), gram, 0.0), axis=1, keepdims=True)
     inv_rms = lax.rsqrt(squares / (n * d) + norm_eps)
@@ -209,6 +245,10 @@ def _collapse_kernel(
         norm = plgpu.load(norm_refs[0].at[layer, pl.ds(c0, bd)], mask=c0 + _iota((bd,), 0) < d, other=0)
         x = x.astype(x_ref.dtype).astype(F32) * lax.rsqrt(x_squares / d + norm_eps) * norm.astype(F32)[None, :]
     plgpu.store(x_ref.at[pl.ds(row0, bm), pl.ds(c0, bd)], x.astype(x_ref.dtype), mask=in_chunk)
+
+    if parts < PARTS:
+        return
+    post_ref, comb_ref = mixing_refs
 
     @pl.when(chunk == 0)
     def _():

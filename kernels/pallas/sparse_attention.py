@@ -20,7 +20,7 @@ float32 and the keys are upcast for p . K, so every sum is float32 as in the ref
 
 DeepSeek-V4's query norm and rotary embedding (a `QueryRotation`): the program normalises its q heads (RMS over k, in
 float32, rounded to q's dtype as the reference's rms_norm) and rotates them as it loads them, x[c] cos[c] + x[c ^ 1]
-sin[c] over the tables of kernels.rope at the query's position (its row of the [b, t, k] tables, which XLA builds
+sin[c] over the tables of kernels.rope at the query's position (its row of the [b, t, 2, k] tables, which XLA builds
 once per step and layer kind), the partner elements c ^ 1 loaded from q's block by index. The output's inverse
 rotation is linear and the same for every key of the program, so it is applied to each value block instead (the
 partner columns of the key block loaded by index, L1-resident): sum_s p_s R^-1 v_s = R^-1 sum_s p_s v_s. The output
@@ -87,8 +87,8 @@ def sink_attention(
         raise ValueError("selected keys need selected_mask")
     (sinks,), layer = layer_stacks(sinks)
     tables = None
-    if rotation is not None:
-        tables = rotation_tables(rotation.positions, rotation.freqs, q.shape[-1])
+    if rotation is not None:  # cos and sin as one array [b, t, 2, k]: made by one XLA kernel
+        tables = jnp.stack(rotation_tables(rotation.positions, rotation.freqs, q.shape[-1]), axis=2)
     return _sink_attention(
         q,
         shared,
@@ -137,9 +137,9 @@ def _sink_attention(
         pl.BlockSpec(sinks.shape, lambda row, query, heads: (0, 0)),  # the sinks' stack, whole
     ]
     operands = [layer, q, sinks]
-    if tables is not None:  # cos and sin [b, t, k]: this query's rows
-        in_specs += [pl.BlockSpec((None, None, k), lambda row, query, heads: (row, query, 0))] * 2
-        operands += list(tables)
+    if tables is not None:  # cos and sin: this query's rows [2, k]
+        in_specs.append(pl.BlockSpec((None, None, 2, k), lambda row, query, heads: (row, query, 0, 0)))
+        operands.append(tables)
     in_specs += [
         pl.BlockSpec((None, s, k), lambda row, query, heads: (row, 0, 0)),  # shared keys: the whole row
         pl.BlockSpec((None, None, s), lambda row, query, heads: (row, query, 0)),  # this query's shared mask
@@ -174,8 +174,8 @@ def _head_block(row, query, heads):
 
 
 def _kernel(layer_ref, q_ref, sinks_ref, *refs, num_heads, block_h, key_blocks, scale, norm_eps):
-    """One (row, query, head block): refs are the rotation's cos and sin rows (with a rotation: `norm_eps` not None),
-    (keys, mask) per key group, then the output block [block_h, k]."""
+    """One (row, query, head block): refs are the rotation's cos and sin rows [2, k] (with a rotation: `norm_eps` not
+    None), (keys, mask) per key group, then the output block [block_h, k]."""
     *group_refs, out_ref = refs
     first_head = pl.program_id(2) * block_h
     head_in_range = first_head + jnp.arange(block_h) < num_heads  # the last head block may overhang h
@@ -184,8 +184,8 @@ def _kernel(layer_ref, q_ref, sinks_ref, *refs, num_heads, block_h, key_blocks, 
     sink = plgpu.load(sinks, mask=head_in_range, other=0).astype(F32)
     inverse = None
     if norm_eps is not None:
-        cos_ref, sin_ref, *group_refs = group_refs
-        cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
+        tables_ref, *group_refs = group_refs
+        cos, sin = (tables_ref[i, :][None, :] for i in range(2))
         partner = lax.bitwise_xor(lax.broadcasted_iota(jnp.int32, (1, q.shape[1]), 1), 1)  # c ^ 1
         heads = lax.broadcasted_iota(jnp.int32, (block_h, 1), 0)
         q_partner = plgpu.load(q_ref.at[heads, partner], mask=head_in_range[:, None], other=0)
