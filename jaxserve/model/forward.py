@@ -170,7 +170,9 @@ def hidden_states(
     ], new_cache
 
 
-def final_norm(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any, cfg: ModelConfig, kernels: Kernels):
+def final_norm(
+    h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any, cfg: ModelConfig, kernels: Kernels = REFERENCE_KERNELS
+):
     """The hc streams [b, t, n, d] collapsed by an HC head and normed: what the LM head reads [b, t, d]."""
     with jax.named_scope("hc_head"):
         return kernels.hc_head(h, fn, base, scale, norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
