@@ -27,27 +27,13 @@ def hc_mixes(h: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 
 
 def hc_pre(
-    h: jax.Array,
-    fn: Any,
-    base: Any,
-    scale: Any,
-    norm: Any = None,
-    update: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    *,
-    norm_eps: float,
-    hc_eps: float,
-    iters: int,
-) -> tuple[jax.Array, ...]:
+    h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float, iters: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]; both float32):
     mixes = hc_mixes(h, fn) * scale (per part) + base; pre = sigmoid(mixes_pre) + hc_eps, x = sum_n pre_n h_n;
     post = 2 sigmoid(mixes_post); comb = sinkhorn(mixes_comb). `norm` [d]: the block's input norm weight; given, x
-    comes out RMS-normalised (`rms_norm(x, norm, norm_eps)`), as the block reads it. `update` (the previous
-    sublayer's output [..., d], post and comb): the streams are that sublayer's `hc_post` of h first, and come back
-    as a fourth result. The weights (fn [n * d, m], base [m], scale [3], norm) may be `LayerOf` views of stacks
-    (sliced here)."""
-    if update is not None:
-        h = hc_post(update[0], h, *update[1:])
-        return (*hc_pre(h, fn, base, scale, norm, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters), h)
+    comes out RMS-normalised (`rms_norm(x, norm, norm_eps)`), as the block reads it. The weights (fn [n * d, m],
+    base [m], scale [3], norm) may be `LayerOf` views of stacks (sliced here)."""
     fn, base, scale = (one_layer(a) for a in (fn, base, scale))
     n = h.shape[-2]
     mixes = hc_mixes(h, fn, norm_eps)
@@ -60,23 +46,6 @@ def hc_pre(
     if norm is not None:
         x = rms_norm(x, one_layer(norm), norm_eps)
     return x, post, comb
-
-
-def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """Expand the block output into the streams and mix the residual: h'_k = post_k f + sum_j comb[j,k] h_j."""
-    with jax.named_scope("hc_post"):
-        dt = h.dtype
-        expanded = post.astype(dt)[..., None] * out[..., None, :]
-        # The n-term sum written out, in float32 and rounded once as a matmul would: elementwise work that XLA
-        # fuses with the expansion and the add into one kernel (as an einsum it is a matmul kernel of its own).
-        comb = comb.astype(dt).astype(F32)
-        mixed = comb[..., 0, :, None] * h[..., 0, None, :].astype(F32)
-        for j in range(1, h.shape[-2]):
-            mixed += comb[..., j, :, None] * h[..., j, None, :].astype(F32)
-    # The new streams are stored anyway (the next hc_pre reads them). Without the barrier XLA's GPU fusion may fuse
-    # the previous layers' mixes into this one, each stream reading all of them: n^depth recomputation, and a decode
-    # step of the tiny model took 54 s instead of 10 s to compile for an H200.
-    return jax.lax.optimization_barrier(expanded + mixed.astype(dt))
 
 
 def hc_head(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float):

@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.kernels.mhc import hc_post
 from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_pre
+from jaxserve.model.layers import hc_post, hc_pre
 from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import Segment, layer_segments
 from jaxserve.model.weights import (
@@ -55,21 +54,21 @@ def block(
     weights but its routed experts, which `experts` holds for every layer of the stack (`layer` picks).
     `draft_block`: a DSpark drafter's block (attention_block's draft_block)."""
     with jax.named_scope("attention"):
-        updates = []  # each group's attention output and mixing: the MoE's collapse applies them to its streams first
+        mixed = []
         for h, inputs in zip(hs, groups):
             normed, post, comb = hc_pre(h, w.attn_hc, cfg, kernels, w.attn_norm)
             out, cache = attention_block(normed, w.attn, cache, layer, inputs, cfg, kind, kernels, draft_block)
-            updates.append((out, post, comb))
+            mixed.append(hc_post(out, h, post, comb))
+        hs = mixed
     with jax.named_scope("moe"):
-        pres = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm, update) for h, update in zip(hs, updates)]
-        hs = [h for *_, h in pres]
-        flat = jnp.concatenate([normed.reshape(1, -1, normed.shape[-1]) for normed, *_ in pres], axis=1)
+        pres = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm) for h in hs]
+        flat = jnp.concatenate([normed.reshape(1, -1, normed.shape[-1]) for normed, _, _ in pres], axis=1)
         tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
         out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
         sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
         hs = [
             hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
-            for o, h, (_, post, comb, _) in zip(jnp.split(out, sizes), hs, pres)
+            for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)
         ]
     return hs, cache
 

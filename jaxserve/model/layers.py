@@ -49,23 +49,33 @@ def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:
 
 
 def hc_pre(
-    h: jax.Array,
-    hc: HyperConnection | LayerOf,
-    cfg: ModelConfig,
-    kernels: Kernels,
-    norm: Any = None,
-    update: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, ...]:
+    h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig, kernels: Kernels, norm: Any = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Collapse the streams into one block input; return it with the post weights and the comb matrix. `hc` is one
     layer's weights, or a layer of the segment's stacked ones (kernels that can read it in place). `norm`: the
-    block's input norm weight (a `LayerOf` view where `hc` is one): the block input comes out normalised by it.
-    `update`: the previous sublayer's (output, post, comb), its residual mix folded in (kernels.mhc.hc_pre); the
-    updated streams come back fourth."""
+    block's input norm weight (a `LayerOf` view where `hc` is one): the block input comes out normalised by it."""
     if isinstance(hc, LayerOf):
         fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
     else:
         fn, base, scale = hc.fn, hc.base, hc.scale
     with jax.named_scope("hc_pre"):
         return kernels.hc_pre(
-            h, fn, base, scale, norm, update, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
+            h, fn, base, scale, norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
         )
+
+
+def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """Expand the block output into the streams and mix the residual: h'_k = post_k f + sum_j comb[j,k] h_j."""
+    with jax.named_scope("hc_post"):
+        dt = h.dtype
+        expanded = post.astype(dt)[..., None] * out[..., None, :]
+        # The n-term sum written out, in float32 and rounded once as a matmul would: elementwise work that XLA
+        # fuses with the expansion and the add into one kernel (as an einsum it is a matmul kernel of its own).
+        comb = comb.astype(dt).astype(F32)
+        mixed = comb[..., 0, :, None] * h[..., 0, None, :].astype(F32)
+        for j in range(1, h.shape[-2]):
+            mixed += comb[..., j, :, None] * h[..., j, None, :].astype(F32)
+    # The new streams are stored anyway (the next hc_pre reads them). Without the barrier XLA's GPU fusion may fuse
+    # the previous layers' mixes into this one, each stream reading all of them: n^depth recomputation, and a decode
+    # step of the tiny model took 54 s instead of 10 s to compile for an H200.
+    return jax.lax.optimization_barrier(expanded + mixed.astype(dt))

@@ -53,7 +53,6 @@ def hc_pre(
     base: Any,
     scale: Any,
     norm: Any = None,
-    update: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     *,
     norm_eps: float,
     hc_eps: float,
@@ -62,19 +61,16 @@ def hc_pre(
     block_rows: int = 16,
     block_cols: int = 256,
     split_cols: int = 1024,
-) -> tuple[jax.Array, ...]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]), as the reference (x normalised
-    when `norm` is given; with `update`, the previous sublayer's residual mix applied to h first, in the first
-    kernel, and the updated streams returned fourth); the weights plain or `LayerOf` views of the segment's stacks,
-    read in place (slicing a layer out is a launch a weight). `split_cols` elements of the flattened streams per
-    program of the first kernel (split_cols / n columns of d of each stream), `block_cols` columns a step (and the
-    second kernel's chunk of d); all powers of two, block_rows and block_cols at least 16."""
+    when `norm` is given); the weights plain or `LayerOf` views of the segment's stacks, read in place (slicing a
+    layer out is a launch a weight). `split_cols` elements of the flattened streams per program of the first kernel
+    (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's chunk of d);
+    all powers of two, block_rows and block_cols at least 16."""
     tiles = dict(block_rows=block_rows, block_cols=block_cols, split_cols=split_cols)
-    x, post, comb, *updated = _collapse(
-        h, fn, base, scale, norm, PARTS, norm_eps, hc_eps, iters, interpret, update=update, **tiles
-    )
+    x, post, comb = _collapse(h, fn, base, scale, norm, PARTS, norm_eps, hc_eps, iters, interpret, **tiles)
     *lead, n, d = h.shape
-    return x, post.reshape(*lead, n), comb.reshape(*lead, n, n), *(u.reshape(h.shape) for u in updated)
+    return x, post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
@@ -99,11 +95,10 @@ def hc_head(
 
 
 def _collapse(
-    h, fn, base, scale, norm, parts, norm_eps, hc_eps, iters, interpret, *, block_rows, block_cols, split_cols,
-    update=None,
-) -> tuple[jax.Array, ...]:  # fmt: skip
-    """The two kernels over the first `parts` parts of the mixes (3: pre, post, comb; 1: pre): (x [..., d], for 3
-    parts post [rows, n] and comb [rows, n, n], and with `update` the updated streams [rows, n * d])."""
+    h, fn, base, scale, norm, parts, norm_eps, hc_eps, iters, interpret, *, block_rows, block_cols, split_cols
+) -> tuple[jax.Array, ...]:
+    """The two kernels over the first `parts` parts of the mixes (3: pre, post, comb; 1: pre): (x [..., d], and for
+    3 parts post [rows, n] and comb [rows, n, n])."""
     *lead, n, d = h.shape
     (fn, base, scale, *norms), layer = layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
     width = max(DOT_MIN, n * n)
@@ -122,31 +117,14 @@ def _collapse(
     splits = pl.cdiv(d, steps * bc)
     row_blocks = pl.cdiv(rows, bm)
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    sums_shape = jax.ShapeDtypeStruct((splits, rows, (parts + 1) * width), F32)
-    updating = ()
-    if update is not None:  # the previous sublayer's output [rows, d], post [rows, n] and comb [rows, n * n]
-        out, post, comb = update
-        updating = (out.reshape(rows, d), post.reshape(rows, n).astype(F32), comb.reshape(rows, n * n).astype(F32))
-    mixes = pl.pallas_call(
-        functools.partial(
-            _mixes_kernel,
-            rows=rows,
-            n=n,
-            d=d,
-            bm=bm,
-            bc=bc,
-            steps=steps,
-            width=width,
-            parts=parts,
-            updating=bool(updating),
-        ),  # fmt: skip
-        out_shape=(sums_shape, jax.ShapeDtypeStruct(flat.shape, flat.dtype)) if updating else sums_shape,
+    sums = pl.pallas_call(
+        functools.partial(_mixes_kernel, rows=rows, n=n, d=d, bm=bm, bc=bc, steps=steps, width=width, parts=parts),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, (parts + 1) * width), F32),
         grid=(row_blocks, splits),
         interpret=interpret,
         compiler_params=params,
         name="hc_mixes",
-    )(layer, flat, fn, *updating)
-    sums, flat = mixes if updating else (mixes, flat)
+    )(layer, flat, fn)
     out_shape = [jax.ShapeDtypeStruct((rows, d), h.dtype)]
     if parts == PARTS:
         out_shape += [jax.ShapeDtypeStruct((rows, n), F32), jax.ShapeDtypeStruct((rows, n, n), F32)]
@@ -172,7 +150,7 @@ def _collapse(
         compiler_params=params,
         name="hc_collapse",
     )(layer, sums, flat, base, scale, *norms)
-    return (x.reshape(*lead, d), *mixing, *([flat] if updating else []))
+    return (x.reshape(*lead, d), *mixing)
 
 
 def _iota(shape: tuple[int, ...], axis: int) -> jax.Array:
@@ -185,28 +163,15 @@ def _part(n: int, part: int) -> tuple[int, int]:
 
 
 def _mixes_kernel(
-    layer_ref, h_ref, fn_ref, *refs, rows: int, n: int, d: int, bm: int, bc: int, steps: int, width: int,
-    parts: int, updating: bool,
+    layer_ref, h_ref, fn_ref, out_ref, *, rows: int, n: int, d: int, bm: int, bc: int, steps: int, width: int,
+    parts: int,
 ):  # fmt: skip
-    """Program (row block, split): the split's partial projections and Gram matrix of its rows; if `updating` (refs
-    start with the previous sublayer's output, post and comb, and end with the updated streams), of the streams
-    updated by `kernels.mhc.hc_post`, with its roundings, which it also writes."""
+    """Program (row block, split): the split's partial projections and Gram matrix of its rows."""
     block, split = pl.program_id(0), pl.program_id(1)
     row0 = block * bm
     row = row0 + _iota((bm, 1), 0)
     layer = layer_ref[0]
     col = _iota((1, width), 1)
-    out_ref = refs[3] if updating else refs[0]
-    if updating:
-        sub_out_ref, post_ref, comb_ref, _, new_ref = refs
-        mixing = [
-            plgpu.load(ref.at[pl.ds(row0, bm), pl.ds(0, width)], mask=(row < rows) & (col < size), other=0)
-            for ref, size in ((post_ref, n), (comb_ref, n * n))
-        ]
-        post, comb = (
-            [jnp.sum(jnp.where(col == c, m, 0.0), axis=1, keepdims=True) for c in range(size)]
-            for m, size in zip(mixing, (n, n * n), strict=True)
-        )
 
     def step(i, carry):
         gram, *acc = carry
@@ -214,22 +179,9 @@ def _mixes_kernel(
         h_mask = (row < rows) & (c0 + _iota((1, bc), 1) < d)
         fn_rows = c0 + _iota((bc, 1), 0) < d
         hs = [
-            plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(stream * d + c0, bc)], mask=h_mask, other=0)
+            plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(stream * d + c0, bc)], mask=h_mask, other=0).astype(F32)
             for stream in range(n)
         ]
-        if updating:  # h'_k = post_k out + sum_j comb[j, k] h_j, rounded as hc_post rounds it
-            dt = hs[0].dtype
-            sub_out = plgpu.load(sub_out_ref.at[pl.ds(row0, bm), pl.ds(c0, bc)], mask=h_mask, other=0)
-            updated = []
-            for k in range(n):
-                mixed = comb[k].astype(dt).astype(F32) * hs[0].astype(F32)
-                for j in range(1, n):
-                    mixed += comb[j * n + k].astype(dt).astype(F32) * hs[j].astype(F32)
-                new = post[k].astype(dt) * sub_out + mixed.astype(dt)
-                plgpu.store(new_ref.at[pl.ds(row0, bm), pl.ds(k * d + c0, bc)], new, mask=h_mask)
-                updated.append(new)
-            hs = updated
-        hs = [hx.astype(F32) for hx in hs]
         for stream, hx in enumerate(hs):
             for part in range(parts):
                 first, size = _part(n, part)
@@ -322,10 +274,9 @@ def _sinkhorn(m: jax.Array, iters: int, eps: float) -> jax.Array:
 
 def mixes_hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
     """The HBM bytes one `hc_mixes` call moves, from its operands as compiled (the layer index, h [rows, n * d], fn
-    [layers, n * d, m], any update's operands): h once, one layer of fn, the update's operands once, the partial sums
-    (and any updated streams) written."""
-    layer, h, fn, *update = operand_bytes  # update: the previous sublayer's output, post and comb, if folded in
-    return layer + h + fn / operand_shapes[2][0] + sum(update) + out_bytes
+    [layers, n * d, m]): h once, one layer of fn, the partial sums written."""
+    layer, h, fn = operand_bytes
+    return layer + h + fn / operand_shapes[2][0] + out_bytes
 
 
 def collapse_hbm_bytes(operand_shapes: list[tuple[int, ...]], operand_bytes: list[float], out_bytes: float) -> float:
