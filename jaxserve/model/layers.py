@@ -1,4 +1,6 @@
-"""Small building blocks: RMS norms, interleaved RoPE with YaRN, and the mHC hyper-connections.
+"""Small building blocks: RoPE frequencies (plain, or YaRN-scaled for compressed layers) and the mHC collapse as the
+block calls it (through the kernel table; the norms, rotations and hyper-connection maths themselves are the kernels'
+references: jaxserve.kernels.norm, .rope, .mhc).
 
 Letters: b batch rows, t query time, n hc streams, d embed, h heads, k head dim.
 """
