@@ -38,23 +38,29 @@ def hc_pre(
     n = h.shape[-2]
     mixes = hc_mixes(h, fn, norm_eps)
     base, scale = base.astype(F32), scale.astype(F32)
-    pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc_eps
+    pre = _pre_weights(mixes, base, scale, n, hc_eps)
     post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
     comb = sinkhorn(comb_logits, iters, hc_eps)
-    x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
-    if norm is not None:
-        x = rms_norm(x, one_layer(norm), norm_eps)
-    return x, post, comb
+    return _collapsed(h, pre, norm, norm_eps), post, comb
 
 
 def hc_head(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float):
-    """The final collapse of the streams h [..., n, d] -> [..., d] in h's dtype: sigmoid weights, no Sinkhorn (fn
-    [n * d, n], base [n], scale [1]); normalised by the final norm `norm` [d] when given (`rms_norm(x, norm,
-    norm_eps)`: what the LM head reads)."""
+    """The final collapse of the streams h [..., n, d] -> [..., d] in h's dtype: hc_pre's pre weights alone, no
+    Sinkhorn (fn [n * d, n], base [n], scale [1]); normalised by the final norm `norm` [d] when given
+    (`rms_norm(x, norm, norm_eps)`: what the LM head reads)."""
     fn, base, scale = (one_layer(a) for a in (fn, base, scale))
-    mixes = hc_mixes(h, fn, norm_eps)
-    pre = jax.nn.sigmoid(mixes * scale.astype(F32)[0] + base.astype(F32)) + hc_eps
+    pre = _pre_weights(hc_mixes(h, fn, norm_eps), base.astype(F32), scale.astype(F32), h.shape[-2], hc_eps)
+    return _collapsed(h, pre, norm, norm_eps)
+
+
+def _pre_weights(mixes: jax.Array, base: jax.Array, scale: jax.Array, n: int, hc_eps: float) -> jax.Array:
+    """The streams' weights in the collapse [..., n]: sigmoid of the first n mixes, scaled and shifted, plus hc_eps."""
+    return jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc_eps
+
+
+def _collapsed(h: jax.Array, pre: jax.Array, norm: Any, norm_eps: float) -> jax.Array:
+    """x = sum_n pre_n h_n in h's dtype, RMS-normalised by `norm` (a weight or a `LayerOf`) when given."""
     x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
     return x if norm is None else rms_norm(x, one_layer(norm), norm_eps)
 

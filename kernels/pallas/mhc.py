@@ -43,17 +43,40 @@ DOT_MIN = 16  # Triton's smallest dot dimension
 PARTS = 3  # pre, post, comb
 
 
-STATIC = ("norm_eps", "hc_eps", "interpret", "block_rows", "block_cols", "split_cols")
-
-
-@functools.partial(jax.jit, static_argnames=(*STATIC, "iters"))
 def hc_pre(
+    h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float, iters: int,
+    **options: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]), as the reference (x normalised
+    when `norm` is given); the weights plain or `LayerOf` views of the segment's stacks, read in place (slicing a
+    layer out is a launch a weight). `options`: `_collapse`'s (interpret mode, tiles)."""
+    x, post, comb = _collapse(
+        h, fn, base, scale, norm, parts=PARTS, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters, **options
+    )
+    *lead, n, _ = h.shape
+    return x, post.reshape(*lead, n), comb.reshape(*lead, n, n)
+
+
+def hc_head(
+    h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float, **options: Any
+) -> jax.Array:
+    """The final collapse, as the reference `jaxserve.kernels.mhc.hc_head`: the same two kernels with the pre part
+    alone (fn [n * d, n], base [n], scale [1]), x normalised by the final norm when `norm` is given."""
+    return _collapse(h, fn, base, scale, norm, parts=1, norm_eps=norm_eps, hc_eps=hc_eps, iters=0, **options)[0]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("parts", "norm_eps", "hc_eps", "iters", "interpret", "block_rows", "block_cols", "split_cols"),
+)
+def _collapse(
     h: jax.Array,
     fn: Any,
     base: Any,
     scale: Any,
-    norm: Any = None,
+    norm: Any,
     *,
+    parts: int,
     norm_eps: float,
     hc_eps: float,
     iters: int,
@@ -61,44 +84,11 @@ def hc_pre(
     block_rows: int = 16,
     block_cols: int = 256,
     split_cols: int = 1024,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [..., n, d] -> (x [..., d] in h's dtype, post [..., n], comb [..., n, n]), as the reference (x normalised
-    when `norm` is given); the weights plain or `LayerOf` views of the segment's stacks, read in place (slicing a
-    layer out is a launch a weight). `split_cols` elements of the flattened streams per program of the first kernel
-    (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's chunk of d);
-    all powers of two, block_rows and block_cols at least 16."""
-    tiles = dict(block_rows=block_rows, block_cols=block_cols, split_cols=split_cols)
-    x, post, comb = _collapse(h, fn, base, scale, norm, PARTS, norm_eps, hc_eps, iters, interpret, **tiles)
-    *lead, n, d = h.shape
-    return x, post.reshape(*lead, n), comb.reshape(*lead, n, n)
-
-
-@functools.partial(jax.jit, static_argnames=STATIC)
-def hc_head(
-    h: jax.Array,
-    fn: Any,
-    base: Any,
-    scale: Any,
-    norm: Any = None,
-    *,
-    norm_eps: float,
-    hc_eps: float,
-    interpret: bool = False,
-    block_rows: int = 16,
-    block_cols: int = 256,
-    split_cols: int = 1024,
-) -> jax.Array:
-    """The final collapse, as the reference `jaxserve.kernels.mhc.hc_head`: the same two kernels with the pre part
-    alone (fn [n * d, n], base [n], scale [1]), x normalised by the final norm when `norm` is given."""
-    tiles = dict(block_rows=block_rows, block_cols=block_cols, split_cols=split_cols)
-    return _collapse(h, fn, base, scale, norm, 1, norm_eps, hc_eps, 0, interpret, **tiles)[0]
-
-
-def _collapse(
-    h, fn, base, scale, norm, parts, norm_eps, hc_eps, iters, interpret, *, block_rows, block_cols, split_cols
 ) -> tuple[jax.Array, ...]:
     """The two kernels over the first `parts` parts of the mixes (3: pre, post, comb; 1: pre): (x [..., d], and for
-    3 parts post [rows, n] and comb [rows, n, n])."""
+    3 parts post [rows, n] and comb [rows, n, n]). `split_cols` elements of the flattened streams per program of the
+    first kernel (split_cols / n columns of d of each stream), `block_cols` columns a step (and the second kernel's
+    chunk of d); all powers of two, block_rows and block_cols at least 16."""
     *lead, n, d = h.shape
     (fn, base, scale, *norms), layer = layer_stacks(fn, base, scale, *([] if norm is None else [norm]))
     width = max(DOT_MIN, n * n)
