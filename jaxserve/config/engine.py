@@ -14,6 +14,7 @@ from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_con
 from jaxserve.kernels.table import KERNEL_CHOICES, check_choice
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")  # --disaggregation-mode, SGLang's words
 
 # --scheduling-policy: the order waiting requests are admitted in; each order registers itself in
 # jaxserve.scheduler.queue_order.
@@ -205,6 +206,37 @@ class EngineConfig:
             metavar="JSON",
         ),
     )
+    disaggregation_mode: str = field(
+        default="null",
+        metadata=flag(
+            str,
+            "prefill/decode disaggregation (SGLang's flag): prefill: this server prefills prompts a decode server asks "
+            "for and hands their state over; decode: every request's prompt is prefilled by a prefill server (the one "
+            "`jaxserve router` names) and its state moved here, reusing the pages this server already holds; null: "
+            "both here",
+            choices=DISAGGREGATION_MODES,
+        ),
+    )
+    disaggregation_transfer_host: str = field(
+        default="127.0.0.1",
+        metadata=flag(str, "the address this server's state transfers listen on (its peers must reach it)"),
+    )
+    disaggregation_transfer_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            float,
+            "seconds a request's state may take to arrive once its prefill server offered it (a prefill server keeps "
+            "an unclaimed offer as long): past it the request fails",
+        ),
+    )
+    disaggregation_checksum: bool = field(
+        default=False,
+        metadata=flag(
+            bool,
+            "a decode server checks every transferred byte against the prefill server's checksums; a mismatch fails "
+            "the request",
+        ),
+    )
     decode_log_interval: int = field(default=50, metadata=flag(int, "log one decode step in this many"))
     log_level: str = field(
         default="info",
@@ -244,6 +276,12 @@ class EngineConfig:
             raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ConfigError(f"disaggregation_mode={self.disaggregation_mode!r}: must be one of {DISAGGREGATION_MODES}")
+        if not self.disaggregation_transfer_timeout > 0:
+            raise ConfigError(
+                f"disaggregation_transfer_timeout={self.disaggregation_transfer_timeout!r}: must be positive"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy={self.scheduling_policy!r}: must be one of {SCHEDULING_POLICIES.names()}"

@@ -18,11 +18,13 @@ import threading
 import time
 import zlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.engine.handoff import Arrival, PrefillAsk, StateSource
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
 from jaxserve.request import (
     FinishReason,
@@ -36,7 +38,9 @@ from jaxserve.request import (
 from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan
+from jaxserve.paging import pages_needed
 from jaxserve.runner import Buckets
+from jaxserve.runner.transfer import Parcel
 from jaxserve.scheduler import IdAllocator, PrefixCache, PrefixStats, StepCounts, build_scheduler
 
 log = logging.getLogger("jaxserve.engine")
@@ -64,6 +68,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache had (not prefilled); on every event
+    parcel: Parcel | None = None  # a handed-off request's state (on its last event; a prefill server's)
 
     @property
     def finished(self) -> bool:
@@ -92,6 +97,14 @@ class _Abort:
     request_id: str
     reason: FinishReason
     stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class _Arrived:
+    """Into the engine's inbox: a remote request's state arrived (or why it cannot)."""
+
+    request: Request
+    arrival: Arrival | Exception
 
 
 @dataclass(frozen=True)
@@ -303,6 +316,12 @@ class StepRunner(Protocol):
 
     def reset_cache(self) -> None: ...
 
+    def export_state(self, pages: list[int], slot: int) -> Parcel:
+        """A sequence's state at `pages` and `slot`, copied out of the cache (a prefill server's hand-off)."""
+
+    def install_state(self, parcel: Parcel, pages: list[int], slot: int, token: int) -> None:
+        """A parcel's state written into `pages` and `slot`, whose next input token is `token` (a decode server's)."""
+
 
 class Engine:
     """The loop over a runner (jaxserve.runner.build_runner, or any StepRunner); one compiled runner can serve
@@ -344,8 +363,14 @@ class Engine:
         snapshot_rows = geometry.snapshot_rows if engine_cfg.enable_prefix_caching else ()
         # What else a page's contents depend on than its tokens: the model and how the cache stores it.
         salt = repr((model_cfg, geometry.kv_cache_dtype)).encode()
+        # A decode server caches pages without snapshots: a remote request's sequence state arrives whole.
+        decode_server = engine_cfg.disaggregation_mode == "decode"
         self.pages = PrefixCache(
-            IdAllocator(geometry.num_pages, "KV pages"), geometry.page_size, list(snapshot_rows), salt
+            IdAllocator(geometry.num_pages, "KV pages"),
+            geometry.page_size,
+            list(snapshot_rows),
+            salt,
+            pages_only=decode_server and engine_cfg.enable_prefix_caching,
         )
         self.scheduler = build_scheduler(engine_cfg, self.pages, geometry.page_size, min(runner.buckets.prefill_chunks))
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
@@ -362,6 +387,9 @@ class Engine:
         self._admission = threading.Condition()
         self._live: dict[str, _Live] = {}
         self._draining = False
+        # Remote requests' state sources, until their state arrives; the threads that wait for it.
+        self._sources: dict[str, StateSource] = {}
+        self._fetching = ThreadPoolExecutor(max(1, engine_cfg.max_num_seqs), thread_name_prefix="jaxserve-fetch")
         # Loop thread only: dispatched, unfinished steps per request, and when the device is done with the last one.
         self._inflight: collections.Counter[str] = collections.Counter()
         self._device_free_at = 0.0
@@ -388,6 +416,7 @@ class Engine:
         return self
 
     def shutdown(self) -> None:
+        self._fetching.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:  # after fail() the loop may wait on a step that never ends: not for long
@@ -505,16 +534,27 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        hand_off_from: int | None = None,
+        remote: StateSource | None = None,
     ) -> RequestHandle:
         """Queue a request; raises InvalidRequest at once for one that is invalid or can never fit, QueueFull when
         `max_queued_requests` are already waiting, EngineDraining once drain() was called. `priority`: lower is
-        admitted first under --scheduling-policy priority (elsewhere only 0 is accepted)."""
+        admitted first under --scheduling-policy priority (elsewhere only 0 is accepted). Disaggregated serving:
+        `hand_off_from` (a prefill server's request) ends the request after its first token, its last event carrying
+        its state from that page on; `remote` (a decode server's) is where its prompt's state comes from."""
         sampling = sampling or SamplingParams()
         self.check_admission(prompt_ids, sampling, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) if sampling.seed is None else sampling.seed
         sampling = dataclasses.replace(sampling, seed=seed, eos_token_ids=tuple(sorted(self.eos_token_ids)))
-        request = Request(request_id, [int(t) for t in prompt_ids], sampling, priority=priority)
+        request = Request(
+            request_id,
+            [int(t) for t in prompt_ids],
+            sampling,
+            priority=priority,
+            hand_off_from=hand_off_from,
+            remote=remote is not None,
+        )
         if sampling.constraint is not None and self.grammars is not None:  # check_admission refused it otherwise
             request.grammar = self.grammars.matcher(sampling.constraint)
         handle = RequestHandle(request_id, request.prompt_ids)
@@ -529,6 +569,8 @@ class Engine:
                     f"{queued} requests are already waiting (max_queued_requests={self.config.max_queued_requests})"
                 )
             self._live[request_id] = _Live(request, handle)
+            if remote is not None:
+                self._sources[request_id] = remote
             self._inbox.put(_Submit(request))
         self._wake.set()
         return handle
@@ -570,6 +612,7 @@ class Engine:
                 if limits is not None:  # start() compiled the first shapes: never None here
                     self.scheduler.set_step_limits(limits)
             self._drain_inbox()
+            self._fetch_remote_states()
             self.scheduler.note_inflight(
                 *((inflight.plan, inflight.device_start(self._device_free_at)) if inflight else (None,))
             )
@@ -607,9 +650,80 @@ class Engine:
             if isinstance(message, _Submit):  # an abort of it is behind it in the inbox
                 self.scheduler.add_request(message.request)
                 continue
+            if isinstance(message, _Arrived):
+                self._install(message.request, message.arrival)
+                continue
             live = self._live.get(message.request_id)
             if live is not None:
                 self._finish(live.request, message.reason, message.stop_reason)
+
+    # ---- disaggregated serving (engine thread) ---------------------------------------------------------------
+    def _fetch_remote_states(self) -> None:
+        """Admit the remote requests that fit and ask, each on a worker thread, for its state."""
+        for request in self.scheduler.admit_remote():
+            source = self._sources.pop(request.request_id)
+            ask = PrefillAsk(
+                request.request_id,
+                request.prompt_ids,
+                request.sampling,
+                skip_pages=request.num_cached_tokens // self.geometry.page_size,
+            )
+            self._fetching.submit(self._fetch, request, source, ask)
+
+    def _fetch(self, request: Request, source: StateSource, ask: PrefillAsk) -> None:  # a worker thread
+        try:
+            arrival: Arrival | Exception = source.fetch(ask)
+        except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
+            arrival = error
+        self._inbox.put(_Arrived(request, arrival))
+        self._wake.set()
+
+    def _install(self, request: Request, arrival: Arrival | Exception) -> None:
+        """Put a remote request's arrived state in its pages and slot and deliver its first token; a request aborted
+        meanwhile gave its pages back when it finished, so what arrived for it is dropped."""
+        if request.finished:
+            return
+        if isinstance(arrival, Exception):
+            log.warning("request %s: its state did not come: %s", request.request_id, arrival)
+            self._finish(request, FinishReason.ERROR, error=f"prefill failed: {arrival}")
+            return
+        request.prompt_logprobs.extend(arrival.prompt_logprobs or ())
+        if arrival.parcel is None or arrival.token is None:  # prefill only (max_tokens 0): nothing to decode here
+            self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
+            return
+        first = request.num_cached_tokens // self.geometry.page_size
+        pages = request.pages[first : pages_needed(request.prompt_len, self.geometry.page_size)]
+        assert request.slot is not None  # admitted
+        try:
+            self.runner.install_state(arrival.parcel, pages, request.slot, arrival.token)
+        except Exception as error:  # noqa: BLE001 - one bad arrival must not take the server down
+            log.exception("request %s: installing its state failed", request.request_id)
+            self._fail_requests([request], error)
+            return
+        self.scheduler.arrived(request)
+        self._deliver(request, arrival.token, arrival.logprob)
+
+    def _hand_off(self, request: Request, out: RowOutput) -> None:
+        """A prefill server's request after its first token: its state from `hand_off_from` on leaves with its last
+        event; its pages stay in the prefix cache as any finished request's do."""
+        assert request.hand_off_from is not None and request.slot is not None
+        pages = request.pages[request.hand_off_from : pages_needed(request.prompt_len, self.geometry.page_size)]
+        try:
+            parcel = self.runner.export_state(pages, request.slot)
+        except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
+            log.exception("request %s: exporting its state failed", request.request_id)
+            self._finish(request, FinishReason.ERROR, error=f"exporting the state failed: {error}")
+            return
+        request.note_token(out.token_id)
+        self.counters.generation_tokens += 1
+        self._finish(
+            request,
+            FinishReason.LENGTH,
+            final_tokens=(out.token_id,),
+            logprobs=None if out.logprob is None else (out.logprob,),
+            prompt_logprobs=self._prompt_logprobs(request),
+            parcel=parcel,
+        )
 
     def _dispatch(self, plan: StepPlan) -> _InFlight:
         dispatched = time.perf_counter()
@@ -658,6 +772,9 @@ class Engine:
                 continue
             if request.sampling.max_tokens == 0:  # prefill only: the token after the prompt is unused
                 self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
+                continue
+            if request.hand_off_from is not None:
+                self._hand_off(request, out)
                 continue
             if out is RowOutput.NONE:  # the device saw the request at its max_tokens, which ended it on a step before
                 log.error("request %s: a verify row kept no token, but the request runs", request.request_id)
@@ -735,6 +852,7 @@ class Engine:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] | None = None,
         prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+        parcel: Parcel | None = None,
     ) -> None:
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
@@ -755,6 +873,7 @@ class Engine:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 cached_tokens=request.num_cached_tokens,
+                parcel=parcel,
             )
         )
 
@@ -763,10 +882,14 @@ class Engine:
         if self.fatal_step_errors:
             self.fail(f"a step failed: {type(error).__name__}: {error}")
             return
-        failed = [r for r in plan.requests if not r.finished]
         self.pages.clear()  # the pages and snapshots the step was to write may not be there
+        self._fail_requests([r for r in plan.requests if not r.finished], error)
+
+    def _fail_requests(self, failed: list[Request], error: Exception) -> None:
+        """End `failed` with `error`, or every live request if the failed call consumed the donated cache."""
         if self.runner.cache_lost():
             # The donated cache went with the failed call: every sequence's KV state is gone, not only the step's.
+            self.pages.clear()
             self.runner.reset_cache()
             failed = [entry.request for entry in self._live.values() if not entry.request.finished]
         for request in failed:

@@ -83,6 +83,10 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first under --scheduling-policy priority
+    # Disaggregated serving: on a prefill server, the page from which its state is handed off once its first token
+    # is sampled (None: it decodes here); on a decode server, whether its prompt's state comes from a prefill server.
+    hand_off_from: int | None = None
+    remote: bool = False
     status: RequestStatus = RequestStatus.WAITING  # changed only by move_to(), along LEGAL_TRANSITIONS
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)

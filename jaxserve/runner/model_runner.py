@@ -49,6 +49,7 @@ from jaxserve.runner.logprobs import LogprobInputs, Logprobs, to_host
 from jaxserve.runner.mirror import Call, CallLog, CompileSync, ForwardCall, ResetCall, SampleCall
 from jaxserve.runner.sampling import PENALTY_BUCKET, PenaltyArrays, SamplingArrays
 from jaxserve.runner.speculative import Verified
+from jaxserve.runner.transfer import Parcel, StateMover
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -275,6 +276,14 @@ class ModelRunner:
         # Every step shape's executables, compiled once.
         self.executable_cache = ExecutableCache(cfg, weights, geometry, mesh, self.kernels)
         self._replicated = self.executable_cache.replicated
+        # A sequence's state copied out of the cache or into it (disaggregated serving).
+        self.mover = StateMover(
+            self.executable_cache.abstract_cache,
+            self.executable_cache.cache_shardings,
+            mesh,
+            geometry.num_pages,
+            geometry.max_pages_per_seq,
+        )
         self._init_cache()
         self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
         self._warmed: set[StepShape] = set()  # the shapes warmed up for the engine's steps (limits() reads these)
@@ -376,6 +385,29 @@ class ModelRunner:
             with self._launching:
                 self.mirror.add(ResetCall())
         self._init_cache()
+
+    # ---- disaggregated serving ---------------------------------------------------------------------------------
+    def export_state(self, pages: list[int], slot: int) -> Parcel:
+        """A sequence's state at `pages` and `slot`, copied out of the cache as of the steps dispatched so far."""
+        with self._launching:
+            self._single_process("a hand-off")
+            return self.mover.export(self.cache, pages, slot)
+
+    def install_state(self, parcel: Parcel, pages: list[int], slot: int, token: int) -> None:
+        """Write a parcel's state into `pages` and `slot` (the cache donated), `token` its next input token."""
+        with self._launching:
+            self._single_process("an arrival")
+            self.cache, self.slot_tokens = self.mover.install(self.cache, self.slot_tokens, parcel, pages, slot, token)
+
+    def warm_transfers(self, export: bool, install: bool) -> None:
+        """Compile the state's cuts for every page bucket (a prefill server's export, a decode server's install and
+        checksums), so no request waits for a compile."""
+        with self._launching:
+            self.cache, self.slot_tokens = self.mover.warm(self.cache, self.slot_tokens, export, install)
+
+    def _single_process(self, what: str) -> None:
+        if self.mirror is not None:
+            raise RuntimeError(f"{what} is a call the group's other processes would not replay")
 
     def _init_cache(self) -> None:
         with jax.set_mesh(self.mesh):

@@ -46,6 +46,7 @@ class PrefillManager:
         self.slots = slots
         self.queue_order = queue_order or FirstComeFirstServed()
         self._admitted: deque[Request] = deque()  # PREFILLING, prompt not fully scheduled yet; admission order
+        self._arriving: list[Request] = []  # PREFILLING remote requests: their state is on its way from a prefill server
         self._waiting: list[tuple[tuple[int, ...], int, Request]] = []  # (order key, arrival, request), sorted
         self._arrivals = itertools.count()
 
@@ -55,12 +56,12 @@ class PrefillManager:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._admitted or self._waiting)
+        return bool(self._admitted or self._waiting or self._arriving)
 
     @property
     def requests(self) -> list[Request]:
         """Every request here: admitted ones first, then the waiting ones in the order they will be admitted."""
-        return list(self._admitted) + [request for _, _, request in self._waiting]
+        return list(self._admitted) + self._arriving + [request for _, _, request in self._waiting]
 
     def add(self, request: Request) -> None:
         """Queue `request` (WAITING), which Engine.check_admission accepted: it fits the pool once it is empty, so
@@ -78,8 +79,8 @@ class PrefillManager:
         rows: list[StepRow] = []
         budget = token_budget
         while budget > 0 and len(rows) < max_rows:
-            if not self._admitted and not (self._waiting and self._admit(self._waiting[0][2], max_active)):
-                break  # nothing admitted to continue, and nobody overtakes a head that does not fit yet
+            if not self._admitted and not (self._local_head() and self._admit(self._waiting[0][2], max_active)):
+                break  # nothing admitted to continue, and nobody overtakes a head that does not fit yet (or is remote)
             request = self._admitted[0]
             length = min(request.remaining_prompt, budget)
             rows.append(self.pages.chunk(request, request.num_prefilled, length))
@@ -90,10 +91,29 @@ class PrefillManager:
         self.pages.commit(rows)  # the step is decided: what it writes can be shared from the next one on
         return tuple(rows)
 
+    def admit_remote(self, max_active: int) -> list[Request]:
+        """Admit the remote requests at the head of the queue while they fit, admitting no more than `max_active`
+        requests in all: their state is to be fetched now (for the pages after the cached ones they start with)."""
+        admitted = []
+        while self._waiting and self._waiting[0][2].remote and self._admit(self._waiting[0][2], max_active):
+            admitted.append(self._arriving[-1])
+        return admitted
+
+    def arrived(self, request: Request) -> None:
+        """A remote request's state is in its pages and slot: its prompt is done here."""
+        self._arriving.remove(request)
+        self.pages.arrived(request)
+        request.num_prefilled = request.prompt_len
+
+    def _local_head(self) -> bool:
+        return bool(self._waiting) and not self._waiting[0][2].remote
+
     def remove(self, request: Request) -> None:
         """Forget `request` wherever it is in its life (release() gives back its pages and slot)."""
         if request in self._admitted:
             self._admitted.remove(request)
+        if request in self._arriving:
+            self._arriving.remove(request)
         self._waiting = [entry for entry in self._waiting if entry[2] is not request]
 
     def release(self, request: Request) -> None:
@@ -111,5 +131,5 @@ class PrefillManager:
         (request.slot,) = self.slots.allocate(1)
         request.move_to(RequestStatus.PREFILLING)
         self._waiting.pop(0)
-        self._admitted.append(request)
+        (self._arriving if request.remote else self._admitted).append(request)
         return True

@@ -66,12 +66,15 @@ class PrefixCache:
         page_size: int,
         snapshot_rows: list[int] | None = None,
         salt: bytes = b"",
+        pages_only: bool = False,
     ):
         """`snapshot_rows`: the state rows kept for snapshots (none or empty: prefix caching is off, and this is the
-        plain page allocator); `salt`: what else makes a page's contents (the model, the KV storage dtype)."""
+        plain page allocator, unless `pages_only`); `salt`: what else makes a page's contents (the model, the KV
+        storage dtype); `pages_only`: pages are cached without snapshots (a decode server's: a remote request's
+        sequence state arrives whole, only its pages may be here already)."""
         self.pages = pages
         self.page_size = page_size
-        self.enabled = bool(snapshot_rows)
+        self.enabled = bool(snapshot_rows) or pages_only
         self._snapshot_rows = list(snapshot_rows or ())
         self._free_snapshots = list(reversed(self._snapshot_rows))
         self._root = hashlib.blake2b(salt, digest_size=16).digest()
@@ -105,7 +108,8 @@ class PrefixCache:
 
     def admit(self, request: Request) -> bool:
         """Give `request` every page it can ever need, sharing the cached pages its prompt starts with, and start
-        its prefill after them; False (nothing taken) when the pool cannot hold the rest yet."""
+        its prefill after them (a remote request's state arrives for the pages after them); False (nothing taken)
+        when the pool cannot hold the rest yet."""
         keys = self._waiting_keys.get(request)
         if keys is None:
             keys = self._waiting_keys[request] = self._keys(request) if self.enabled else []
@@ -119,11 +123,12 @@ class PrefixCache:
             self._hold(cached)
         request.pages = [cached.page for cached in hit] + self._allocate(need)
         chain = self._chains[request] = _Chain(keys, registered=len(hit))
-        if hit:
+        if hit and not request.remote:
             last = hit[-1]
-            assert last.snapshot is not None  # _lookup ends a hit on a snapshot
+            assert last.snapshot is not None  # _lookup ends a local request's hit on a snapshot
             chain.read_row = last.snapshot
             self._snapshotted.move_to_end(last)
+        if hit:
             request.num_prefilled = request.num_cached_tokens = len(hit) * self.page_size
         if self.enabled:
             self.stats = PrefixStats(
@@ -154,10 +159,7 @@ class PrefixCache:
             chain = self._chains.get(row.request)
             if chain is None or not self.enabled:
                 continue
-            full = min((row.start + row.length) // self.page_size, len(chain.keys))
-            for index in range(chain.registered, full):
-                self._register(chain.keys[index], row.request.pages[index])
-            chain.registered = max(chain.registered, full)
+            self._register_chain(row.request, chain, (row.start + row.length) // self.page_size)
             for index, state_row in list(chain.snapshots.items()):
                 del chain.snapshots[index]
                 cached = self._by_key.get(chain.keys[index])
@@ -166,6 +168,19 @@ class PrefixCache:
                 else:
                     cached.snapshot = state_row
                     self._snapshotted[cached] = None
+
+    def arrived(self, request: Request) -> None:
+        """A remote request's state arrived in its pages: every full page of its prompt can be shared now."""
+        chain = self._chains[request]
+        if self.enabled:
+            self._register_chain(request, chain, len(chain.keys))
+
+    def _register_chain(self, request: Request, chain: _Chain, full: int) -> None:
+        """Register `request`'s prompt pages up to `full` (the cached pages its prompt starts with end there)."""
+        full = min(full, len(chain.keys))
+        for index in range(chain.registered, full):
+            self._register(chain.keys[index], request.pages[index])
+        chain.registered = max(chain.registered, full)
 
     def release(self, request: Request) -> None:
         """Take back `request`'s pages, each exactly once: cached ones stay cached (the last first out), the rest
@@ -237,8 +252,9 @@ class PrefixCache:
         return keys
 
     def _lookup(self, request: Request, keys: list[bytes]) -> list[CachedPage]:
-        """The longest run of cached pages the prompt starts with that ends on a snapshot (a request that wants
-        every prompt token's logprobs takes none: they are computed only where the prompt runs)."""
+        """The longest run of cached pages the prompt starts with that ends on a snapshot, or any run for a remote
+        request (its sequence state arrives whole); a request that wants every prompt token's logprobs takes none:
+        they are computed only where the prompt runs."""
         if request.sampling.prompt_logprobs is not None:
             return []
         found: list[CachedPage] = []
@@ -248,7 +264,7 @@ class PrefixCache:
             if cached is None:
                 break
             found.append(cached)
-            if cached.snapshot is not None:
+            if cached.snapshot is not None or request.remote:
                 end = len(found)
         return found[:end]
 

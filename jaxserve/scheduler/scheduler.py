@@ -104,7 +104,8 @@ class Scheduler:
         if plan is None:
             return None
         for request in plan.completed:
-            self.decode_manager.add(request)
+            if request.hand_off_from is None:  # a request handed off after its first token never decodes here
+                self.decode_manager.add(request)
         for request in plan.completed + [row.request for row in plan.decode]:
             request.num_sampled += 1
         self.counts.by_kind[plan.kind] += 1
@@ -141,6 +142,16 @@ class Scheduler:
             return StepPlan(prefill=chunks, decode=riders)
         rows = riders or self.decode_manager.schedule_next_rows(limits.decode_rows)
         return StepPlan(decode=rows) if rows else None
+
+    def admit_remote(self) -> list[Request]:
+        """Admit the remote requests that fit now (a decode server's: their state comes from a prefill server)."""
+        return self.prefill_manager.admit_remote(self.limits().decode_rows)
+
+    def arrived(self, request: Request) -> None:
+        """A remote request's state and first token are on the device: it decodes from its second token on."""
+        self.prefill_manager.arrived(request)
+        self.decode_manager.add(request)
+        request.num_sampled = 1
 
     def note_accepted(self, request: Request, accepted: int) -> None:
         """A verify row of `request` kept `accepted` drafts before the token scheduling counted: they are sampled
