@@ -376,6 +376,14 @@ def serve(args: argparse.Namespace) -> NoReturn:
             flush=True,
         )
         end_process(EXIT_FAILED)
+    if group is not None and cfg.disaggregation_mode != "null":
+        print(
+            "jaxserve: error: --disaggregation-mode runs in one process (a group of processes does not replay a "
+            "request's state transfer yet); give each role one process with all its devices",
+            file=sys.stderr,
+            flush=True,
+        )
+        end_process(EXIT_FAILED)
     with Interrupts() as interrupts:
         if group is not None and not group.leader:  # no port for the other processes: they answer nothing
             status = _follow(cfg, group, group_cfg, interrupts)
@@ -403,6 +411,7 @@ def _serve(
     group_cfg: GroupConfig,
 ) -> int:
     from jaxserve.server import create_app
+    from jaxserve.server.disaggregation import Disaggregation
     from jaxserve.server.serving import BackgroundServer, ListenError, bind
 
     try:
@@ -418,9 +427,11 @@ def _serve(
             lead(engine, group, group_cfg)
         interrupts.check()
         name = server_cfg.served_model_name or (Path(cfg.model).name if cfg.model else DEFAULT_SERVED_NAME)
-        http = BackgroundServer(
-            create_app(engine, loaded.tokenizer, name, server_cfg, model_path=str(loaded.path)), sock
+        disaggregation = Disaggregation.for_runner(cfg, engine.runner)
+        app = create_app(
+            engine, loaded.tokenizer, name, server_cfg, model_path=str(loaded.path), disaggregation=disaggregation
         )
+        http = BackgroundServer(app, sock)
         http.start()
         url = f"http://{server_cfg.host}:{http.address[1]}"
         print(f"listening on {url}: every route but /metrics answers 503 until ready", flush=True)
@@ -880,8 +891,51 @@ def node_count(text: str) -> int:
     return value
 
 
+def router_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve router",
+        description="The front of prefill/decode disaggregation: the OpenAI API of a server, each completion sent to "
+        "a decode server (`jaxserve serve --disaggregation-mode decode`) that has a prefill server (`... "
+        "--disaggregation-mode prefill`) prefill its prompt and hand the state over, then streams the tokens. "
+        "Servers are taken in turn among the healthy ones (each asked /health every --health-check-interval "
+        "seconds).",
+    )
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
+    parser.add_argument(
+        "--health-check-interval", type=float, default=0.5, metavar="S", help="seconds (default: %(default)s)"
+    )
+    return parser
+
+
+def route(args: argparse.Namespace) -> int:
+    """`jaxserve router`: serve the router until SIGINT or SIGTERM."""
+    from jaxserve.server.router import Routing, create_router_app
+    from jaxserve.server.serving import BackgroundServer, ListenError, bind
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    routing = Routing(args.prefill, args.decode, args.health_check_interval)
+    try:
+        sock = bind(args.host, args.port)
+    except ListenError as error:
+        print(f"jaxserve: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    with Interrupts() as interrupts:
+        http = BackgroundServer(create_router_app(routing), sock)
+        http.start()
+        print(f"jaxserve router ready on http://{args.host}:{http.address[1]}", flush=True)
+        interrupts.serving = True
+        while not interrupts.requested.wait(0.2) and not http.stopped.is_set():
+            pass
+        http.stop()
+    return 0
+
+
 COMMANDS = {
     "serve": (serve_parser, serve),
+    "router": (router_parser, route),
     "generate": (generate_parser, generate),
     "convert": (convert_parser, convert),
     "plan": (plan_parser, plan),

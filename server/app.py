@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.engine import Engine
 from jaxserve.server.access_log import AccessLog
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.disaggregation import Disaggregation
+from jaxserve.server.disaggregation import router as disaggregation_router
 from jaxserve.server.errors import install_error_handlers
 from jaxserve.server.guards import BodyLimit, LoadingGate
 from jaxserve.server.metrics import CONTENT_TYPE
@@ -57,8 +59,16 @@ def create_app(
     served_model_name: str,
     config: ServerConfig = ServerConfig(),
     model_path: str | None = None,
+    disaggregation: Disaggregation | None = None,
 ) -> FastAPI:
-    state = ServerState(engine, tokenizer, served_model_name, model_path=model_path, api_key=config.api_key)
+    state = ServerState(
+        engine,
+        tokenizer,
+        served_model_name,
+        model_path=model_path,
+        api_key=config.api_key,
+        disaggregation=disaggregation,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -76,6 +86,7 @@ def create_app(
     app.include_router(router)
     app.include_router(sagemaker_router)
     app.include_router(tokenize_router)
+    app.include_router(disaggregation_router)
     app.include_router(operations_router)
     # add_middleware puts each one outside the ones before it: the access log sees every answer, the guards' too.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from jaxserve.engine import EngineDraining, QueueFull
+from jaxserve.engine.handoff import StateSource
 from jaxserve.request import FinishReason, InvalidRequest
 from jaxserve.server.auth import require_api_key
 from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
@@ -218,7 +219,8 @@ async def _generate(
     prompt_field: str,
     arrival: float,
 ) -> Response:
-    generations = _submit(state, fmt, prompts, params, prompt_field, arrival)
+    remote = None if state.disaggregation is None else state.disaggregation.source(request)
+    generations = _submit(state, fmt, prompts, params, prompt_field, arrival, remote)
     request.state.generations = generations  # for the access log's token counts (each prompt counted once)
     request.state.prompt_tokens = sum(len(p) for p in prompts)
     if params.stream:
@@ -258,6 +260,7 @@ def _submit(
     params: GenerationParams,
     prompt_field: str,
     arrival: float,
+    remote: StateSource | None = None,
 ) -> list[Generation]:
     """One engine request per choice, `n` per prompt in the choices' order (choice j of every prompt samples with
     seed + j, so a batch answers what its prompts sent one by one would), or with best_of > n one per candidate;
@@ -282,6 +285,7 @@ def _submit(
                     keep_markup=fmt.keeps_markup,
                     priority=params.priority,
                     include_stop=params.include_stop_str_in_output,
+                    remote=remote,
                 )
             )
     except (QueueFull, EngineDraining, InvalidRequest) as error:

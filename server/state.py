@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.engine import Engine
+from jaxserve.server.disaggregation import Disaggregation
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.text.tokenizer import TokenIdOnly, Tokenizer
@@ -19,6 +20,7 @@ class ServerState:
     served_model_name: str
     model_path: str | None = None
     api_key: str | None = None
+    disaggregation: Disaggregation | None = None  # a prefill or decode server's side of disaggregated serving
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):

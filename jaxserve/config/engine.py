@@ -219,7 +219,9 @@ class EngineConfig:
     )
     disaggregation_transfer_host: str = field(
         default="127.0.0.1",
-        metadata=flag(str, "the address this server's state transfers listen on (its peers must reach it)"),
+        metadata=flag(
+            str, "the address this server's state transfers listen on (its peers must reach it)", metavar="HOST"
+        ),
     )
     disaggregation_transfer_timeout: float = field(
         default=10.0,
@@ -277,7 +279,9 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ConfigError(f"disaggregation_mode={self.disaggregation_mode!r}: must be one of {DISAGGREGATION_MODES}")
+            raise ConfigError(
+                f"disaggregation_mode={self.disaggregation_mode!r}: must be one of {DISAGGREGATION_MODES}"
+            )
         if not self.disaggregation_transfer_timeout > 0:
             raise ConfigError(
                 f"disaggregation_transfer_timeout={self.disaggregation_transfer_timeout!r}: must be positive"

@@ -18,14 +18,15 @@ import threading
 import time
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.handoff import Arrival, PrefillAsk, StateSource
 from jaxserve.model.cache import CacheGeometry, resolve_max_model_len
+from jaxserve.paging import pages_needed
 from jaxserve.request import (
     FinishReason,
     InvalidRequest,
@@ -38,7 +39,6 @@ from jaxserve.request import (
 from jaxserve.request.batch import StepBatch
 from jaxserve.request.grammar import GrammarCompiler
 from jaxserve.request.step import GroupShape, RowOutput, StepKind, StepLimits, StepOutput, StepPlan
-from jaxserve.paging import pages_needed
 from jaxserve.runner import Buckets
 from jaxserve.runner.transfer import Parcel
 from jaxserve.scheduler import IdAllocator, PrefixCache, PrefixStats, StepCounts, build_scheduler
@@ -376,7 +376,7 @@ class Engine:
         self.step_record: deque[StepRecord] = deque(maxlen=STEP_RECORD_LENGTH)
         self.counters = Counters()
         self.listeners: list[EngineListener] = []  # added before start()
-        self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Arrived] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -284,6 +284,8 @@ class ModelRunner:
             geometry.num_pages,
             geometry.max_pages_per_seq,
         )
+        self.cache: Any  # the device state every step threads through (donated), and each slot's next input token
+        self.slot_tokens: jax.Array
         self._init_cache()
         self._penalties_warmed: set[int] = set()  # group sizes whose first penalty bucket is compiled
         self._warmed: set[StepShape] = set()  # the shapes warmed up for the engine's steps (limits() reads these)

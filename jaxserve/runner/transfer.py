@@ -90,7 +90,7 @@ class StateLayout:
         other = [tuple(entry) for entry in other_json]
         mine = [(leaf.name, list(leaf.shape), leaf.dtype, leaf.axis, leaf.kind) for leaf in self.leaves]
         if len(other) != len(mine):
-            return f"the sender's state has {len(other)} arrays, this server's {len(mine)} (a drafter on one side only?)"
+            return f"the sender's state has {len(other)} arrays, this server's {len(mine)} (a drafter on one side?)"
         for theirs, ours in zip(other, mine):
             if tuple(theirs) != tuple(ours):
                 return f"state array {ours[0]}: the sender's is {theirs[1:]}, this server's {ours[1:]}"
@@ -174,7 +174,9 @@ class StateMover:
     def checksums(self, parts: list[jax.Array]) -> np.ndarray:
         return np.asarray(self._checksums(parts))
 
-    def install(self, cache: Any, slot_tokens: jax.Array, parcel: Parcel, pages: list[int], slot: int, token: int):
+    def install(
+        self, cache: Any, slot_tokens: jax.Array, parcel: Parcel, pages: list[int], slot: int, token: int
+    ) -> tuple[Any, jax.Array]:
         """`cache` and `slot_tokens` (both donated) with the parcel at `pages` (its real ones) and `slot`, whose next
         input token is `token`. Out-of-range page ids pad the bucket, so its padding is dropped."""
         if len(pages) != parcel.pages:
@@ -183,7 +185,7 @@ class StateMover:
         parts = jax.device_put(parcel.parts, self._replicated)
         return self._install(cache, slot_tokens, parts, ids, np.int32(slot), np.int32(token))
 
-    def warm(self, cache: Any, slot_tokens: jax.Array, export: bool, install: bool):
+    def warm(self, cache: Any, slot_tokens: jax.Array, export: bool, install: bool) -> tuple[Any, jax.Array]:
         """Compile every bucket's cuts this side uses, running each once on nothing (page ids and slot out of range:
         dropped): returns the cache and slot tokens (install donates them)."""
         nowhere = np.int32(2**30)

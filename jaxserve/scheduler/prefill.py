@@ -46,7 +46,7 @@ class PrefillManager:
         self.slots = slots
         self.queue_order = queue_order or FirstComeFirstServed()
         self._admitted: deque[Request] = deque()  # PREFILLING, prompt not fully scheduled yet; admission order
-        self._arriving: list[Request] = []  # PREFILLING remote requests: their state is on its way from a prefill server
+        self._arriving: list[Request] = []  # PREFILLING remote requests, their state on its way from a prefill server
         self._waiting: list[tuple[tuple[int, ...], int, Request]] = []  # (order key, arrival, request), sorted
         self._arrivals = itertools.count()
 

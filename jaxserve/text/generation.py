@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxserve.engine import Engine, TokenEvent
+from jaxserve.engine.handoff import StateSource
 from jaxserve.request import FinishReason, SamplingParams, TokenLogprob
 from jaxserve.text.stop_strings import StopStrings
 
@@ -77,10 +78,11 @@ class Generation:
         keep_markup: bool = False,
         priority: int = 0,
         include_stop: bool = False,
+        remote: StateSource | None = None,
     ):
         """`keep_markup`: the text keeps the reasoning and tool-call markup (for the chat output parser);
-        `priority`: see Engine.submit; `include_stop`: a matched stop string stays at the end of the text."""
-        self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority)
+        `priority`, `remote`: see Engine.submit; `include_stop`: a matched stop string stays at the end of the text."""
+        self.handle = engine.submit(prompt_ids, sampling, request_id=request_id, priority=priority, remote=remote)
         self._sampling = sampling
         self.num_generated = 0
         self._engine = engine
