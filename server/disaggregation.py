@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -69,6 +71,25 @@ def logprob_from_json(entry: list) -> TokenLogprob:
 
 # ---- the two sides -----------------------------------------------------------------------------------------------
 @dataclass
+class TransferCounts:
+    """A server's transfers so far (/metrics): states moved (offered by a prefill server, arrived at a decode server),
+    their bytes (bucket padding included: what travelled), failed ones, and on a decode server the seconds spent
+    waiting for prefill servers' answers and for the states to arrive and pass their checks."""
+
+    transfers: int = 0
+    bytes: int = 0
+    failures: int = 0
+    prefill_wait_s: float = 0.0
+    transfer_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+
+@dataclass
 class Disaggregation:
     """A disaggregated server's side of it: its mode, its transfer port and how its state is cut."""
 
@@ -77,6 +98,7 @@ class Disaggregation:
     mover: StateMover
     transfer_timeout: float
     checksum: bool
+    counts: TransferCounts = field(default_factory=TransferCounts)
 
     @staticmethod
     def for_runner(config: EngineConfig, runner: Any) -> Disaggregation | None:
@@ -117,6 +139,13 @@ class PrefillClient:
         self.url, self._side = url, side
 
     def fetch(self, ask: PrefillAsk) -> Arrival:
+        try:
+            return self._fetch(ask)
+        except Exception:
+            self._side.counts.add(failures=1)
+            raise
+
+    def _fetch(self, ask: PrefillAsk) -> Arrival:
         side = self._side
         body = {
             "request_id": ask.request_id,
@@ -126,6 +155,7 @@ class PrefillClient:
             "layout": side.mover.layout.to_json(),
             "checksum": side.checksum,
         }
+        asked = time.perf_counter()
         try:
             answer = httpx.post(self.url + PREFILL_PATH, json=body, timeout=PREFILL_ANSWER_TIMEOUT_S)
         except httpx.HTTPError as error:
@@ -133,6 +163,8 @@ class PrefillClient:
         if answer.status_code != 200:
             raise TransferFailed(f"prefill server {self.url} answered {answer.status_code}: {_message(answer)}")
         offer = answer.json()
+        answered = time.perf_counter()
+        side.counts.add(prefill_wait_s=answered - asked)
         logprob = None if offer["logprob"] is None else logprob_from_json(offer["logprob"])
         prompt = offer["prompt_logprobs"]
         prompt_logprobs = None if prompt is None else tuple(map(logprob_from_json, prompt))
@@ -143,6 +175,7 @@ class PrefillClient:
         parcel = Parcel(parts, offer["pages"], offer["bucket"], None)
         if side.checksum:
             verify(parcel, np.asarray(offer["checksums"], np.uint32), side.mover.checksums(parts), side.mover.layout)
+        side.counts.add(transfers=1, bytes=parcel.nbytes, transfer_s=time.perf_counter() - answered)
         return Arrival(offer["token"], logprob, prompt_logprobs, parcel)
 
 
@@ -193,6 +226,7 @@ async def prefill(request: Request) -> JSONResponse:
         "uuid": None,
     }
     if (parcel := last.parcel) is not None:
+        side.counts.add(transfers=1, bytes=parcel.nbytes)
         answer.update(
             address=side.port.address,
             uuid=str(side.port.offer(parcel.parts, side.transfer_timeout)),

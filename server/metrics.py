@@ -11,6 +11,7 @@ its own registry, so several apps can live in one process.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
@@ -19,6 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxserve.config import STEP_POLICIES
 from jaxserve.engine import Engine, EngineStats
 from jaxserve.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from jaxserve.server.disaggregation import TransferCounts
 
 prometheus_client.disable_created_metrics()  # the `_created` series only add noise to every counter
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -240,10 +244,49 @@ class RequestTimer:
         self._choices.finished(self._tokens)
 
 
+class _TransferCollector:
+    """A disaggregated server's transfers (jaxserve.server.disaggregation.TransferCounts)."""
+
+    FAMILIES = (
+        (
+            "disaggregation_transfers",
+            "Sequence states moved: offered here (prefill) or arrived here (decode).",
+            "transfers",
+        ),
+        ("disaggregation_transfer_bytes", "Bytes of the states moved (page-bucket padding included).", "bytes"),
+        (
+            "disaggregation_transfer_failures",
+            "States that did not arrive (decode side): the request failed.",
+            "failures",
+        ),
+        (
+            "disaggregation_prefill_wait_seconds",
+            "Seconds waiting for prefill servers' answers (decode side).",
+            "prefill_wait_s",
+        ),
+        (
+            "disaggregation_transfer_seconds",
+            "Seconds from a prefill server's answer to its state here, checked.",
+            "transfer_s",
+        ),
+    )
+
+    def __init__(self, counts: TransferCounts, model_name: str):
+        self.counts, self.model_name = counts, model_name
+
+    def collect(self):
+        for name, doc, attribute in self.FAMILIES:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], getattr(self.counts, attribute))
+            yield family
+
+
 class ServerMetrics:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, transfers: TransferCounts | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
+        if transfers is not None:
+            self.registry.register(_TransferCollector(transfers, model_name))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(

@@ -24,7 +24,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(self.engine, self.served_model_name)
+        counts = None if self.disaggregation is None else self.disaggregation.counts
+        self.metrics = ServerMetrics(self.engine, self.served_model_name, counts)
 
     @property
     def context_limit(self) -> int:
