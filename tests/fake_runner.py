@@ -67,6 +67,15 @@ class ScriptedModel:
 
 
 @dataclass(frozen=True)
+class FakeParcel:
+    """A handed-off sequence: every token its slot holds, the one sampled after them, the pages it was cut from."""
+
+    sequence: tuple[int, ...]
+    token: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class FakeRow:
     """One row of a step as the fake ran it: its sequence (the prompt its slot holds), where it wrote, whether its
     token was an output token."""
@@ -103,6 +112,7 @@ class FakeRunner:
         self.warmups = 0
         self.steps: list[FakeStepRecord] = []
         self.fail = None  # a callable(batch) -> Exception | None, to inject failures
+        self.installed: list[tuple[FakeParcel, tuple[int, ...], int]] = []  # arrivals: parcel, pages, slot
         self.lose_cache_on_failure = False
         self._limits = StepLimits(
             prefill_tokens=max(buckets.prefill_chunks),
@@ -132,6 +142,17 @@ class FakeRunner:
 
     def run(self, batch: StepBatch) -> StepOutput:
         return self.dispatch(batch).result()
+
+    def export_state(self, pages: list[int], slot: int) -> FakeParcel:
+        """A slot's sequence as it stands (what a device parcel would carry), and the pages it was asked for."""
+        return FakeParcel(tuple(self._written[slot]), self._kept[slot], tuple(pages))
+
+    def install_state(self, parcel: FakeParcel, pages: list[int], slot: int, token: int) -> None:
+        """The sequence arrives in `slot`; its pages must be as many as those sent (the rest were here already)."""
+        assert len(pages) == len(parcel.pages), (pages, parcel.pages)
+        self.installed.append((parcel, tuple(pages), slot))
+        self._written[slot], self._kept[slot] = list(parcel.sequence), token
+        self._undefined.discard(slot)
 
     def dispatch(self, batch: StepBatch) -> FakeStep:
         """Computes at once; a failure injected by `fail` surfaces when the result is waited for, as a device error

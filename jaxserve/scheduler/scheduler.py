@@ -9,6 +9,10 @@ Request life and the prefill -> decode hand-off (driven by the engine loop):
 The hand-off does not wait for the step to have run: a decode row's input is the token its slot sampled last,
 which stays on the device, so with a step in flight the first decode can be the very next step. A request that
 stops on its first token (or is aborted meanwhile) may have had one decode row computed: never delivered.
+
+Disaggregated serving (docs/architecture.md): a prefill server's request (`hand_off_from`) never joins decoding, the
+engine finishes it after its first token; a decode server's remote request is admitted by `admit_remote` (PREFILLING
+while its state is on its way) and joins decoding when it arrives (`arrived`), its first token already sampled.
 """
 
 from __future__ import annotations
