@@ -564,6 +564,13 @@ def _follow(cfg: EngineConfig, group: ProcessGroup, group_cfg: GroupConfig, inte
 
 def generate(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
+    if cfg.disaggregation_mode != "null":
+        print(
+            "jaxserve generate: --disaggregation-mode is a server's role (`jaxserve serve`); generate runs the prompt "
+            "here, prefill and decode",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         sampling = SamplingParams(
             max_tokens=args.max_tokens,
@@ -732,9 +739,14 @@ def plan(args: argparse.Namespace) -> int:
                 f"step temporaries per device: {the_plan.temp_bytes_per_device / gb:.2f} GB "
                 f"(compiled {', '.join(the_plan.compiled_steps)} in {the_plan.compile_s:.1f} s)"
             )
+        held = {  # what a role's KV holds its requests for
+            "prefill": "prompts of max_model_len prefilling at once (each until its state is handed off)",
+            "decode": "requests of max_model_len streaming at once (their prompts' states arrive)",
+        }.get(the_plan.disaggregation_mode, f"requests of max_model_len={the_plan.max_model_len} at once")
+        role = "" if the_plan.disaggregation_mode == "null" else f" ({the_plan.disaggregation_mode} server)"
         print(
-            f"KV: {the_plan.kv_bytes_per_token:.0f} bytes per token; {the_plan.max_kv_tokens} tokens fit; "
-            f"{the_plan.max_concurrent_requests} requests of max_model_len={the_plan.max_model_len} at once"
+            f"KV{role}: {the_plan.kv_bytes_per_token:.0f} bytes per token; {the_plan.max_kv_tokens} tokens fit; "
+            f"{the_plan.max_concurrent_requests} {held}"
         )
         print(f"fits: {'yes' if the_plan.fits else 'no'}: {the_plan.reason}")
     return 0 if the_plan.fits else EXIT_FAILED

@@ -118,10 +118,15 @@ class Disaggregation:
             config.disaggregation_checksum,
         )
 
-    def source(self, request: Request) -> PrefillClient | None:
-        """The prefill server a decode server's request names (None on any other server); 400 when it names none."""
-        if self.mode != "decode":
-            return None
+    def source(self, request: Request) -> PrefillClient:
+        """The prefill server a decode server's request names; 400 when it names none, or on a prefill server (which
+        takes requests from decode servers only: /v1/disaggregation/prefill)."""
+        if self.mode == "prefill":
+            raise bad_request(
+                None,
+                "this server runs --disaggregation-mode prefill: it prefills prompts for decode servers; send "
+                "completions to `jaxserve router`",
+            )
         url = request.headers.get(PREFILL_URL_HEADER)
         if not url:
             raise bad_request(

@@ -69,6 +69,7 @@ STARTED_FIRST = (
     "test_cli.py",  # ~105 s, subprocesses
     "test_speculative.py",  # ~85 s
     "test_multiprocess.py",  # ~105 s, subprocesses
+    "test_disaggregation.py",  # ~60 s, subprocesses
     "served_runner",  # ~60 s
     "test_readme.py",  # ~45 s, a subprocess pip install
     "test_plan_target.py",  # ~65 s

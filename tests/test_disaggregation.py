@@ -197,6 +197,21 @@ def test_a_corrupted_transfer_fails_the_request_in_checksum_mode(servers):
         client.fetch(ask)
 
 
+def test_each_role_refuses_what_is_not_its_own_naming_why(servers):
+    urls, _ = servers
+    body = {"prompt": PROMPT[:20], "max_tokens": 2}
+    answer = httpx.post(urls["prefill_a"] + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and "runs --disaggregation-mode prefill" in answer.json()["error"]["message"]
+    answer = httpx.post(urls["decode"] + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and "X-Prefill-Url header (missing)" in answer.json()["error"]["message"]
+    ask = {"request_id": "x", "prompt_token_ids": PROMPT[:20], "sampling": {}, "skip_pages": 0, "checksum": False}
+    answer = httpx.post(urls["decode"] + "/v1/disaggregation/prefill", json={**ask, "layout": []}, timeout=30)
+    assert answer.status_code == 400 and "does not run --disaggregation-mode prefill" in answer.text
+    answer = httpx.post(urls["prefill_a"] + "/v1/disaggregation/prefill", json={**ask, "layout": []}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "layout"
+    assert "the peer's state has 0 arrays" in answer.json()["error"]["message"]
+
+
 def test_a_killed_prefill_server_fails_its_requests_and_the_router_routes_around_it(servers):
     urls, started = servers
     router, victim = urls["router"], urls["prefill_b"]

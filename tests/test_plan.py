@@ -333,3 +333,22 @@ def test_cli_plan_on_nodes_prints_the_layout_and_refuses_bad_node_flags_naming_t
     ):
         assert main(["plan", "--preset", "flash", "--device-memory", "80GB", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_each_disaggregated_role_is_sized_by_its_own_steps(tiny_plans):
+    """A prefill server compiles prefill steps only, a decode server decode steps only: each plan's temporaries are
+    its own kind's, and the colocated plan's are the larger of the two."""
+    mesh = make_mesh(2, 4)
+    roles = {
+        mode: make_plan(
+            TINY, dataclasses.replace(SMALL_ENGINE, disaggregation_mode=mode, kv_cache_dtype="bfloat16"), mesh, MEMORY
+        )
+        for mode in ("prefill", "decode")
+    }
+    colocated = tiny_plans["bfloat16"]
+    assert roles["prefill"].compiled_steps == ["prefill rows=1 chunk=16"]
+    assert roles["decode"].compiled_steps == ["decode rows=4 chunk=1"]
+    assert colocated.compiled_steps == ["decode rows=4 chunk=1", "prefill rows=1 chunk=16"]
+    temps = [roles[mode].temp_bytes_per_device for mode in ("prefill", "decode")]
+    assert max(temps) == colocated.temp_bytes_per_device and all(t is not None and t > 0 for t in temps)
+    assert [roles[mode].disaggregation_mode for mode in ("prefill", "decode")] == ["prefill", "decode"]

@@ -282,6 +282,11 @@ class EngineConfig:
             raise ConfigError(
                 f"disaggregation_mode={self.disaggregation_mode!r}: must be one of {DISAGGREGATION_MODES}"
             )
+        if self.disaggregation_mode != "null" and self.mixed_batches:
+            raise ConfigError(
+                f"mixed_batches: a server of --disaggregation-mode {self.disaggregation_mode} runs one kind of step "
+                "only, so there is nothing to mix"
+            )
         if not self.disaggregation_transfer_timeout > 0:
             raise ConfigError(
                 f"disaggregation_transfer_timeout={self.disaggregation_transfer_timeout!r}: must be positive"
@@ -336,6 +341,8 @@ class EngineConfig:
     def mixed_steps(self) -> bool:
         """Whether prefill steps carry decode rows: --mixed-batches as given, else on unless a step policy is on
         (each keeps its own semantics, over pure prefill steps)."""
+        if self.disaggregation_mode != "null":  # a prefill server never decodes, a decode server never prefills
+            return False
         if self.mixed_batches is not None:
             return self.mixed_batches
         return not self.active_step_policies

@@ -543,6 +543,13 @@ class Engine:
         `hand_off_from` (a prefill server's request) ends the request after its first token, its last event carrying
         its state from that page on; `remote` (a decode server's) is where its prompt's state comes from."""
         sampling = sampling or SamplingParams()
+        mode = self.config.disaggregation_mode
+        if (mode == "prefill") != (hand_off_from is not None) or (mode == "decode") != (remote is not None):
+            raise InvalidRequest(
+                None,
+                f"this engine runs --disaggregation-mode {mode}: a prefill server's requests hand their state off "
+                "(hand_off_from), a decode server's come from a prefill server (remote), a colocated one's do neither",
+            )
         self.check_admission(prompt_ids, sampling, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) if sampling.seed is None else sampling.seed

@@ -80,6 +80,8 @@ class Buckets:
     decode_rows: tuple[int, ...]
     mixed: bool = False  # also compile prefill steps that carry a decode group
     decode_row_tokens: int = 1  # tokens a decode row carries: 1, or k + 1 where it verifies k drafts
+    # EngineConfig.disaggregation_mode: a prefill server runs prefill steps only, a decode server decode steps only
+    role: str = "null"
 
     @staticmethod
     def for_limits(
@@ -89,6 +91,7 @@ class Buckets:
         min_chunk: int = 16,
         mixed: bool = False,
         decode_row_tokens: int = 1,
+        role: str = "null",
     ) -> Buckets:
         # Chunks grow by 4x: each bucket costs a compile at start-up, padding costs only a little compute.
         chunks, size = [], min(min_chunk, chunked_prefill_size)
@@ -101,6 +104,7 @@ class Buckets:
             decode_rows=powers_of_two_up_to(max_num_seqs),
             mixed=mixed,
             decode_row_tokens=decode_row_tokens,
+            role=role,
         )
 
     @staticmethod
@@ -112,6 +116,7 @@ class Buckets:
             engine_cfg.max_num_seqs,
             mixed=engine_cfg.mixed_steps,
             decode_row_tokens=engine_cfg.draft_tokens + 1,
+            role=engine_cfg.disaggregation_mode,
         )
 
     @property
@@ -132,16 +137,22 @@ class Buckets:
 
     def shapes(self) -> list[StepShape]:
         """Every step shape, in the order they are compiled: first what one request at a time needs (the smallest
-        prefill chunk, a decode of one row), then what widens the usable steps soonest."""
+        prefill chunk, a decode of one row), then what widens the usable steps soonest; a disaggregated server's
+        role only its own kind."""
         prefill = [GroupShape(r, c) for r in self.prefill_rows for c in self.prefill_chunks]
-        first = [StepShape(prefill=GroupShape(1, self.prefill_chunks[0])), StepShape(decode=GroupShape(1, 1))]
         rest = [StepShape(decode=GroupShape(r, 1)) for r in self.decode_rows] + [StepShape(prefill=p) for p in prefill]
         if self.mixed:
             rest += [shape for shape in map(self.mixed_shape, prefill) if shape is not None]
-        return first + [s for s in rest if s not in first]
+        first = self.first_shapes()
+        return first + [s for s in rest if s not in first and self.runs(s)]
 
     def first_shapes(self) -> list[StepShape]:
-        return self.shapes()[:2]
+        first = [StepShape(prefill=GroupShape(1, self.prefill_chunks[0])), StepShape(decode=GroupShape(1, 1))]
+        return [shape for shape in first if self.runs(shape)]
+
+    def runs(self, shape: StepShape) -> bool:
+        """Whether this role runs `shape`: a prefill server never decodes, a decode server never prefills."""
+        return not (self.role == "prefill" and shape.decode is not None or self.role == "decode" and shape.prefill)
 
     def prompt_shapes(self, prompt_len: int) -> list[StepShape]:
         """What one prompt of `prompt_len` tokens needs, alone: its chunk (or the largest) and a decode of one."""
@@ -150,11 +161,16 @@ class Buckets:
 
 
 def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None:
-    """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled. Mixed steps
-    are allowed once every compiled prefill shape's mixed counterpart is compiled too."""
+    """The limits of the compiled shapes; None until a prefill and a decode shape are both compiled (a disaggregated
+    server's role: one of its own kind). Mixed steps are allowed once every compiled prefill shape's mixed counterpart
+    is compiled too."""
     prefill = {s.prefill for s in compiled if s.prefill is not None and s.decode is None}
     decode = [s.decode.rows for s in compiled if s.decode is not None and s.prefill is None]
     single_row = [p.chunk for p in prefill if p.rows == 1]
+    if buckets.role == "decode" and decode:  # no prompt runs here: every state arrives
+        return StepLimits(0, 0, max(decode), decode_row_tokens=buckets.decode_row_tokens)
+    if buckets.role == "prefill" and single_row:  # no request decodes here: the slots bound the requests prefilling
+        decode = [max(buckets.decode_rows)]
     if not single_row or not decode:
         return None
     tokens = max(single_row)

@@ -104,6 +104,9 @@ class Plan:
     compile_s: float = 0.0
     compiled_steps: list[str] = field(default_factory=list)
     target: str | None = None  # the GPU the steps were compiled for (jaxserve.runner.targets); None: CPU devices
+    # --disaggregation-mode: a prefill server's steps are prefill steps only (its KV holds prompts until they are
+    # handed off), a decode server's decode steps only (its KV holds every request it streams); null: both
+    disaggregation_mode: str = "null"
     kernels: str | None = None  # a target's implementations of the kernel-worthy operations (Kernels.describe)
     steps: list[StepCompile] = field(default_factory=list)  # a target's: every step shape of the buckets
     decode_estimate: DecodeEstimate | None = None
@@ -392,6 +395,7 @@ def make_plan(
         fits=False,
         reason="",
         target=target,
+        disaggregation_mode=engine_cfg.disaggregation_mode,
     )
     if per_device >= device_memory:
         plan.reason = (
@@ -410,10 +414,11 @@ def make_plan(
         plan.compiled_steps += [step.shape for step in plan.steps]
         temp = max(step.temp_bytes for step in plan.steps)
     else:
-        for shape in (
+        largest = (
             StepShape(decode=GroupShape(max(buckets.decode_rows), 1)),
             StepShape(prefill=GroupShape(max(buckets.prefill_rows), max(buckets.prefill_chunks))),
-        ):
+        )
+        for shape in filter(buckets.runs, largest):  # a disaggregated server's role: its own kind of step only
             temp = max(temp, runner.temp_bytes(shape))
             plan.compiled_steps.append(str(shape))
     plan.compile_s = time.perf_counter() - started
@@ -443,14 +448,15 @@ def make_plan(
 
 def compile_every_step(
     runner: AbstractRunner, gpu: GpuTarget, cfg: ModelConfig, mesh: Mesh, context: int
-) -> tuple[list[StepCompile], DecodeEstimate]:
-    """Compile every step shape of `runner`'s buckets for `gpu` (runner over its deviceless devices): a StepCompile
-    per shape (XLA's temporaries, the seconds its compile took) and, for the largest decode shape, its
-    DecodeEstimate at `context`. The estimate has the cost model's times only when JAX started with COST_MODEL_FLAG
-    in XLA_FLAGS (prepare_for_target); without them its model_s is 0 and every kernel is priced at bandwidth."""
+) -> tuple[list[StepCompile], DecodeEstimate | None]:
+    """Compile every step shape of `runner`'s buckets for `gpu` (runner over its deviceless devices): a StepCompile per
+    shape (XLA's temporaries, the seconds its compile took) and, for the largest decode shape, its DecodeEstimate at
+    `context` (None for a prefill server's role, which compiles no decode step). The estimate has the cost model's
+    times only when JAX started with COST_MODEL_FLAG in XLA_FLAGS (prepare_for_target); without them its model_s is
+    0 and every kernel is priced at bandwidth."""
     rows = max(runner.buckets.decode_rows)
     steps = []
-    largest = StepShape(decode=GroupShape(rows, 1))
+    largest = StepShape(decode=GroupShape(rows, 1))  # a prefill server's role has none: no estimate
     profiled: list[jax.stages.Compiled] = []
     for shape in runner.buckets.shapes():
         started = time.perf_counter()
@@ -469,6 +475,8 @@ def compile_every_step(
         steps.append(StepCompile(str(shape), temp, seconds))
         if shape == largest:
             profiled = [variants[0] for variants in stages]  # the forward and its sampler, or the sampled verify
+    if not profiled:
+        return steps, None
     profile = step_profile(profiled)
     tokens_per_row = runner.geometry.draft_tokens + 1 if runner.executables.verifies(largest) else 1
     bound = decode_read_bytes(cfg, mesh, rows, context, runner.geometry.kv_cache_dtype, tokens_per_row)

@@ -86,14 +86,14 @@ class StateLayout:
         return [[leaf.name, list(leaf.shape), leaf.dtype, leaf.axis, leaf.kind] for leaf in self.leaves]
 
     def mismatch(self, other_json: list) -> str | None:
-        """Why a sender whose layout is `other_json` (to_json's) cannot fill this one (None: it can)."""
+        """Why a peer whose layout is `other_json` (to_json's) cannot exchange states with this one (None: it can)."""
         other = [tuple(entry) for entry in other_json]
         mine = [(leaf.name, list(leaf.shape), leaf.dtype, leaf.axis, leaf.kind) for leaf in self.leaves]
         if len(other) != len(mine):
-            return f"the sender's state has {len(other)} arrays, this server's {len(mine)} (a drafter on one side?)"
+            return f"the peer's state has {len(other)} arrays, this server's {len(mine)} (a drafter on one side?)"
         for theirs, ours in zip(other, mine):
             if tuple(theirs) != tuple(ours):
-                return f"state array {ours[0]}: the sender's is {theirs[1:]}, this server's {ours[1:]}"
+                return f"state array {ours[0]}: the peer's is {theirs[1:]}, this server's {ours[1:]}"
         return None
 
     def specs(self, pages: int, device: jax.Device) -> list[jax.ShapeDtypeStruct]:
