@@ -919,6 +919,14 @@ def router_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--health-check-interval", type=float, default=0.5, metavar="S", help="seconds (default: %(default)s)"
     )
+    parser.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds a decode server may stay silent in an answer (its first token waits for the prompt's "
+        "prefill) before the request fails and the server is marked down (default: %(default)s)",
+    )
     return parser
 
 
@@ -928,7 +936,7 @@ def route(args: argparse.Namespace) -> int:
     from jaxserve.server.serving import BackgroundServer, ListenError, bind
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    routing = Routing(args.prefill, args.decode, args.health_check_interval)
+    routing = Routing(args.prefill, args.decode, args.health_check_interval, args.upstream_timeout)
     try:
         sock = bind(args.host, args.port)
     except ListenError as error:

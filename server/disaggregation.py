@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
@@ -29,6 +29,7 @@ from jaxserve.engine.handoff import Arrival, PrefillAsk
 from jaxserve.request import FinishReason, InvalidRequest, SamplingParams, TokenLogprob
 from jaxserve.request.grammar import Constraint, ConstraintKind
 from jaxserve.runner.transfer import Parcel, StateMover, TransferFailed, TransferPort, verify
+from jaxserve.server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 
 log = logging.getLogger("jaxserve.server")
@@ -38,6 +39,8 @@ PREFILL_PATH = "/v1/disaggregation/prefill"
 # How long a decode server waits for its prefill server's answer: the prompt may queue there behind others. A prefill
 # server that dies fails the request at once (the connection drops); one that hangs, after this.
 PREFILL_ANSWER_TIMEOUT_S = 600.0
+
+ASK_FIELDS = ("request_id", "prompt_token_ids", "sampling", "skip_pages", "layout")  # what a decode server sends
 
 router = APIRouter()
 
@@ -99,6 +102,8 @@ class Disaggregation:
     transfer_timeout: float
     checksum: bool
     counts: TransferCounts = field(default_factory=TransferCounts)
+    # A decode server's connections to its prefill servers, kept open between requests (the client is thread-safe).
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=PREFILL_ANSWER_TIMEOUT_S))
 
     @staticmethod
     def for_runner(config: EngineConfig, runner: Any) -> Disaggregation | None:
@@ -162,7 +167,7 @@ class PrefillClient:
         }
         asked = time.perf_counter()
         try:
-            answer = httpx.post(self.url + PREFILL_PATH, json=body, timeout=PREFILL_ANSWER_TIMEOUT_S)
+            answer = side.http.post(self.url + PREFILL_PATH, json=body)
         except httpx.HTTPError as error:
             raise TransferFailed(f"prefill server {self.url}: {type(error).__name__}: {error}") from None
         if answer.status_code != 200:
@@ -192,7 +197,7 @@ def _message(answer: httpx.Response) -> str:
 
 
 @router.post(PREFILL_PATH)
-async def prefill(request: Request) -> JSONResponse:
+async def prefill(request: Request) -> Response:
     """A prefill server's half: prefill the prompt, sample its first token, offer its state to the asking decode
     server (module docstring)."""
     state = request.app.state.server
@@ -200,6 +205,9 @@ async def prefill(request: Request) -> JSONResponse:
     if side is None or side.mode != "prefill":
         raise bad_request(None, f"{PREFILL_PATH}: this server does not run --disaggregation-mode prefill")
     body = json.loads(await request.body())
+    missing = [name for name in ASK_FIELDS if name not in body]
+    if missing:
+        raise bad_request(missing[0], f"{PREFILL_PATH}: the body lacks {', '.join(missing)}")
     if (why := side.mover.layout.mismatch(body["layout"])) is not None:
         raise bad_request("layout", f"layout: the decode server's KV state cannot take this server's: {why}")
     engine: Engine = state.engine
@@ -211,15 +219,20 @@ async def prefill(request: Request) -> JSONResponse:
             request_id=f"prefill-{body['request_id']}",
             hand_off_from=int(body["skip_pages"]),
         )
-    except InvalidRequest as error:
-        raise bad_request(error.param, str(error)) from None
-    last = None
-    try:
+    except (InvalidRequest, TypeError, ValueError) as error:
+        raise bad_request(getattr(error, "param", None), f"{PREFILL_PATH}: {error}") from None
+
+    async def last_event():
+        last = None
         async for event in handle.events():
             last = event
-    finally:
-        if last is None or not last.finished:  # the decode server went away: nobody will pull
-            engine.abort(handle.request_id)
+        return last
+
+    try:
+        last = await cancel_on_disconnect(request, last_event())
+    except ClientDisconnected:  # the decode server went away: nobody will pull
+        engine.abort(handle.request_id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     assert last is not None
     if last.finish_reason is FinishReason.ERROR or (last.parcel is None and sampling.max_tokens):
         raise APIError(500, f"prefill failed: {last.error or last.finish_reason}")

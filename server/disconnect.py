@@ -16,6 +16,8 @@ from fastapi import Request
 
 T = TypeVar("T")
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
+
 
 class ClientDisconnected(Exception):
     pass

@@ -5,7 +5,9 @@ prefill server that is to prefill it (the `X-Prefill-Url` header, jaxserve.serve
 server's answer, streamed or not, comes back as it is. Servers are taken in turn among the healthy ones: every server
 is asked `/health` every `health_interval` seconds, and one that does not answer 200 is routed around until it does
 again; a decode server that cannot be reached is marked down at once and the request goes to the next one (nothing
-was sent yet, so nothing is done twice). No healthy server of a role: 503 naming the role.
+was sent yet, so nothing is done twice). No healthy server of a role: 503 naming the role. A decode server that dies
+or goes silent for `upstream_timeout` seconds in the middle of an answer ends it with an error (a stream: an error
+event and [DONE], as a server's own failures are sent), and is marked down.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from jaxserve.server.disaggregation import PREFILL_URL_HEADER
-from jaxserve.server.errors import APIError, install_error_handlers
+from jaxserve.server.errors import APIError, error_body, install_error_handlers
+from jaxserve.server.sse import DONE, event
 
 log = logging.getLogger("jaxserve.router")
 
@@ -72,10 +77,13 @@ class Pool:
 class Routing:
     """The router's state: both pools, the HTTP client, the health checks."""
 
-    def __init__(self, prefill: list[str], decode: list[str], health_interval: float = 0.5):
+    def __init__(
+        self, prefill: list[str], decode: list[str], health_interval: float = 0.5, upstream_timeout: float = 600.0
+    ):
         self.prefill, self.decode = Pool.of("prefill", prefill), Pool.of("decode", decode)
         self.health_interval = health_interval
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=HEALTH_TIMEOUT_S))
+        # A decode server's answer may first wait for its prompt's prefill (queued behind others): minutes at most.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(upstream_timeout, connect=HEALTH_TIMEOUT_S))
 
     @property
     def servers(self) -> list[Upstream]:
@@ -167,6 +175,24 @@ async def _forward(request: Request, method: str, path: str, body: bytes | None,
             continue
         kept = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
         return StreamingResponse(
-            answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=BackgroundTask(answer.aclose)
+            _relayed(routing, decode, answer),
+            status_code=answer.status_code,
+            headers=kept,
+            background=BackgroundTask(answer.aclose),
         )
     raise routing.decode.unavailable()
+
+
+async def _relayed(routing: Routing, decode: Upstream, answer: httpx.Response) -> AsyncIterator[bytes]:
+    """The decode server's answer as it comes; if it breaks off, an error the client can read instead of a cut: in a
+    stream an error event and [DONE] (after whole events only: the server writes each in one piece), else the
+    error's JSON where the body was to be."""
+    try:
+        async for data in answer.aiter_raw():
+            yield data
+    except httpx.HTTPError as error:
+        why = f"decode server {decode.url} broke off its answer: {type(error).__name__}: {error}"
+        routing.mark_down(decode, why)
+        body = error_body(502, why)
+        streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
+        yield (event(body) + DONE).encode() if streaming else json.dumps(body).encode()

@@ -25,7 +25,7 @@ from jaxserve.engine import EngineDraining, QueueFull
 from jaxserve.engine.handoff import StateSource
 from jaxserve.request import FinishReason, InvalidRequest
 from jaxserve.server.auth import require_api_key
-from jaxserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from jaxserve.server.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.formats import ChatFormat, CompletionFormat, Echo
 from jaxserve.server.protocol import ChatRequest, GenerationParams, parse_chat, parse_completion
@@ -38,7 +38,6 @@ from jaxserve.text.tokenizer import TokenizerError
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 sagemaker_router = APIRouter(dependencies=[Depends(require_api_key)])
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
 # A text prompt longer than this many characters per token of context is first judged by its head alone (see
 # _encode_prompt): real text averages 3-5 characters per token.
 HEAD_CHARS_PER_TOKEN = 16
