@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
+from test_disaggregation_engine import LocalPrefill
 from test_server import metric_samples, serving, settled, wait_for
 
 from jaxserve.checkpoints.load import load_model
@@ -250,3 +251,41 @@ def test_spec_decode_metrics(runners, loaded):
         samples[("jaxserve:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))] for p in (0, 1)
     ]
     assert sum(per_position) == drafts.accepted_tokens and per_position[0] >= per_position[1]
+
+
+def test_a_disaggregated_decode_server_drafts_from_the_mtp_state_its_prefill_server_handed_over(runners, loaded):
+    """Prefill on a prefill-role runner (its chunks run the MTP block too), decode with 3 drafts on another engine:
+    the same tokens as without drafts and the very same drafts accepted as colocated, so the MTP ring, the last
+    streams and the slot's position arrived whole (a garbled draft state would still give the model's tokens, but
+    not these acceptances)."""
+    k = 3
+    prefill_runner = ModelRunner(
+        loaded.config,
+        loaded.weights,
+        kv_geometry(_config(k), loaded.config),
+        make_mesh(1, 1),
+        dataclasses.replace(BUCKETS, role="prefill", decode_row_tokens=k + 1),
+    )
+    prefill_runner.warmup()
+    prefill_runner.warm_transfers(export=True, install=False)
+    runners[k].warm_transfers(export=False, install=True)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def generate(engine: Engine, **remote) -> tuple[list[list[int]], object]:
+        try:
+            handles = [engine.submit(p, greedy, request_id=f"r{i}", **remote) for i, p in enumerate(prompts)]
+            return [h.wait(120)[0] for h in handles], engine.stats().drafts
+        finally:
+            engine.shutdown()
+
+    plain, _ = generate(_engine(runners[None], loaded, None))
+    colocated, colocated_drafts = generate(_engine(runners[k], loaded, k))
+    prefill = _engine(prefill_runner, loaded, k, disaggregation_mode="prefill")
+    try:
+        decode = _engine(runners[k], loaded, k, disaggregation_mode="decode")
+        disaggregated, drafts = generate(decode, remote=LocalPrefill(prefill))
+    finally:
+        prefill.shutdown()
+    assert disaggregated == colocated == plain
+    assert drafts == colocated_drafts and drafts.accepted_tokens > 0, (drafts, colocated_drafts)
