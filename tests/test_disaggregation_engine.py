@@ -155,3 +155,23 @@ def test_the_first_token_runs_the_decode_servers_stop_checks_and_prompt_logprobs
     assert events[-1].finish_reason is FinishReason.LENGTH and not events[-1].token_ids
     assert [lp.token_id for lp in events[-1].prompt_logprobs] == p[1:]
     assert_nothing_leaked(pair.decode)
+
+
+def test_a_remote_request_aborted_before_admission_leaves_nothing_behind():
+    engine = fake_engine("decode")
+    source = Failing()
+    engine.start()
+    try:
+        # max_num_seqs is 4: the fifth waits for a slot, and goes before it is admitted
+        handles = [engine.submit(prompt(30, i), greedy(5), request_id=f"r{i}", remote=source) for i in range(5)]
+        while engine.stats().running < 4:
+            threading.Event().wait(0.01)
+        assert engine.stats().waiting == 1
+        for i in range(5):
+            engine.abort(f"r{i}")
+        assert [h.wait(timeout=30)[1] for h in handles] == [FinishReason.ABORT] * 5
+        assert_nothing_leaked(engine)
+        assert not engine._sources  # noqa: SLF001 - the waiting one's source is not kept
+    finally:
+        source.release.set()
+        engine.shutdown()

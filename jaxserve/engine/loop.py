@@ -861,6 +861,7 @@ class Engine:
         prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
         parcel: Parcel | None = None,
     ) -> None:
+        self._sources.pop(request.request_id, None)  # a remote request that ends before its state was asked for
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
