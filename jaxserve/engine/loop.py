@@ -389,6 +389,9 @@ class Engine:
         self._draining = False
         # Remote requests' state sources, until their state arrives; the threads that wait for it.
         self._sources: dict[str, StateSource] = {}
+        # A prefill server's handed-off requests: their state, copied out right behind the step that completed their
+        # prompt (or why it could not be), until their first token is delivered.
+        self._parcels: dict[str, Parcel | Exception] = {}
         self._fetching = ThreadPoolExecutor(max(1, engine_cfg.max_num_seqs), thread_name_prefix="jaxserve-fetch")
         # Loop thread only: dispatched, unfinished steps per request, and when the device is done with the last one.
         self._inflight: collections.Counter[str] = collections.Counter()
@@ -710,16 +713,26 @@ class Engine:
         self.scheduler.arrived(request)
         self._deliver(request, arrival.token, arrival.logprob)
 
+    def _export_hand_offs(self, plan: StepPlan) -> None:
+        """Copy out the state of the handed-off requests whose prompt `plan` completes, right behind it on the device:
+        the copy waits for this step only, not for the next one (dispatched before this one's tokens are delivered)."""
+        for request in plan.completed:
+            if request.hand_off_from is None:
+                continue
+            assert request.slot is not None
+            pages = request.pages[request.hand_off_from : pages_needed(request.prompt_len, self.geometry.page_size)]
+            try:
+                self._parcels[request.request_id] = self.runner.export_state(pages, request.slot)
+            except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
+                log.exception("request %s: exporting its state failed", request.request_id)
+                self._parcels[request.request_id] = error
+
     def _hand_off(self, request: Request, out: RowOutput) -> None:
         """A prefill server's request after its first token: its state from `hand_off_from` on leaves with its last
         event; its pages stay in the prefix cache as any finished request's do."""
-        assert request.hand_off_from is not None and request.slot is not None
-        pages = request.pages[request.hand_off_from : pages_needed(request.prompt_len, self.geometry.page_size)]
-        try:
-            parcel = self.runner.export_state(pages, request.slot)
-        except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
-            log.exception("request %s: exporting its state failed", request.request_id)
-            self._finish(request, FinishReason.ERROR, error=f"exporting the state failed: {error}")
+        parcel = self._parcels.pop(request.request_id)
+        if isinstance(parcel, Exception):
+            self._finish(request, FinishReason.ERROR, error=f"exporting the state failed: {parcel}")
             return
         request.note_token(out.token_id)
         self.counters.generation_tokens += 1
@@ -740,6 +753,8 @@ class Engine:
             step = _FailedDispatch(error)
         for request in plan.requests:
             self._inflight[request.request_id] += 1
+        if not isinstance(step, _FailedDispatch):
+            self._export_hand_offs(plan)
         return _InFlight(plan, step, dispatched)
 
     @staticmethod
@@ -862,6 +877,7 @@ class Engine:
         parcel: Parcel | None = None,
     ) -> None:
         self._sources.pop(request.request_id, None)  # a remote request that ends before its state was asked for
+        self._parcels.pop(request.request_id, None)  # a handed-off one that ends before its first token
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
