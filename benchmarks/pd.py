@@ -14,7 +14,8 @@ Workloads, each run once per row per round (rounds rotate the rows' order, so th
    tokens over the run's wall time).
 2. starvation: interleave.py's experiment (`run_once`): a victim streams 1000 tokens of an 8-token prompt; after 30
    of them an attacker sends a prompt of 9.5 chunks (2432 tokens) asking for 3 tokens. Per row: the victim's max,
-   p99 and median inter-token gap and the attacker's TTFT.
+   p99 and median inter-token gap, its wall time, the attacker's TTFT and its prefill steps' seconds summed (from the
+   log of the server that prefilled it).
 The figures are medians over the rounds; `vs colocated` columns are medians of per-round ratios, minus 1.
 
 Transfers (pd row, from the decode server's /metrics, counter deltas over each run): the bytes moved per request
@@ -26,18 +27,21 @@ request / the mean TTFT the client saw in the same run (the prefill wait's share
 
 Decode steps while the prefill server is busy (pd row): each decode step the decode server logged (its duration and
 the line's arrival, stamped here: the step is [arrival - duration, arrival]) is `busy` when it overlaps a prefill
-step the prefill server logged the same way, else `idle`; median / p90 / p99 of the step durations of each class,
-pooled over the rounds, per workload.
+step the prefill server logged the same way, else `idle`; median / p90 / p99 of the step durations of each class and
+the mean requests a step decoded (a busy step may decode fewer: some requests wait for their state), pooled over the
+rounds, per workload.
 
-Read this with the machine in mind: it has 2 cores, the servers are pinned to one and the client and the router to
-the other (as streams.py and interleave.py split them). The prefill and decode servers therefore share one core:
-every prefill step takes the CPU from the decode server, so a decode step that overlaps one is slowed (the `busy`
-class shows by how much), and PD adds the router hop, a second HTTP exchange and the state transfer to every request
-while removing nothing. PD's real advantage, prefill and decode on separate devices so that a long prompt never
-delays a stream's next token, cannot show here; this measures what the split costs and that it works under load.
+Read this with the machine in mind: it has 2 cores; the servers are pinned to one, the client and the router to the
+other (as streams.py and interleave.py split them). The prefill and decode servers therefore share one core: the
+kernel time-slices the two processes, so a decode step that overlaps a prefill step is slowed (the `busy` class shows
+by how much) where a colocated server's prefill step holds every stream for the whole step (so the gaps can still
+favour PD here), and PD adds the router hop, a second HTTP exchange and the state transfer to every request, and the
+prefill server's work to the decode server's core (TTFT, tok/s). PD's real advantage, prefill and decode on devices
+of their own so that a long prompt costs a stream nothing and a stream costs a prompt nothing, cannot show here.
 
-    python benchmarks/pd.py            # 4 rounds, about 10-15 minutes on 2 CPU cores
-    python benchmarks/pd.py --quick    # 1 round, 24 requests at concurrency 8, a 4.5-chunk attacker
+    python benchmarks/pd.py            # 24 rounds, about 10 minutes on 2 CPU cores
+    python benchmarks/pd.py --quick    # 1 round, 24 requests at concurrency 8, a 4.5-chunk attacker of a
+                                       # 400-token victim
 """
 
 from __future__ import annotations
@@ -58,12 +62,12 @@ import common
 import httpx
 import numpy as np
 from common import RESULTS, cpu_cores, load_average, markdown_table, write_results
-from interleave import Row, attacker_length, fmt, median, pct, run_once, server_flags, split_cpus, token_prompt
+from interleave import Row, attacker_length, fmt, median, pct, run_once, split_cpus, token_prompt
 from serving import Server, free_port, on_cpus, stream
-from streams import MAX_NUM_SEQS, make_prompts, model_len_for, run_workload
+from streams import MAX_NUM_SEQS, make_prompts, model_len_for, run_workload, workload_flags
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.config import EngineConfig, load_config
+from jaxserve.config import load_config
 
 ROWS = ("colocated", "pd")
 BASELINE = "colocated"
@@ -74,13 +78,6 @@ ROUTER_READY = "jaxserve router ready on "
 
 
 # ---- the servers ----------------------------------------------------------------------------------------------
-
-
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """streams.py's engine flags: interleave's experiment flags with this workload's slots and the engine's default
-    prefill rows (a flag given again later wins)."""
-    workload = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-prefill-rows", str(EngineConfig.max_prefill_rows))
-    return server_flags(argparse.Namespace(chunk=args.chunk, max_model_len=args.max_model_len, model=None), workload)
 
 
 class Router:
@@ -147,7 +144,7 @@ class Front:
 def start_fronts(args: argparse.Namespace, server_cpus, client_cpus) -> tuple[dict[str, Front], list]:
     """Every row's processes, started one after another (each compiles every step shape before the next starts, so
     the later ones find the shapes in the persistent compile cache); (fronts, processes to stop)."""
-    flags = engine_flags(args)
+    flags = workload_flags(args.chunk, args.max_model_len)
     processes: list = []
     fronts: dict[str, Front] = {}
     try:
@@ -199,11 +196,11 @@ def transfer_counters(front: Front) -> dict[str, float]:
 # ---- one run --------------------------------------------------------------------------------------------------
 
 
-def steps(lines: list[tuple[float, str]], pattern: re.Pattern, since: float, until: float) -> list[tuple[float, float]]:
-    """(start, end) of the steps matching `pattern` whose lines arrived in [since, until]: a line comes at its
-    step's end and names its seconds."""
+def steps(lines: list[tuple[float, str]], pattern: re.Pattern, since: float, until: float) -> list[tuple[float, ...]]:
+    """(start, end, rows or tokens) of the steps matching `pattern` whose lines arrived in [since, until]: a line
+    comes at its step's end and names its seconds."""
     return [
-        (t - float(m.group(m.lastindex)), t)
+        (t - float(m.group(2)), t, int(m.group(1)))
         for t, line in list(lines)
         if since <= t <= until and (m := pattern.search(line))
     ]
@@ -217,8 +214,9 @@ class Measured:
     run: object
     ttft_mean: float
     counters: dict[str, float] = field(default_factory=dict)
-    busy_steps: list[float] = field(default_factory=list)  # seconds of decode steps overlapping a prefill step
-    idle_steps: list[float] = field(default_factory=list)
+    # (seconds, requests) of the decode steps that overlapped a prefill step (busy) or none (idle)
+    busy_steps: list[tuple[float, int]] = field(default_factory=list)
+    idle_steps: list[tuple[float, int]] = field(default_factory=list)
 
 
 def measure(front: Front, work, ttfts) -> Measured:
@@ -228,10 +226,10 @@ def measure(front: Front, work, ttfts) -> Measured:
     after = transfer_counters(front)
     measured = Measured(run, float(np.mean(ttfts(run))), {k: after[k] - before.get(k, 0.0) for k in after})
     if front.decode is not None:
-        prefill = np.array(steps(front.prefill.lines, PREFILL_LINE, since, until + 1.0)).reshape(-1, 2)
-        for start, end in steps(front.decode.lines, DECODE_LINE, since, until):
+        prefill = np.array(steps(front.prefill.lines, PREFILL_LINE, since, until + 1.0)).reshape(-1, 3)
+        for start, end, rows in steps(front.decode.lines, DECODE_LINE, since, until):
             busy = bool(((prefill[:, 0] < end) & (prefill[:, 1] > start)).any())
-            (measured.busy_steps if busy else measured.idle_steps).append(end - start)
+            (measured.busy_steps if busy else measured.idle_steps).append((end - start, rows))
     return measured
 
 
@@ -260,23 +258,29 @@ def paired(runs: list[Measured], base: list[Measured], value) -> float | None:
     return median([value(m) / value(b) - 1 for m, b in zip(runs, base)])
 
 
+def gap_p99(m: Measured) -> float:
+    return float(np.percentile(m.run.gaps, 99))
+
+
+def ttft_p99(m: Measured) -> float:
+    return float(np.percentile(m.run.ttfts, 99))
+
+
 def streams_table(runs: dict[str, list[Measured]]) -> tuple[str, list[dict]]:
     base = runs.get(BASELINE)
     records = []
     for row, ms in runs.items():
-        p99 = lambda m: float(np.percentile(m.run.gaps, 99))  # noqa: E731
-        ttft99 = lambda m: float(np.percentile(m.run.ttfts, 99))  # noqa: E731
         records.append(
             {
                 "row": row,
                 "gap_median_ms": 1e3 * over_rounds(ms, lambda m: float(np.median(m.run.gaps))),
-                "gap_p99_ms": 1e3 * over_rounds(ms, p99),
+                "gap_p99_ms": 1e3 * over_rounds(ms, gap_p99),
                 "gap_max_ms": 1e3 * over_rounds(ms, lambda m: float(m.run.gaps.max())),
                 "ttft_median_s": over_rounds(ms, lambda m: float(np.median(m.run.ttfts))),
-                "ttft_p99_s": over_rounds(ms, ttft99),
+                "ttft_p99_s": over_rounds(ms, ttft_p99),
                 "gen_tok_s": over_rounds(ms, lambda m: m.run.gen_tok_s),
-                "gap_p99_vs_colocated": paired(ms, base, p99) if base else None,
-                "ttft_p99_vs_colocated": paired(ms, base, ttft99) if base else None,
+                "gap_p99_vs_colocated": paired(ms, base, gap_p99) if base else None,
+                "ttft_p99_vs_colocated": paired(ms, base, ttft_p99) if base else None,
                 "gen_tok_s_vs_colocated": paired(ms, base, lambda m: m.run.gen_tok_s) if base else None,
                 "runs": len(ms),
             }
@@ -305,12 +309,11 @@ def starvation_table(runs: dict[str, list[Measured]]) -> tuple[str, list[dict]]:
     base = runs.get(BASELINE)
     records = []
     for row, ms in runs.items():
-        p99 = lambda m: float(np.percentile(m.run.gaps, 99))  # noqa: E731
         records.append(
             {
                 "row": row,
                 "victim_gap_max_ms": 1e3 * over_rounds(ms, lambda m: m.run.max_gap),
-                "victim_gap_p99_ms": 1e3 * over_rounds(ms, p99),
+                "victim_gap_p99_ms": 1e3 * over_rounds(ms, gap_p99),
                 "victim_gap_median_ms": 1e3 * over_rounds(ms, lambda m: m.run.pace),
                 "victim_wall_s": over_rounds(ms, lambda m: m.run.victim_wall),
                 "attacker_ttft_s": over_rounds(ms, lambda m: m.run.attacker_ttft),
@@ -388,14 +391,28 @@ def step_table(pd: dict[str, list[Measured]]) -> tuple[str, list[dict]]:
     records = []
     for workload, ms in pd.items():
         for kind in ("idle", "busy"):
-            seconds = np.array([s for m in ms for s in getattr(m, f"{kind}_steps")])
-            record = {"workload": workload, "prefill_server": kind, "steps": len(seconds)}
+            pooled = [step for m in ms for step in getattr(m, f"{kind}_steps")]
+            seconds = np.array([s for s, _ in pooled])
+            record = {
+                "workload": workload,
+                "prefill_server": kind,
+                "steps": len(pooled),
+                "mean_requests": float(np.mean([n for _, n in pooled])) if pooled else None,
+            }
             for q in (50, 90, 99):
-                record[f"p{q}_ms"] = 1e3 * float(np.percentile(seconds, q)) if len(seconds) else None
+                record[f"p{q}_ms"] = 1e3 * float(np.percentile(seconds, q)) if pooled else None
             records.append(record)
-    headers = ["workload", "prefill server", "decode steps", "median ms", "p90 ms", "p99 ms"]
+    headers = ["workload", "prefill server", "decode steps", "mean requests / step", "median ms", "p90 ms", "p99 ms"]
     rows = [
-        [r["workload"], r["prefill_server"], str(r["steps"]), fmt(r["p50_ms"]), fmt(r["p90_ms"]), fmt(r["p99_ms"])]
+        [
+            r["workload"],
+            r["prefill_server"],
+            str(r["steps"]),
+            fmt(r["mean_requests"], 1),
+            fmt(r["p50_ms"]),
+            fmt(r["p90_ms"]),
+            fmt(r["p99_ms"]),
+        ]
         for r in records
     ]
     return markdown_table(headers, rows), records
@@ -407,7 +424,7 @@ def step_table(pd: dict[str, list[Measured]]) -> tuple[str, list[dict]]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of: " + ", ".join(ROWS))
-    parser.add_argument("--rounds", type=int, default=4, help="runs per row and workload; the tables show medians")
+    parser.add_argument("--rounds", type=int, default=24, help="runs per row and workload; the tables show medians")
     parser.add_argument("--requests", type=int, default=64, help="many streams: requests per run")
     parser.add_argument("--concurrency", type=int, default=16, help="many streams: requests kept in flight")
     parser.add_argument("--max-tokens", type=int, default=32, help="many streams: generated tokens per request")
@@ -442,7 +459,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     began = time.perf_counter()
-    load_at_start = load_average()
+    load_at_start, cores = load_average(), cpu_cores()
     server_cpus, client_cpus = split_cpus(args.pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)
@@ -495,7 +512,7 @@ def main() -> None:
         else "servers, router and client share the CPUs"
     )
     setup = (
-        f"{cpu_cores()} CPU cores ({cpus}); embedded default model, float32, --max-num-seqs {MAX_NUM_SEQS}, "
+        f"{cores} CPU cores ({cpus}); embedded default model, float32, --max-num-seqs {MAX_NUM_SEQS}, "
         f"--chunked-prefill-size {args.chunk}, --max-model-len {args.max_model_len}; many streams: {args.requests} "
         f"requests of 16-300 words at concurrency {args.concurrency}, {args.max_tokens} tokens each; starvation: "
         f"victim {args.victim_tokens} tokens, attacker {args.attacker_chunks} chunks ({attacker_length(args)} "
@@ -504,17 +521,21 @@ def main() -> None:
     )
     legend = (
         "Each number is a median over the rounds; `vs colocated`: the median over rounds of (pd / colocated, same "
-        "round) - 1. The prefill and decode servers share one core here, so PD shows its costs (router hop, "
-        "second HTTP exchange, state transfer, two engines time-slicing one core) and not its benefit. `attacker "
-        "prefill steps s`: the attacker's prefill steps' seconds summed, from the log of the server that prefilled it. "
-        "Transfer figures: counter deltas per run over the run's transfers; shares: over the mean TTFT of the run's "
-        "requests. Decode steps: `busy` when the step's span overlaps a prefill step's span on the prefill server."
+        "round) - 1. The prefill and decode servers share one core here: the kernel time-slices them, so a prompt "
+        "being prefilled slows the decode server's steps instead of taking whole steps from it as a colocated "
+        "server's prefill does (the gap columns), while PD's costs (the router hop, a second HTTP exchange, the state "
+        "transfer, two engines on one core) show in TTFT and tok/s. On devices of their own neither role would slow "
+        "the other. `attacker prefill steps s`: the attacker's prefill steps' seconds summed, from the log of the "
+        "server that prefilled it. Transfer figures: counter deltas per run over the run's transfers; shares: over the "
+        "mean TTFT of the run's requests. Decode steps: `busy` when the step's span overlaps a prefill step's span on "
+        "the prefill server; in many streams a busy step decodes few requests (the others wait for their state), so "
+        "the starvation rows, one request either way, compare like with like."
     )
     markdown = "\n".join([setup, "", *parts, "", legend])
     data = {
         "setup": setup,
         "machine": {
-            "cpu_cores": cpu_cores(),
+            "cpu_cores": cores,
             "jax": version("jax"),
             "load_average_1min_at_start": load_at_start,
             "load_average_1min_at_end": load_at_end,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -88,15 +89,20 @@ class Server:
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, stamps: list[float]) -> None:
-    """One greedy completion of `max_tokens` streamed; each chunk's arrival time appended to `stamps`."""
-    stamps.extend(stamp for stamp, _ in streamed_tokens(url, prompt, max_tokens))
+    """One greedy completion of `max_tokens` streamed; each chunk's arrival time appended to `stamps` as it comes (the
+    starvation experiment's attacker waits for the victim's first tokens)."""
+    for stamp, _ in _chunks(url, prompt, max_tokens):
+        stamps.append(stamp)
 
 
 def streamed_tokens(url: str, prompt: list[int], max_tokens: int) -> list[tuple[float, list[int]]]:
     """One greedy completion of `max_tokens` streamed: (arrival time, the token ids it carries) per chunk (a verify
     step with drafts delivers several tokens at once)."""
+    return list(_chunks(url, prompt, max_tokens))
+
+
+def _chunks(url: str, prompt: list[int], max_tokens: int) -> Iterator[tuple[float, list[int]]]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    chunks = []
     with (
         httpx.Client(timeout=None) as client,
         client.stream("POST", f"{url}/v1/completions", json={**body, "return_token_ids": True}) as reply,
@@ -107,5 +113,4 @@ def streamed_tokens(url: str, prompt: list[int], max_tokens: int) -> list[tuple[
                 continue
             choices = json.loads(line[6:]).get("choices")
             if choices:
-                chunks.append((time.perf_counter(), list(choices[0].get("token_ids") or ())))
-    return chunks
+                yield time.perf_counter(), list(choices[0].get("token_ids") or ())

@@ -38,7 +38,7 @@ from pathlib import Path
 import common
 import numpy as np
 from common import RESULTS, markdown_table, write_results
-from interleave import PREFILL_LINE, Server, fmt, median, pct, split_cpus, stream
+from interleave import PREFILL_LINE, Server, fmt, median, pct, server_flags, split_cpus, stream
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import EngineConfig
@@ -109,12 +109,17 @@ class Result:
 # ---- the servers and the client ---------------------------------------------------------------------------------
 
 
-def start_server(flags: tuple[str, ...], chunk: int, max_model_len: int, cpus: set[int] | None) -> Server:
-    # interleave's Server is set up for its two-request experiment (2 slots, 1 prefill row). A flag given again
-    # later wins (argparse keeps the last value), so these give this workload its slots and restore the engine's
-    # default prefill rows: apart from the row's flags, every server runs the engine's defaults.
+def workload_flags(chunk: int, max_model_len: int, flags: tuple[str, ...] = ()) -> list[str]:
+    """This workload's `jaxserve serve` flags, then a row's. interleave's are set up for its two-request experiment (2
+    slots, 1 prefill row); a flag given again later wins (argparse keeps the last value), so these give this workload
+    its slots and restore the engine's default prefill rows: apart from the row's flags, every server runs the
+    engine's defaults."""
     workload = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-prefill-rows", str(EngineConfig.max_prefill_rows))
-    server = Server(argparse.Namespace(chunk=chunk, max_model_len=max_model_len, model=None), workload + flags, cpus)
+    return server_flags(argparse.Namespace(chunk=chunk, max_model_len=max_model_len, model=None), workload + flags)
+
+
+def start_server(flags: tuple[str, ...], chunk: int, max_model_len: int, cpus: set[int] | None) -> Server:
+    server = Server(workload_flags(chunk, max_model_len, flags), cpus)
     stream(server.url, "warm up", 4, [])  # the HTTP path's first call, outside the measurement
     return server
 
