@@ -23,6 +23,7 @@ from jaxserve.engine.handoff import PrefillAsk
 from jaxserve.model.cache import kv_geometry
 from jaxserve.model.sharding import make_mesh, shardings_for
 from jaxserve.request import SamplingParams
+from jaxserve.runner.model_runner import powers_of_two_up_to
 from jaxserve.runner.speculative import abstract_runner_cache
 from jaxserve.runner.transfer import StateMover, TransferFailed, TransferPort
 from jaxserve.server.disaggregation import Disaggregation, PrefillClient
@@ -177,7 +178,13 @@ def test_a_corrupted_transfer_fails_the_request_in_checksum_mode(servers):
     model = load_model(None, mesh, dtype="float32").config
     geometry = kv_geometry(config, model)
     abstract = abstract_runner_cache(model, geometry)
-    mover = StateMover(abstract, shardings_for(abstract, mesh), mesh, geometry.num_pages, geometry.max_pages_per_seq)
+    mover = StateMover(
+        abstract,
+        shardings_for(abstract, mesh),
+        mesh,
+        geometry.num_pages,
+        powers_of_two_up_to(geometry.max_pages_per_seq),
+    )
     port = TransferPort(mover.device, "127.0.0.1")
     side = Disaggregation("decode", port, mover, transfer_timeout=30, checksum=True)
     client = PrefillClient(urls["prefill_a"], side)

@@ -298,7 +298,7 @@ class ModelRunner:
             self.executable_cache.cache_shardings,
             mesh,
             geometry.num_pages,
-            geometry.max_pages_per_seq,
+            powers_of_two_up_to(geometry.max_pages_per_seq),
         )
         self.cache: Any  # the device state every step threads through (donated), and each slot's next input token
         self.slot_tokens: jax.Array

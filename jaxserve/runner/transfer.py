@@ -104,19 +104,6 @@ class StateLayout:
         return sum(math.prod(leaf.cut(pages)) * jnp.dtype(leaf.dtype).itemsize for leaf in self.leaves)
 
 
-def page_buckets(max_pages: int) -> tuple[int, ...]:
-    """The page counts a parcel is padded to: powers of two up to a sequence's most pages (one compile each)."""
-    sizes, size = [], 1
-    while size < max_pages:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes) + (max_pages,)
-
-
-def bucket_for(pages: int, max_pages: int) -> int:
-    return next(b for b in page_buckets(max_pages) if b >= pages)
-
-
 def checksum(leaf: jax.Array) -> jax.Array:
     """[2] uint32: the sum of the leaf's bytes and their position-weighted sum (module docstring)."""
     data = leaf if leaf.dtype.itemsize == 1 else jax.lax.bitcast_convert_type(leaf, jnp.uint8)
@@ -130,11 +117,12 @@ def _index(leaf: LeafLayout, rows: jax.Array) -> tuple:
 
 
 class StateMover:
-    """The jitted cuts of one runner's state (module docstring), compiled per page bucket."""
+    """The jitted cuts of one runner's state (module docstring), compiled per page bucket: `buckets`, the page counts
+    a parcel is padded to (one compile each; the last a sequence's most pages)."""
 
-    def __init__(self, abstract: Any, shardings: Any, mesh: Mesh, num_pages: int, max_pages: int):
+    def __init__(self, abstract: Any, shardings: Any, mesh: Mesh, num_pages: int, buckets: tuple[int, ...]):
         self.layout = StateLayout.of(abstract)
-        self.num_pages, self.max_pages = num_pages, max_pages
+        self.num_pages, self.buckets = num_pages, buckets
         self._treedef = jax.tree.structure(abstract, is_leaf=is_info)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._replicated = replicated
@@ -160,7 +148,7 @@ class StateMover:
         return jax.tree.unflatten(self._treedef, leaves), slot_tokens.at[slot].set(token)
 
     def _padded(self, pages: list[int], fill: int) -> tuple[int, np.ndarray]:
-        bucket = bucket_for(max(len(pages), 1), self.max_pages)
+        bucket = next(b for b in self.buckets if b >= len(pages))
         return bucket, np.asarray(pages + [fill] * (bucket - len(pages)), np.int32)
 
     def export(self, cache: Any, pages: list[int], slot: int) -> Parcel:
@@ -189,7 +177,7 @@ class StateMover:
         """Compile every bucket's cuts this side uses, running each once on nothing (page ids and slot out of range:
         dropped): returns the cache and slot tokens (install donates them)."""
         nowhere = np.int32(2**30)
-        for bucket in page_buckets(self.max_pages):
+        for bucket in self.buckets:
             if export:
                 jax.block_until_ready(self.export(cache, [0] * bucket, 0).parts)
             if install:
