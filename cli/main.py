@@ -788,7 +788,8 @@ def serve_parser() -> argparse.ArgumentParser:
         "`jaxserve serve` is the same).",
         epilog="Other commands: `jaxserve generate PROMPT` (one prompt, streamed to the terminal), "
         "`jaxserve convert SRC DST` (safetensors folder -> orbax checkpoint), `jaxserve plan` (will a model "
-        "fit these devices). Each has --help.",
+        "fit these devices), `jaxserve router --prefill URL... --decode URL...` (the front of prefill/decode "
+        "disaggregation). Each has --help.",
     )
     parser.add_argument("--version", action="version", version=f"jaxserve {version('jaxserve')}")
     parser.add_argument(
