@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ log = logging.getLogger("jaxserve.server")
 
 PREFILL_URL_HEADER = "X-Prefill-Url"
 PREFILL_PATH = "/v1/disaggregation/prefill"
+ABORT_PATH = "/v1/disaggregation/abort"
+ABORT_TIMEOUT_S = 5.0
 # How long a decode server waits for its prefill server's answer: the prompt may queue there behind others. A prefill
 # server that dies fails the request at once (the connection drops); one that hangs, after this.
 PREFILL_ANSWER_TIMEOUT_S = 600.0
@@ -147,6 +150,22 @@ class PrefillClient:
 
     def __init__(self, url: str, side: Disaggregation):
         self.url, self._side = url, side
+        # Each ask's id on the prefill server: the decode server's request id and a tag of this client's, as two
+        # decode servers may give their requests the same id.
+        self._tag = secrets.token_hex(4)
+
+    def _prefill_id(self, ask: PrefillAsk) -> str:
+        return f"{ask.request_id}@{self._tag}"
+
+    def cancel(self, ask: PrefillAsk) -> None:
+        """Ask the prefill server to abort the prompt (its answer then fails, and is dropped here); a server that
+        cannot be reached is making nothing for it anyway."""
+        try:
+            self._side.http.post(
+                self.url + ABORT_PATH, json={"request_id": self._prefill_id(ask)}, timeout=ABORT_TIMEOUT_S
+            )
+        except httpx.HTTPError as error:
+            log.info("request %s: could not tell %s to stop its prefill: %s", ask.request_id, self.url, error)
 
     def fetch(self, ask: PrefillAsk) -> Arrival:
         try:
@@ -158,7 +177,7 @@ class PrefillClient:
     def _fetch(self, ask: PrefillAsk) -> Arrival:
         side = self._side
         body = {
-            "request_id": ask.request_id,
+            "request_id": self._prefill_id(ask),
             "prompt_token_ids": ask.prompt_ids,
             "sampling": sampling_to_json(ask.sampling),
             "skip_pages": ask.skip_pages,
@@ -196,14 +215,30 @@ def _message(answer: httpx.Response) -> str:
         return answer.text[:200]
 
 
+def _prefill_side(request: Request) -> Disaggregation:
+    side: Disaggregation | None = request.app.state.server.disaggregation
+    if side is None or side.mode != "prefill":
+        raise bad_request(None, f"{request.url.path}: this server does not run --disaggregation-mode prefill")
+    return side
+
+
+@router.post(ABORT_PATH)
+async def abort(request: Request) -> Response:
+    """A decode server's request ended while this server prefilled it: abort it (unknown or finished ids: nothing)."""
+    _prefill_side(request)
+    body = json.loads(await request.body())
+    if not isinstance(body.get("request_id"), str):
+        raise bad_request("request_id", f"{ABORT_PATH}: the body needs the request_id the prefill was asked with")
+    request.app.state.server.engine.abort(f"prefill-{body['request_id']}")
+    return JSONResponse({})
+
+
 @router.post(PREFILL_PATH)
 async def prefill(request: Request) -> Response:
     """A prefill server's half: prefill the prompt, sample its first token, offer its state to the asking decode
     server (module docstring)."""
     state = request.app.state.server
-    side: Disaggregation | None = state.disaggregation
-    if side is None or side.mode != "prefill":
-        raise bad_request(None, f"{PREFILL_PATH}: this server does not run --disaggregation-mode prefill")
+    side = _prefill_side(request)
     body = json.loads(await request.body())
     missing = [name for name in ASK_FIELDS if name not in body]
     if missing:

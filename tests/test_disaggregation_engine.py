@@ -6,6 +6,7 @@ again, and a request whose state does not come, or that is aborted while it come
 from __future__ import annotations
 
 import threading
+import time
 
 from fake_runner import FakeRunner, continuation
 from test_engine import CFG, assert_nothing_leaked, engine_config, greedy, prompt
@@ -44,6 +45,9 @@ class LocalPrefill:
             raise RuntimeError(last.error)
         first = last.token_ids[0] if last.token_ids else None
         return Arrival(first, last.logprobs[0] if last.logprobs else None, last.prompt_logprobs, last.parcel)
+
+    def cancel(self, ask: PrefillAsk) -> None:
+        self.engine.abort(f"prefill-{ask.request_id}")
 
 
 class Pair:
@@ -100,10 +104,14 @@ def test_a_decode_engine_reuses_the_pages_it_holds_without_a_snapshot():
 class Failing:
     def __init__(self):
         self.release = threading.Event()
+        self.cancelled: list[str] = []
 
     def fetch(self, ask: PrefillAsk) -> Arrival:
         self.release.wait(30)
         raise ConnectionError("prefill server http://nowhere: connection refused")
+
+    def cancel(self, ask: PrefillAsk) -> None:
+        self.cancelled.append(ask.request_id)
 
 
 def test_a_state_that_does_not_come_fails_its_request_and_frees_its_pages():
@@ -134,6 +142,11 @@ def test_a_request_aborted_while_its_state_comes_gives_its_pages_back_at_once():
         tokens, reason, _ = handle.wait(timeout=30)
         assert (tokens, reason) == ([], FinishReason.ABORT)
         assert_nothing_leaked(engine)
+        deadline = time.monotonic() + 10
+        while not source.cancelled:  # the source is told to stop making it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert source.cancelled == ["gone"]
         source.release.set()  # what comes (here an error) now finds the request gone: nothing happens
         threading.Event().wait(0.2)
         assert_nothing_leaked(engine)
@@ -175,3 +188,49 @@ def test_a_remote_request_aborted_before_admission_leaves_nothing_behind():
     finally:
         source.release.set()
         engine.shutdown()
+
+
+class Recorded(LocalPrefill):
+    """LocalPrefill, saying when it was asked and when told to stop."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.asked, self.cancelled = threading.Event(), threading.Event()
+
+    def fetch(self, ask: PrefillAsk) -> Arrival:
+        self.asked.set()
+        return super().fetch(ask)
+
+    def cancel(self, ask: PrefillAsk) -> None:
+        super().cancel(ask)
+        self.cancelled.set()
+
+
+def test_a_decode_request_that_ends_while_its_prompt_is_prefilled_aborts_the_prefill():
+    prefill, decode = fake_engine("prefill"), fake_engine("decode")
+    prefill_runner = prefill.runner
+    assert isinstance(prefill_runner, FakeRunner)
+    hold = threading.Event()
+    prefill_runner.fail = lambda batch: None if hold.wait(30) else None  # a prefill step waits until `hold`
+    source = Recorded(prefill)
+    prefill.start()
+    decode.start()
+    try:
+        handle = decode.submit(prompt(40, 6), greedy(5), request_id="left", remote=source)  # 3 chunks of 16
+        assert source.asked.wait(10)
+        decode.abort("left")
+        finished = handle.wait(timeout=30)
+        assert finished[1] is FinishReason.ABORT, finished
+        assert source.cancelled.wait(10)
+        hold.set()  # the prefill engine goes on: the abort waits in its inbox, ahead of the prompt's next chunk
+        deadline = time.monotonic() + 10
+        while prefill.stats().finished.get(FinishReason.ABORT) != 1:
+            assert time.monotonic() < deadline, prefill.stats()
+            time.sleep(0.01)
+    finally:
+        hold.set()
+        decode.shutdown()
+        prefill.shutdown()
+    assert prefill.stats().finished == {FinishReason.ABORT: 1}  # it never handed a state off
+    assert_nothing_leaked(prefill)
+    assert_nothing_leaked(decode)

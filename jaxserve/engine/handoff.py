@@ -37,3 +37,7 @@ class StateSource(Protocol):
     def fetch(self, ask: PrefillAsk) -> Arrival:
         """The request's state, once a prefill server made it and it arrived here (blocking: the engine calls it on
         a worker thread); raises, naming what failed, when it cannot come."""
+
+    def cancel(self, ask: PrefillAsk) -> None:
+        """The request ended here while its state was being made (an abort, a client gone): stop making it, as far
+        as one can (the engine calls it on a worker thread; what still arrives is dropped)."""

@@ -387,8 +387,10 @@ class Engine:
         self._admission = threading.Condition()
         self._live: dict[str, _Live] = {}
         self._draining = False
-        # Remote requests' state sources, until their state arrives; the threads that wait for it.
+        # Remote requests' state sources until they are admitted, then what each was asked until its state arrives;
+        # the threads that wait for it.
         self._sources: dict[str, StateSource] = {}
+        self._asked: dict[str, tuple[StateSource, PrefillAsk]] = {}
         # A prefill server's handed-off requests: their state, copied out right behind the step that completed their
         # prompt (or why it could not be), until their first token is delivered.
         self._parcels: dict[str, Parcel | Exception] = {}
@@ -678,6 +680,7 @@ class Engine:
                 request.sampling,
                 skip_pages=request.num_cached_tokens // self.geometry.page_size,
             )
+            self._asked[request.request_id] = (source, ask)
             self._fetching.submit(self._fetch, request, source, ask)
 
     def _fetch(self, request: Request, source: StateSource, ask: PrefillAsk) -> None:  # a worker thread
@@ -691,6 +694,7 @@ class Engine:
     def _install(self, request: Request, arrival: Arrival | Exception) -> None:
         """Put a remote request's arrived state in its pages and slot and deliver its first token; a request aborted
         meanwhile gave its pages back when it finished, so what arrived for it is dropped."""
+        self._asked.pop(request.request_id, None)
         if request.finished:
             return
         if isinstance(arrival, Exception):
@@ -877,6 +881,9 @@ class Engine:
         parcel: Parcel | None = None,
     ) -> None:
         self._sources.pop(request.request_id, None)  # a remote request that ends before its state was asked for
+        if (asked := self._asked.pop(request.request_id, None)) is not None:  # or while it is being made
+            source, ask = asked
+            self._fetching.submit(source.cancel, ask)
         self._parcels.pop(request.request_id, None)  # a handed-off one that ends before its first token
         # Pages and slot wait for the last dispatched step that still writes them (see _landed).
         self.scheduler.finish(request, reason, stop_reason, release=request.request_id not in self._inflight)
