@@ -47,12 +47,8 @@ of their own so that a long prompt costs a stream nothing and a stream costs a p
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -63,8 +59,16 @@ import httpx
 import numpy as np
 from common import RESULTS, cpu_cores, load_average, markdown_table, write_results
 from interleave import Row, attacker_length, fmt, median, pct, run_once, split_cpus, token_prompt
-from serving import Server, free_port, on_cpus, stream
-from streams import MAX_NUM_SEQS, make_prompts, model_len_for, run_workload, workload_flags
+from serving import Server, stream
+from streams import (
+    MAX_NUM_SEQS,
+    add_workload_arguments,
+    finish_workload_arguments,
+    make_prompts,
+    model_len_for,
+    run_workload,
+    workload_flags,
+)
 
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.config import load_config
@@ -80,54 +84,21 @@ ROUTER_READY = "jaxserve router ready on "
 # ---- the servers ----------------------------------------------------------------------------------------------
 
 
-class Router:
-    """`jaxserve router` in a subprocess, ready once it says so and its /health answers 200 (a server of each role
-    is healthy). Its log (a line per health check) is drained and only the last lines kept, for errors."""
-
-    def __init__(self, prefill: str, decode: str, health_interval: float, cpus: set[int] | None):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "jaxserve.cli", "router", "--prefill", prefill, "--decode", decode]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--health-check-interval", str(health_interval)]
-        with on_cpus(cpus):
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-                cwd=common.REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        self.lines: collections.deque[str] = collections.deque(maxlen=30)
-        ready = threading.Event()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith(ROUTER_READY):
-                    ready.set()
-            ready.set()  # the process ended
-
-        threading.Thread(target=pump, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port}"
-        ready.wait(timeout=120)
-        deadline = time.monotonic() + 60
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("jaxserve router did not become healthy:\n" + "\n".join(self.lines))
-
-    def stop(self) -> None:
-        self.proc.terminate()
+def start_router(prefill: str, decode: str, health_interval: float, cpus: set[int] | None) -> Server:
+    """`jaxserve router` in front of one prefill and one decode server, once its /health answers 200 (a server of
+    each role is healthy)."""
+    flags = ["--prefill", prefill, "--decode", decode, "--health-check-interval", str(health_interval)]
+    router = Server(flags, cpus, command="router", ready_line=ROUTER_READY)
+    deadline = time.monotonic() + 60
+    while router.proc.poll() is None and time.monotonic() < deadline:
         try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+            if httpx.get(router.url + "/health", timeout=5).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    router.stop()
+    raise RuntimeError("jaxserve router did not become healthy:\n" + "\n".join(line for _, line in router.lines[-30:]))
 
 
 @dataclass
@@ -164,7 +135,7 @@ def start_fronts(args: argparse.Namespace, server_cpus, client_cpus) -> tuple[di
             decode = Server(decode_flags, server_cpus)
             processes.append(decode)
             print("starting jaxserve router", flush=True)
-            router = Router(prefill.url, decode.url, args.health_check_interval, client_cpus)
+            router = start_router(prefill.url, decode.url, args.health_check_interval, client_cpus)
             processes.append(router)
             fronts["pd"] = Front(router.url, prefill.lines, prefill, decode)
     except BaseException:
@@ -423,12 +394,7 @@ def step_table(pd: dict[str, list[Measured]]) -> tuple[str, list[dict]]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of: " + ", ".join(ROWS))
-    parser.add_argument("--rounds", type=int, default=24, help="runs per row and workload; the tables show medians")
-    parser.add_argument("--requests", type=int, default=64, help="many streams: requests per run")
-    parser.add_argument("--concurrency", type=int, default=16, help="many streams: requests kept in flight")
-    parser.add_argument("--max-tokens", type=int, default=32, help="many streams: generated tokens per request")
-    parser.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of the servers")
+    add_workload_arguments(parser, ROWS, rounds=24)  # many streams' (--requests, --concurrency, --max-tokens)
     parser.add_argument("--attacker-chunks", type=int, default=10, help="starvation: the attacker's prompt, chunks")
     parser.add_argument("--victim-tokens", type=int, default=1000, help="starvation: the victim's tokens")
     parser.add_argument("--attacker-after", type=int, default=30, help="victim tokens streamed before the attack")
@@ -437,22 +403,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--checksum", action="store_true", help="the decode server with --disaggregation-checksum")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="the router's, seconds")
-    parser.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="let servers and client share every CPU instead of splitting them",
-    )
     parser.add_argument("--quick", action="store_true", help="1 round, 24 requests at concurrency 8, 5 chunks")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for pd.json and pd.md")
     args = parser.parse_args()
+    finish_workload_arguments(parser, args, ROWS)
     if args.quick:
-        args.rounds, args.requests, args.concurrency = 1, 24, 8
         args.attacker_chunks, args.victim_tokens = 5, 400
-    args.rows = args.rows.split(",")
-    unknown = [name for name in args.rows if name not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
     return args
 
 

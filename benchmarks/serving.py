@@ -40,12 +40,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """`jaxserve serve` in a subprocess; its log lines are kept, stamped on arrival, for the step timings."""
+# The line a server prints once every step shape is compiled (a server is ready before that and compiles the rest
+# while serving): the rows compare policies at full chunk size.
+COMPILED_ALL = "compiled all "
 
-    def __init__(self, flags: list[str] | tuple[str, ...], cpus: set[int] | None = None):
+
+class Server:
+    """`jaxserve serve` (or another `command` that takes --host and --port) in a subprocess, ready once it prints a
+    line starting with `ready_line`; its log lines are kept, stamped on arrival, for the step timings."""
+
+    def __init__(
+        self,
+        flags: list[str] | tuple[str, ...],
+        cpus: set[int] | None = None,
+        command: str = "serve",
+        ready_line: str = COMPILED_ALL,
+    ):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "jaxserve.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *flags]
         with on_cpus(cpus):
             self.proc = subprocess.Popen(
                 cmd,
@@ -62,9 +74,7 @@ class Server:
         def pump():
             for line in self.proc.stdout:
                 self.lines.append((time.perf_counter(), line.rstrip()))
-                # Every step shape compiled (a server is ready before that and compiles the rest while serving):
-                # the rows compare policies at full chunk size.
-                if line.startswith("compiled all "):
+                if line.startswith(ready_line):
                     ready.set()
             ready.set()  # the process ended
 
@@ -73,7 +83,8 @@ class Server:
         if self.proc.poll() is not None or not ready.is_set():
             self.stop()
             raise RuntimeError(
-                f"server {' '.join(flags)} did not become ready:\n" + "\n".join(line for _, line in self.lines[-30:])
+                f"jaxserve {command} {' '.join(flags)} did not become ready:\n"
+                + "\n".join(line for _, line in self.lines[-30:])
             )
         self.url = f"http://127.0.0.1:{self.port}"
 

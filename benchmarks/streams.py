@@ -262,29 +262,39 @@ def table(results: list[Result]) -> str:
 # ---- the experiment ---------------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of: " + ", ".join(ROWS))
-    parser.add_argument("--requests", type=int, default=64)
+def add_workload_arguments(parser: argparse.ArgumentParser, rows, rounds: int) -> None:
+    """This workload's flags (and the rows and rounds of a benchmark that runs it), for its own parser and pd.py's."""
+    parser.add_argument("--rows", default=",".join(rows), help="comma-separated, of: " + ", ".join(rows))
+    parser.add_argument("--rounds", type=int, default=rounds, help="runs per row; the tables show medians")
+    parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument("--concurrency", type=int, default=16, help="requests the client keeps in flight")
     parser.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of the servers")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per row; the table shows medians")
     parser.add_argument(
         "--no-pin",
         dest="pin",
         action="store_false",
         help="let servers and client share every CPU instead of splitting them",
     )
-    parser.add_argument("--quick", action="store_true", help="1 round of 24 requests at concurrency 8")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for streams.json and streams.md")
-    args = parser.parse_args()
+
+
+def finish_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, rows) -> None:
+    """--quick's run (1 round of 24 requests at concurrency 8) and --rows as a checked list."""
     if args.quick:
         args.rounds, args.requests, args.concurrency = 1, 24, 8
     args.rows = args.rows.split(",")
-    unknown = [name for name in args.rows if name not in ROWS]
+    unknown = [name for name in args.rows if name not in rows]
     if unknown:
-        parser.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
+        parser.error(f"unknown rows {unknown}; rows are {', '.join(rows)}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser, ROWS, rounds=3)
+    parser.add_argument("--quick", action="store_true", help="1 round of 24 requests at concurrency 8")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for streams.json and streams.md")
+    args = parser.parse_args()
+    finish_workload_arguments(parser, args, ROWS)
     return args
 
 
