@@ -126,15 +126,11 @@ class Disaggregation:
             config.disaggregation_checksum,
         )
 
-    def source(self, request: Request) -> PrefillClient:
-        """The prefill server a decode server's request names; 400 when it names none, or on a prefill server (which
-        takes requests from decode servers only: /v1/disaggregation/prefill)."""
-        if self.mode == "prefill":
-            raise bad_request(
-                None,
-                "this server runs --disaggregation-mode prefill: it prefills prompts for decode servers; send "
-                "completions to `jaxserve router`",
-            )
+    def source(self, request: Request) -> PrefillClient | None:
+        """The prefill server a decode server's request names (400 when it names none); None on a prefill server,
+        whose engine refuses completions (Engine.submit: it takes requests from decode servers only)."""
+        if self.mode != "decode":
+            return None
         url = request.headers.get(PREFILL_URL_HEADER)
         if not url:
             raise bad_request(
@@ -201,7 +197,7 @@ class PrefillClient:
             return Arrival(None, None, prompt_logprobs, None)
         specs = side.mover.layout.specs(offer["bucket"], side.port.device)
         parts = side.port.pull(offer["address"], int(offer["uuid"]), specs, side.transfer_timeout)
-        parcel = Parcel(parts, offer["pages"], offer["bucket"], None)
+        parcel = Parcel(parts, offer["pages"], offer["bucket"])
         if side.checksum:
             verify(parcel, np.asarray(offer["checksums"], np.uint32), side.mover.checksums(parts), side.mover.layout)
         side.counts.add(transfers=1, bytes=parcel.nbytes, transfer_s=time.perf_counter() - answered)
@@ -286,6 +282,6 @@ async def prefill(request: Request) -> Response:
             pages=parcel.pages,
             bucket=parcel.bucket,
             bytes=parcel.nbytes,
-            checksums=np.asarray(parcel.sums).tolist() if body.get("checksum") else None,
+            checksums=side.mover.checksums(parcel.parts).tolist() if body.get("checksum") else None,
         )
     return JSONResponse(answer)

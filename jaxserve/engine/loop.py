@@ -101,9 +101,10 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Arrived:
-    """Into the engine's inbox: a remote request's state arrived (or why it cannot)."""
+    """Into the engine's inbox: a remote request's state arrived for what it was asked (or why it cannot)."""
 
     request: Request
+    ask: PrefillAsk
     arrival: Arrival | Exception
 
 
@@ -169,6 +170,14 @@ class RequestHandle:
                 self.finish_reason, self.last_event = event.finish_reason, event
                 return
 
+
+# What each --disaggregation-mode takes, for the error a request another role would take gets (Engine.submit).
+ROLE_REQUESTS = {
+    "prefill": "this server runs --disaggregation-mode prefill: it prefills prompts for decode servers and hands "
+    "their state off; send completions to `jaxserve router`",
+    "decode": "this server runs --disaggregation-mode decode: each request's prompt state comes from a prefill server",
+    "null": "this server runs no --disaggregation-mode: it neither hands states off nor takes them",
+}
 
 # How long shutdown() waits for the loop after fail(): a step it waits on may never end (a lost process's group).
 FAILED_LOOP_JOIN_S = 1.0
@@ -550,11 +559,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         mode = self.config.disaggregation_mode
         if (mode == "prefill") != (hand_off_from is not None) or (mode == "decode") != (remote is not None):
-            raise InvalidRequest(
-                None,
-                f"this engine runs --disaggregation-mode {mode}: a prefill server's requests hand their state off "
-                "(hand_off_from), a decode server's come from a prefill server (remote), a colocated one's do neither",
-            )
+            raise InvalidRequest(None, ROLE_REQUESTS[mode])
         self.check_admission(prompt_ids, sampling, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) if sampling.seed is None else sampling.seed
@@ -663,7 +668,7 @@ class Engine:
                 self.scheduler.add_request(message.request)
                 continue
             if isinstance(message, _Arrived):
-                self._install(message.request, message.arrival)
+                self._install(message.request, message.ask, message.arrival)
                 continue
             live = self._live.get(message.request_id)
             if live is not None:
@@ -688,10 +693,10 @@ class Engine:
             arrival: Arrival | Exception = source.fetch(ask)
         except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
             arrival = error
-        self._inbox.put(_Arrived(request, arrival))
+        self._inbox.put(_Arrived(request, ask, arrival))
         self._wake.set()
 
-    def _install(self, request: Request, arrival: Arrival | Exception) -> None:
+    def _install(self, request: Request, ask: PrefillAsk, arrival: Arrival | Exception) -> None:
         """Put a remote request's arrived state in its pages and slot and deliver its first token; a request aborted
         meanwhile gave its pages back when it finished, so what arrived for it is dropped."""
         self._asked.pop(request.request_id, None)
@@ -705,17 +710,22 @@ class Engine:
         if arrival.parcel is None or arrival.token is None:  # prefill only (max_tokens 0): nothing to decode here
             self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
             return
-        first = request.num_cached_tokens // self.geometry.page_size
-        pages = request.pages[first : pages_needed(request.prompt_len, self.geometry.page_size)]
         assert request.slot is not None  # admitted
         try:
-            self.runner.install_state(arrival.parcel, pages, request.slot, arrival.token)
+            self.runner.install_state(
+                arrival.parcel, self._state_pages(request, ask.skip_pages), request.slot, arrival.token
+            )
         except Exception as error:  # noqa: BLE001 - one bad arrival must not take the server down
             log.exception("request %s: installing its state failed", request.request_id)
             self._fail_requests([request], error)
             return
         self.scheduler.arrived(request)
         self._deliver(request, arrival.token, arrival.logprob)
+
+    def _state_pages(self, request: Request, first: int) -> list[int]:
+        """The pages of `request`'s prompt from page `first` on: those a hand-off sends (the ones before, the
+        receiving server holds already)."""
+        return request.pages[first : pages_needed(request.prompt_len, self.geometry.page_size)]
 
     def _export_hand_offs(self, plan: StepPlan) -> None:
         """Copy out the state of the handed-off requests whose prompt `plan` completes, right behind it on the device:
@@ -724,8 +734,8 @@ class Engine:
             if request.hand_off_from is None:
                 continue
             assert request.slot is not None
-            pages = request.pages[request.hand_off_from : pages_needed(request.prompt_len, self.geometry.page_size)]
             try:
+                pages = self._state_pages(request, request.hand_off_from)
                 self._parcels[request.request_id] = self.runner.export_state(pages, request.slot)
             except Exception as error:  # noqa: BLE001 - the request fails with it, the engine goes on
                 log.exception("request %s: exporting its state failed", request.request_id)

@@ -9,9 +9,9 @@ re-encoded and a page arrives bit for bit.
 
 - `StateLayout`: which leaves and how each is cut, from the abstract state; the two sides compare theirs.
 - `StateMover`: the jitted cuts, per page bucket: `export` (prefill side: the pages from the first one the decode
-  side lacks, and the slot's rows, replicated over the mesh, with their checksums), `checksums` (decode side, on what
-  arrived) and `install` (decode side: into its own pages and slot, the cache donated; the sharding is the receiving
-  mesh's, whatever the sender's was).
+  side lacks, and the slot's rows, replicated over the mesh), `checksums` (both sides, in checksum mode: of what is
+  offered and of what arrived) and `install` (decode side: into its own pages and slot, the cache donated; the
+  sharding is the receiving mesh's, whatever the sender's was).
 - `TransferPort`: jax.experimental.transfer's server on one device: `offer` a parcel under an id, `pull` one from
   another server by its address and id. A pull from a server that died never completes (jax 0.10.2, CPU), so `pull`
   waits until a deadline and raises TransferFailed.
@@ -23,7 +23,6 @@ byte position, so any changed byte changes the weighted sum, and bytes swapped b
 from __future__ import annotations
 
 import datetime
-import math
 import secrets
 import threading
 import time
@@ -100,9 +99,6 @@ class StateLayout:
         sharding = jax.sharding.SingleDeviceSharding(device)
         return [jax.ShapeDtypeStruct(leaf.cut(pages), jnp.dtype(leaf.dtype), sharding=sharding) for leaf in self.leaves]
 
-    def nbytes(self, pages: int) -> int:
-        return sum(math.prod(leaf.cut(pages)) * jnp.dtype(leaf.dtype).itemsize for leaf in self.leaves)
-
 
 def checksum(leaf: jax.Array) -> jax.Array:
     """[2] uint32: the sum of the leaf's bytes and their position-weighted sum (module docstring)."""
@@ -127,18 +123,17 @@ class StateMover:
         replicated = NamedSharding(mesh, PartitionSpec())
         self._replicated = replicated
         self.device = mesh.devices.flat[0]  # where a parcel is served from and arrives
-        self._export = jax.jit(self._export_fn, out_shardings=(replicated, replicated))
+        self._export = jax.jit(self._export_fn, out_shardings=replicated)
         self._checksums = jax.jit(_checksums)
         self._install = jax.jit(
             self._install_fn, donate_argnames=("cache", "slot_tokens"), out_shardings=(shardings, replicated)
         )
 
-    def _export_fn(self, cache: Any, pages: jax.Array, slot: jax.Array):
-        parts = [
+    def _export_fn(self, cache: Any, pages: jax.Array, slot: jax.Array) -> list[jax.Array]:
+        return [
             jnp.take(leaf, pages if layout.kind == PAGES else slot[None], axis=layout.axis)
             for layout, leaf in zip(self.layout.leaves, jax.tree.leaves(cache))
         ]
-        return parts, _checksums(parts)
 
     def _install_fn(self, cache: Any, slot_tokens: jax.Array, parts: list, pages: jax.Array, slot: jax.Array, token):
         leaves = [
@@ -154,12 +149,13 @@ class StateMover:
     def export(self, cache: Any, pages: list[int], slot: int) -> Parcel:
         """The state at `pages` (padded to their bucket with page 0, never installed) and `slot`'s row."""
         bucket, ids = self._padded(pages, 0)
-        parts, sums = self._export(cache, ids, np.int32(slot))
+        parts = self._export(cache, ids, np.int32(slot))
         # Every device holds the parcel whole; the transfer server serves it from the mesh's first.
         first = [next(s.data for s in part.addressable_shards if s.device == self.device) for part in parts]
-        return Parcel(first, len(pages), bucket, sums)
+        return Parcel(first, len(pages), bucket)
 
     def checksums(self, parts: list[jax.Array]) -> np.ndarray:
+        """[leaves, 2] uint32: each part's checksum (a parcel's parts, on one device)."""
         return np.asarray(self._checksums(parts))
 
     def install(
@@ -174,15 +170,16 @@ class StateMover:
         return self._install(cache, slot_tokens, parts, ids, np.int32(slot), np.int32(token))
 
     def warm(self, cache: Any, slot_tokens: jax.Array, export: bool, install: bool) -> tuple[Any, jax.Array]:
-        """Compile every bucket's cuts this side uses, running each once on nothing (page ids and slot out of range:
-        dropped): returns the cache and slot tokens (install donates them)."""
+        """Compile every bucket's cuts this side uses and the checksums, running each once on nothing (page ids and slot
+        out of range: dropped): returns the cache and slot tokens (install donates them)."""
         nowhere = np.int32(2**30)
         for bucket in self.buckets:
             if export:
-                jax.block_until_ready(self.export(cache, [0] * bucket, 0).parts)
-            if install:
+                parts = self.export(cache, [0] * bucket, 0).parts
+            else:
                 parts = [jnp.zeros(spec.shape, spec.dtype) for spec in self.layout.specs(bucket, self.device)]
-                self.checksums(parts)
+            self.checksums(parts)
+            if install:
                 ids = np.full(bucket, self.num_pages, np.int32)
                 parts = jax.device_put(parts, self._replicated)
                 cache, slot_tokens = self._install(cache, slot_tokens, parts, ids, nowhere, np.int32(0))
@@ -195,13 +192,12 @@ def _checksums(parts: list[jax.Array]) -> jax.Array:
 
 @dataclass
 class Parcel:
-    """One sequence's state on its way: each leaf's part (padded to `bucket` pages, `pages` of them real) and, from
-    the sender, their checksums ([leaves, 2] uint32; a device array until read)."""
+    """One sequence's state on its way: each leaf's part (padded to `bucket` pages, `pages` of them real), on one
+    device."""
 
     parts: list[jax.Array]
     pages: int
     bucket: int
-    sums: Any
 
     @property
     def nbytes(self) -> int:
