@@ -111,6 +111,9 @@ class Source:
     names: tuple[str, ...]
     layout: Layout
     stored: str = BF16  # FP8 | FP4_PACKED | BF16 | F32 | I64
+    # An FP8 tensor's blocks (rows, columns) where they are not the model's square ones (ModelConfig.fp8_block):
+    # V4.1's Engram tables, one scale per 32 channels of a row.
+    fp8_blocks: tuple[int, int] | None = None
 
     def build(self, arrays: list[np.ndarray]) -> np.ndarray:
         return self.layout.build(arrays)
@@ -160,6 +163,13 @@ def _layer_sources(layer: str, cfg: ModelConfig) -> dict[str, Source]:
         (f"{a}.indexer.wq_b.weight",), _heads_last(cfg.index_n_heads, cfg.index_head_dim), FP8
     )
     src[f"{a}.indexer.weights_proj"] = Source((f"{a}.indexer.weights_proj.weight",), TRANSPOSED)
+    src[f"{a}.indexer.wk"] = Source((f"{a}.indexer.wk.weight",), TRANSPOSED)
+    src[f"{a}.indexer.k_norm"] = Source((f"{a}.indexer.k_norm.weight",), AS_IS)
+    e = f"{layer}.engram"
+    src[f"{e}.table"] = Source((f"{e}.embed.weight",), AS_IS, FP8, fp8_blocks=(1, 32))
+    src[f"{e}.wkv"] = Source((f"{e}.wkv.weight",), TRANSPOSED, FP8)
+    src[f"{e}.q_weight"] = Source((f"{e}.q_weight",), AS_IS)
+    src[f"{e}.k_weight"] = Source((f"{e}.k_weight",), AS_IS)
     m, mt = f"{layer}.moe", f"{layer}.ffn"
     src.update(
         {
@@ -230,9 +240,11 @@ def _e8m0(scale: np.ndarray) -> np.ndarray:
     return scale.astype(np.float32)
 
 
-def dequantize_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """FP8 e4m3 [o, i] with 128x128 block scales [ceil(o/128), ceil(i/128)] -> float32."""
-    s = np.repeat(np.repeat(_e8m0(scale), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+def dequantize_fp8(
+    weight: np.ndarray, scale: np.ndarray, blocks: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> np.ndarray:
+    """FP8 e4m3 [o, i] with block scales [ceil(o/rows), ceil(i/columns)] (`blocks`: V4's 128x128) -> float32."""
+    s = np.repeat(np.repeat(_e8m0(scale), blocks[0], axis=0), blocks[1], axis=1)
     return weight.astype(np.float32) * s[: weight.shape[0], : weight.shape[1]]
 
 
@@ -256,9 +268,10 @@ class TensorReader:
     # Where some conversions put a DSpark drafter's heads: at the top level, not under its last stage.
     ALTERNATES = ((re.compile(r"^mtp\.\d+\.(markov_head\.markov_w[12]\.weight)$"), r"\1"),)
 
-    def __init__(self, folder: SafetensorsFolder):
+    def __init__(self, folder: SafetensorsFolder, fp8_block: int = FP8_BLOCK):
         self.folder = folder
         self.prefixed = any(k.startswith("model.") for k in folder.keys())
+        self.fp8_block = fp8_block  # the model's square FP8 blocks (ModelConfig.fp8_block)
 
     def stored_name(self, name: str) -> str:
         stored = self._official_or_hf(name)
@@ -281,10 +294,15 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return self.stored_name(name) in self.folder
 
-    def raw(self, name: str, held: bool = True) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+    def blocks(self, fp8_blocks: tuple[int, int] | None) -> tuple[int, int]:
+        return fp8_blocks or (self.fp8_block, self.fp8_block)
+
+    def raw(
+        self, name: str, held: bool = True, fp8_blocks: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None, str | None]:
         """(the tensor as stored, its ue8m0 scale bytes or None, its format: FP8 e4m3, packed FP4 or None), the
-        scale's shape checked against the weight's. Not `held` (no device of this process holds it): zeros of its
-        shape and dtype, nothing read."""
+        scale's shape checked against the weight's (FP8 blocks: `fp8_blocks`, else the model's square ones). Not
+        `held` (no device of this process holds it): zeros of its shape and dtype, nothing read."""
         stored = self.stored_name(name)
         weight = self.folder.get(stored) if held else self.folder.placeholder(stored)
         where = f"{self.folder.file_of(stored)}: tensor {stored!r}"
@@ -302,7 +320,8 @@ class TensorReader:
             raise CheckpointError(f"{where} is quantized but has shape {list(weight.shape)}; only 2-D weights are")
         o, i = weight.shape
         if weight.dtype == ml_dtypes.float8_e4m3fn:
-            need, fmt = (-(-o // FP8_BLOCK), -(-i // FP8_BLOCK)), FP8_E4M3
+            rows, cols = self.blocks(fp8_blocks)
+            need, fmt = (-(-o // rows), -(-i // cols)), FP8_E4M3
         else:
             need, fmt = (o, -(-2 * i // FP4_BLOCK)), FP4
         if scale.shape != need:
@@ -313,17 +332,21 @@ class TensorReader:
             )
         return weight, scale, fmt
 
-    def get(self, name: str, held: bool = True) -> np.ndarray:
+    def get(self, name: str, held: bool = True, fp8_blocks: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor in float32 when it is quantized (FP8 or packed FP4 beside a `.scale`), else as stored."""
-        weight, scale, fmt = self.raw(name, held)
+        weight, scale, fmt = self.raw(name, held, fp8_blocks)
         if fmt is None:
             return weight
         assert scale is not None  # raw gives a scale with every format
-        return (dequantize_fp8 if fmt == FP8_E4M3 else dequantize_fp4)(weight, scale)
+        if fmt == FP8_E4M3:
+            return dequantize_fp8(weight, scale, self.blocks(fp8_blocks))
+        return dequantize_fp4(weight, scale)
 
-    def get_quantized(self, name: str, fmt: str, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def get_quantized(
+        self, name: str, fmt: str, held: bool = True, fp8_blocks: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(codes, ue8m0 scale bytes as uint8) of a tensor the config keeps in `fmt`; FP4 codes as uint8."""
-        weight, scale, found = self.raw(name, held)
+        weight, scale, found = self.raw(name, held, fp8_blocks)
         if found != fmt:
             stored = self.stored_name(name)
             raise CheckpointError(
@@ -360,7 +383,7 @@ def read_leaf(
         return _read_quantized(reader, source, info, path, held)
     arrays = []
     for i, (name, need) in enumerate(zip(source.names, source.shapes(info.shape))):
-        array = reader.get(name, held is None or i in held)
+        array = reader.get(name, held is None or i in held, source.fp8_blocks)
         if array.shape != need:
             stored = reader.stored_name(name)
             shape = list(reader.folder.shape(stored))
@@ -379,7 +402,9 @@ def _read_quantized(
     """A weight kept quantized: its tensors' codes laid out like the leaf, their scales like the leaf's blocks."""
     codes, scales = [], []
     for i, (name, need) in enumerate(zip(source.names, source.shapes(info.shape))):
-        tensor_codes, tensor_scales = reader.get_quantized(name, info.format, held is None or i in held)
+        tensor_codes, tensor_scales = reader.get_quantized(
+            name, info.format, held is None or i in held, source.fp8_blocks
+        )
         packed = (need[0], need[1] // 2) if info.format == FP4 else need
         if tensor_codes.shape != packed:
             stored = reader.stored_name(name)
@@ -389,18 +414,24 @@ def _read_quantized(
             )
         codes.append(tensor_codes)
         scales.append(tensor_scales)
+    release_blocks = (1, FP4_BLOCK) if info.format == FP4 else reader.blocks(source.fp8_blocks)
     return Quantized(
-        np.ascontiguousarray(source.build(codes)), _leaf_scales(source, info, scales, path), info.format, info.blocks
+        np.ascontiguousarray(source.build(codes)),
+        _leaf_scales(source, info, scales, path, release_blocks),
+        info.format,
+        info.blocks,
     )
 
 
-def _leaf_scales(source: Source, info: Quantized, scales: list[np.ndarray], path: str) -> np.ndarray:
+def _leaf_scales(
+    source: Source, info: Quantized, scales: list[np.ndarray], path: str, release_blocks: tuple[int, int]
+) -> np.ndarray:
     """The tensors' block scales laid out like the leaf's blocks (`info.blocks` along its axes).
 
     A layout that only transposes and stacks moves whole blocks, so it lays the scale grids out directly. One that
     reshapes may merge or split blocks across axes: the scales are expanded to one per element, laid out like the
     weight, and read back at the start of each of the leaf's blocks, checking that each block has one scale."""
-    rows, cols = (1, FP4_BLOCK) if info.format == FP4 else (FP8_BLOCK, FP8_BLOCK)
+    rows, cols = release_blocks
     if not source.layout.reshapes:
         out = source.build(scales)
     else:
@@ -433,12 +464,12 @@ def load_weights(
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     cfg = cfg or load_config(folder)
-    reader = TensorReader(SafetensorsFolder(folder))
+    reader = TensorReader(SafetensorsFolder(folder), cfg.fp8_block)
     leaves = release_leaves(cfg)
     sources = weight_sources(cfg)
 
     apart = drafter_folder(folder) if cfg.dspark_drafting else None
-    drafter_reader = TensorReader(SafetensorsFolder(apart)) if apart is not None else reader
+    drafter_reader = TensorReader(SafetensorsFolder(apart), cfg.fp8_block) if apart is not None else reader
 
     def reader_of(name: str) -> TensorReader:
         return drafter_reader if name.startswith(DRAFTER_PREFIXES) else reader

@@ -113,7 +113,7 @@ def convert_checkpoint(
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint folder not found")
     cfg = load_config(src).with_dtype(dtype).with_quantization(quantization)
-    reader = TensorReader(SafetensorsFolder(src))
+    reader = TensorReader(SafetensorsFolder(src), cfg.fp8_block)
     sources = weight_sources(cfg)
     items = {item: (leaves, reader, sources) for item, leaves in _by_item(cfg).items()}
     check_complete(reader, [sources[name] for leaves, _, _ in items.values() for name in leaves], src)
@@ -153,7 +153,7 @@ def _drafters(src: Path, cfg: ModelConfig, reader: TensorReader) -> dict[str, tu
     found: dict[str, tuple[ModelConfig, TensorReader]] = {}
     with_dspark = with_drafter_apart(cfg, src)
     apart = drafter_folder(src) if with_dspark is not cfg else None  # the drafter's config, so its tensors, beside
-    dspark_reader = reader if apart is None else TensorReader(SafetensorsFolder(apart))
+    dspark_reader = reader if apart is None else TensorReader(SafetensorsFolder(apart), cfg.fp8_block)
     candidates = {"mtp": (cfg, reader), "dspark": (with_dspark, dspark_reader)}
     for method, (base, method_reader) in candidates.items():
         try:

@@ -200,7 +200,7 @@ def load_runner(
 ) -> tuple[ModelRunner, LoadedModel]:
     """Check the model fits, load the checkpoint onto the mesh (this process's shards of it) and build its runner."""
     mesh = make_mesh(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter), mesh)
+    check_fit(cfg, model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter, cfg.engram_placement), mesh)
     loaded = load_model(
         cfg.model,
         mesh,
@@ -209,6 +209,7 @@ def load_runner(
         skip_tokenizer=skip_tokenizer,
         quantization=cfg.quantization,
         drafter=cfg.drafter,
+        engram_placement=cfg.engram_placement,
     )
     return build_runner(cfg, loaded.config, loaded.weights, mesh), loaded
 
@@ -678,8 +679,9 @@ def plan(args: argparse.Namespace) -> int:
         jax.config.update("jax_platforms", "cpu")
     if args.preset is not None:  # the drafter's weights count too
         model_cfg = preset(args.preset, dtype=cfg.dtype).with_quantization(cfg.quantization).with_drafter(cfg.drafter)
+        model_cfg = model_cfg.with_engram_placement(cfg.engram_placement)
     else:
-        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter)
+        model_cfg = model_config(cfg.model, cfg.dtype, cfg.quantization, cfg.drafter, cfg.engram_placement)
     layout = node_layout(model_cfg, args.num_nodes, args.devices_per_node) if by_nodes else None
     if layout is not None:
         cfg = dataclasses.replace(

@@ -4,6 +4,8 @@
   config.json's quantization_config and expert_dtype); for sizing checks, never allocated in tests.
 - `pro`: DeepSeek-V4-Pro (61 layers, 384 experts), the same formats as Flash; for sizing checks (`jaxserve plan`),
   never allocated in tests.
+- `v41-flash`: DeepSeek-V4.1-Flash's text model (40 layers, 384 experts, CSA2, Engram), as released; for sizing
+  checks, never allocated in tests.
 - `tiny`: every feature at CPU-seconds size; the parity tests' config A.
 - `small`: sized for CPU benchmarks (real window 128 and HCA ratio 128).
 """
@@ -185,7 +187,91 @@ SMALL: dict[str, Any] = {
     },
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"flash": FLASH, "pro": PRO, "tiny": TINY, "small": SMALL}
+# DeepSeek-V4.1-Flash's text model as its release's config.json describes it (composite: `text_config` with the
+# top-level quantization keys), read from transformers main's DeepseekV41TextConfig defaults (commit
+# 0a2080b43eb64e6d448186a4f3f0bc9c618f4797, src/transformers/models/deepseek_v41/configuration_deepseek_v41.py, which
+# documents them as the released checkpoint's): 40 layers (2 window-only, 18 at ratio 2, 20 at ratio 1; KV sources
+# 2, 8, 14, 20; index sources every 4 or 6 layers; the two-level top-k from layer 20), Engram tables at layers 1 and
+# 14 (about 384M rows of 256 each), FP8 32x32 projections and FP4 experts. Its DSpark stages (3) are not read.
+V41_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "image_token_id": 129264,
+    "tie_word_embeddings": False,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [32, 32],
+        "activation_scheme": "dynamic",
+    },
+    "expert_dtype": "fp4",
+    "text_config": {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": 129280,
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1280,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0] * 3,  # the 3 trailing entries: DSpark stages
+        "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048,
+        "candidate_block_size": 8,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2304,
+        "scoring_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "max_position_embeddings": 1048576,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "engram_layer_ids": [1, 14],
+        "engram_vocab_size": 16000000,
+        "engram_num_embeddings": [384006168, 384016682],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_pad_id": 2,
+        "engram_compressed_vocab_size": 99092,
+        "num_nextn_predict_layers": 3,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+    },
+    "vision_config": {},
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "flash": FLASH,
+    "pro": PRO,
+    "v41-flash": V41_FLASH,
+    "tiny": TINY,
+    "small": SMALL,
+}
 
 
 def preset_dict(name: str, **overrides: Any) -> dict[str, Any]:

@@ -11,6 +11,13 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
+def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """score(t, e) = sum_h w_h * relu(q_h . K_e) / sqrt(c): [b, t, e] float32 (q [b, t, h, c], head_weights
+    [b, t, h], keys [b, e, c])."""
+    scores = jax.nn.relu(jnp.einsum("bthc,bec->bthe", q.astype(F32), keys.astype(F32))) * q.shape[-1] ** -0.5
+    return jnp.einsum("bthe,bth->bte", scores, head_weights.astype(F32))
+
+
 def indexer_topk(
     q: jax.Array,  # [b, t, h, c], RoPE applied
     head_weights: jax.Array,  # [b, t, h], already scaled
@@ -22,8 +29,6 @@ def indexer_topk(
 
     Returns (indices [b, t, k] int32, valid [b, t, k] bool); picks that land on invisible entries are invalid.
     """
-    scores = jax.nn.relu(jnp.einsum("bthc,bec->bthe", q.astype(F32), keys.astype(F32))) * q.shape[-1] ** -0.5
-    scores = jnp.einsum("bthe,bth->bte", scores, head_weights.astype(F32))
-    scores = jnp.where(visible, scores, -jnp.inf)
+    scores = jnp.where(visible, indexer_scores(q, head_weights, keys), -jnp.inf)
     top_scores, top_idx = jax.lax.top_k(scores, k)
     return top_idx.astype(jnp.int32), top_scores > -jnp.inf

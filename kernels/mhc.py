@@ -34,6 +34,16 @@ def hc_pre(
     post = 2 sigmoid(mixes_post); comb = sinkhorn(mixes_comb). `norm` [d]: the block's input norm weight; given, x
     comes out RMS-normalised (`rms_norm(x, norm, norm_eps)`), as the block reads it. The weights (fn [n * d, m],
     base [m], scale [3], norm) may be `LayerOf` views of stacks (sliced here)."""
+    pre, post, comb = hc_weights(h, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
+    return hc_collapse(h, pre, norm, norm_eps), post, comb
+
+
+def hc_weights(
+    h: jax.Array, fn: Any, base: Any, scale: Any, *, norm_eps: float, hc_eps: float, iters: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A site's three weight sets from the streams h [..., n, d] (float32): pre [..., n], post [..., n] and comb
+    [..., n, n], as `hc_pre` defines them. DeepSeek-V4.1's single-pass mHC collapses with the `pre` of the site before
+    (`hc_collapse`)."""
     fn, base, scale = (one_layer(a) for a in (fn, base, scale))
     n = h.shape[-2]
     mixes = hc_mixes(h, fn, norm_eps)
@@ -41,8 +51,7 @@ def hc_pre(
     pre = _pre_weights(mixes, base, scale, n, hc_eps)
     post = 2.0 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (mixes[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mixes.shape[:-1], n, n)
-    comb = sinkhorn(comb_logits, iters, hc_eps)
-    return _collapsed(h, pre, norm, norm_eps), post, comb
+    return pre, post, sinkhorn(comb_logits, iters, hc_eps)
 
 
 def hc_head(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, norm_eps: float, hc_eps: float):
@@ -51,7 +60,7 @@ def hc_head(h: jax.Array, fn: Any, base: Any, scale: Any, norm: Any = None, *, n
     (`rms_norm(x, norm, norm_eps)`: what the LM head reads)."""
     fn, base, scale = (one_layer(a) for a in (fn, base, scale))
     pre = _pre_weights(hc_mixes(h, fn, norm_eps), base.astype(F32), scale.astype(F32), h.shape[-2], hc_eps)
-    return _collapsed(h, pre, norm, norm_eps)
+    return hc_collapse(h, pre, norm, norm_eps)
 
 
 def _pre_weights(mixes: jax.Array, base: jax.Array, scale: jax.Array, n: int, hc_eps: float) -> jax.Array:
@@ -59,7 +68,7 @@ def _pre_weights(mixes: jax.Array, base: jax.Array, scale: jax.Array, n: int, hc
     return jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc_eps
 
 
-def _collapsed(h: jax.Array, pre: jax.Array, norm: Any, norm_eps: float) -> jax.Array:
+def hc_collapse(h: jax.Array, pre: jax.Array, norm: Any = None, norm_eps: float = 0.0) -> jax.Array:
     """x = sum_n pre_n h_n in h's dtype, RMS-normalised by `norm` (a weight or a `LayerOf`) when given."""
     x = jnp.einsum("...n,...nd->...d", pre, h.astype(F32)).astype(h.dtype)
     return x if norm is None else rms_norm(x, one_layer(norm), norm_eps)

@@ -217,6 +217,11 @@ def _pow2_exponent_at_least(x: jax.Array) -> jax.Array:
     return jnp.where(mantissa == 0.5, exponent - 1, exponent)
 
 
+def pow2_at_least(x: jax.Array) -> jax.Array:
+    """The smallest power of two >= x (x > 0, float32), exactly: a ue8m0 scale."""
+    return jnp.ldexp(jnp.ones((), F32), _pow2_exponent_at_least(x))
+
+
 def quantize(w: jax.Array, fmt: str, blocks: tuple[int, ...]) -> Quantized:
     """Round `w` to `fmt` with power-of-two block scales chosen so the block's largest value fits (round to nearest
     even; FP4 pairs packed along axis -2)."""

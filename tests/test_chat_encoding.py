@@ -333,7 +333,8 @@ def test_bad_options_name_the_field(kwargs, field, text):
     "message, text",
     [
         ({"role": "wizard"}, "messages[0]: role 'wizard'"),
-        ({"role": "user", "content": [{"type": "image_url"}]}, "messages[0].content[0]: only text"),
+        ({"role": "user", "content": [{"type": "image_url"}]}, "messages[0].content[0]: image content"),
+        ({"role": "user", "content": [{"type": "audio"}]}, "messages[0].content[0]: only text"),
         ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
         ({"role": "developer", "content": ""}, "messages[0].content: a developer message"),
         (

@@ -41,6 +41,12 @@ def test_a_mixed_plan_becomes_one_entry_per_row_in_each_group():
         decode.keeps.tolist() == [True] and decode.logprobs.tolist() == [4] and decode.prompt_logprobs.tolist() == [-1]
     )
     assert decode.output_numbers.tolist() == [2] and decode.params == (decoding.sampling,)
+    # The tokens before each row's first (an Engram hashes the n-grams ending in its tokens), oldest first: -1
+    # before the sequence's start, and for an output token the host does not have yet.
+    assert prefill.context.tolist() == [[-1] * 6 + [10], [-1] * 6 + [20]]
+    assert decode.context.tolist() == [[-1] * 4 + [30, 31, -1]]
+    decoding.output_ids.append(32)
+    assert StepBatch.of(plan).decode.context.tolist() == [[-1] * 4 + [30, 31, 32]]
 
 
 def test_its_arrays_are_read_only():
@@ -48,7 +54,7 @@ def test_its_arrays_are_read_only():
     group = StepBatch.of(StepPlan(prefill=(StepRow.chunk(request, 0, 3),))).prefill
     assert group is not None
     arrays = [value for value in vars(group).values() if isinstance(value, np.ndarray)]
-    assert len(arrays) == 15
+    assert len(arrays) == 16
     for array in arrays:
         with pytest.raises(ValueError, match="read-only"):
             array[...] = 0

@@ -39,6 +39,7 @@ def check_kv_cache_dtype(value: str) -> None:
         raise ConfigError(f"kv_cache_dtype={value!r}: must be one of {KV_CACHE_DTYPES}")
 
 
+ENGRAM_PLACEMENTS = ("device", "host")
 COMPILE_CACHE_ENV = "JAXSERVE_COMPILE_CACHE"  # a folder, or "" to switch the persistent cache off
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
 
@@ -74,6 +75,16 @@ class EngineConfig:
             "/ FP4 on the devices, with their block scales, and are decoded inside each matmul); none: dequantize them"
             " to --dtype at load",
             choices=QUANTIZATION_MODES,
+        ),
+    )
+    engram_placement: str = field(
+        default="device",
+        metadata=flag(
+            str,
+            "where DeepSeek-V4.1's Engram tables live (about 100 GB each in the release): device: split over the "
+            "devices' memory like the vocabulary; host: in the host's pinned memory, each step gathering the rows its "
+            "tokens hash to there and copying only those to the devices. Ignored by models without an Engram",
+            choices=ENGRAM_PLACEMENTS,
         ),
     )
     kv_cache_dtype: str = field(
@@ -278,6 +289,8 @@ class EngineConfig:
             raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
+        if self.engram_placement not in ENGRAM_PLACEMENTS:
+            raise ConfigError(f"engram_placement={self.engram_placement!r}: must be one of {ENGRAM_PLACEMENTS}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ConfigError(
                 f"disaggregation_mode={self.disaggregation_mode!r}: must be one of {DISAGGREGATION_MODES}"

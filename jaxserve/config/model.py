@@ -1,4 +1,5 @@
-"""Model configuration: parsed from a checkpoint's config.json (model_type deepseek_v4), plus presets.
+"""Model configuration: parsed from a checkpoint's config.json (model_type deepseek_v4, or deepseek_v41 with its
+CSA2 schedule and Engram memory), plus presets.
 
 One frozen, hashable dataclass, so it can be a static argument of jitted functions. Per-request
 values never live here.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from jaxserve.config.flags import ConfigError
 from jaxserve.kernels.quant import FP4, FP8
 
 SWA, CSA, HCA = "swa", "csa", "hca"
+# DeepSeek-V4.1's compressed layers (CSA2): a window plus top-k entries of a compressed KV shared by a group of layers.
+CSA2 = "csa2"
 # HF layer_types names and the legacy compress_ratios values, mapped to our layer kinds.
 _HF_LAYER_TYPES = {
     "sliding_attention": SWA,
@@ -29,7 +33,8 @@ SUPPORTED_DTYPES = ("bfloat16", "float32")
 # --quantization: `auto` keeps the weights in the formats the checkpoint ships (FP8 / FP4 codes and their scales on
 # the devices), `none` dequantizes them to --dtype at load.
 QUANTIZATION_MODES = ("auto", "none")
-FP8_WEIGHT_BLOCK = [128, 128]  # the only quantization_config.weight_block_size the release (and we) use
+FP8_WEIGHT_BLOCK = [128, 128]  # DeepSeek-V4's quantization_config.weight_block_size
+V41_FP8_WEIGHT_BLOCK = [32, 32]  # DeepSeek-V4.1's
 _EXPERT_DTYPES = {"fp4": FP4, "fp8": FP8}
 
 
@@ -59,6 +64,64 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...]
     markov_rank: int
     stages: int = DSPARK_STAGES
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class SharedKVConfig:
+    """DeepSeek-V4.1's CSA2 schedule (config.json's `compress_ratios`, `kv_source_layer_ids`,
+    `index_source_layer_ids`, `candidate_*`): per layer its compress ratio (0: window only; 1: one entry a token;
+    r > 1: r tokens pooled into one); the KV sources own a compressor and publish the compressed entries and indexer
+    keys every later compressed layer up to the next source reads; the index sources score those keys and publish
+    the top-k picks the layers after them reuse; the candidate source's best `candidate_topk_blocks` blocks of
+    `candidate_block_size` entries bound every later index source's picks (the two-level top-k; -1: none)."""
+
+    ratios: tuple[int, ...]
+    kv_sources: tuple[int, ...]
+    index_sources: tuple[int, ...]
+    candidate_source: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+
+    def source_of(self, layer: int) -> int:
+        """The KV source whose entries a compressed layer reads: the last one at or before it."""
+        return max(s for s in self.kv_sources if s <= layer)
+
+    def index_source_of(self, layer: int) -> int:
+        """The index source whose picks a compressed layer attends to: the last one at or before it."""
+        return max(s for s in self.index_sources if s <= layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        return 0 <= self.candidate_source < layer and layer in self.index_sources
+
+
+# Tokens before its first that a step's row carries (jaxserve.request.batch): an Engram hashes n-grams of at most one
+# more token.
+ENGRAM_CONTEXT_TOKENS = 7
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class EngramConfig:
+    """DeepSeek-V4.1's Engram memory (config.json's `engram_*`): at `layer_ids`, each position's n-grams (2 to
+    `max_ngram` tokens ending there, over the tokenizer's compressed vocabulary of `compressed_vocab_size` ids)
+    hashed by `n_heads` heads each into prime-sized buckets drawn above `vocab_size`, rows of `head_dim` gathered from
+    a table of `num_embeddings[i]` rows and gated into the streams. `pad_id`: the token id that fills n-gram slots
+    before the sequence's start."""
+
+    layer_ids: tuple[int, ...]
+    vocab_size: int
+    num_embeddings: tuple[int, ...]
+    max_ngram: int
+    n_heads: int
+    head_dim: int
+    pad_id: int
+    compressed_vocab_size: int
+
+    @property
+    def columns(self) -> int:
+        """Table rows a position gathers per Engram layer: one per (n-gram size, head)."""
+        return (self.max_ngram - 1) * self.n_heads
 
 
 @jax.tree_util.register_static
@@ -117,6 +180,15 @@ class ModelConfig:
     # holds it only to draft with it (`with_drafter("dspark")`).
     dspark: DSparkConfig | None = None
     dspark_drafting: bool = False
+    # DeepSeek-V4.1 (model_type deepseek_v41): its CSA2 schedule (None: DeepSeek-V4) and its Engram memory (None:
+    # none). A V4.1 model has no per-head query norm, no HC head (its mHC is single-pass: each site collapses the
+    # streams with the weights the site before it computed) and fake-quantizes its KV as it was trained to.
+    shared_kv: SharedKVConfig | None = None
+    engram: EngramConfig | None = None
+    # FP8 weights' block (quantization_config.weight_block_size): 128 x 128 in V4, 32 x 32 in V4.1.
+    fp8_block: int = 128
+    image_token_id: int | None = None  # V4.1's image placeholder; jaxserve serves its text model only
+    engram_on_host: bool = False  # the Engram tables in host memory (--engram-placement host)
 
     def __post_init__(self):
         self.validate()
@@ -127,11 +199,17 @@ class ModelConfig:
         return self.num_heads // self.o_groups
 
     def compress_rate(self, layer: int) -> int:
+        if self.shared_kv is not None:
+            return self.shared_kv.ratios[layer]
         return self.kind_rate(self.layer_kinds[layer])
 
     def kind_rate(self, kind: str) -> int:
-        """Tokens per compressed entry of an attention kind (0: SWA compresses nothing)."""
+        """Tokens per compressed entry of a DeepSeek-V4 attention kind (0: SWA compresses nothing)."""
         return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
+
+    @property
+    def v41(self) -> bool:
+        return self.shared_kv is not None
 
     @property
     def compressed_layers(self) -> tuple[int, ...]:
@@ -145,12 +223,21 @@ class ModelConfig:
     def with_vocab_multiple(self, multiple: int) -> ModelConfig:
         return dataclasses.replace(self, vocab_multiple=multiple)
 
+    def with_engram_placement(self, placement: str) -> ModelConfig:
+        """Where the Engram tables live: "device" or "host" (EngineConfig.engram_placement)."""
+        return dataclasses.replace(self, engram_on_host=placement == "host")
+
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
 
     def with_drafter(self, method: str | None) -> ModelConfig:
         """`cfg` holding the drafter that speculative decoding's `method` drafts with ("mtp": the first MTP block;
         "dspark": the DSpark drafter; None: none). ConfigError when the checkpoint ships no such drafter."""
+        if method is not None and self.v41:
+            raise ConfigError(
+                f"speculative_config.method={method!r}: speculative decoding of DeepSeek-V4.1 is not built yet (its "
+                "DSpark stages are skipped at load); serve it without --speculative-config"
+            )
         if method == "dspark":
             if self.dspark is None:
                 raise ConfigError(
@@ -278,8 +365,14 @@ class ModelConfig:
             list(self.layer_kinds),
             f"needs one entry per layer (num_hidden_layers={self.num_layers})",
         )
-        bad = [k for k in self.layer_kinds if k not in (SWA, CSA, HCA)]
+        kinds = (SWA, CSA2) if self.v41 else (SWA, CSA, HCA)
+        bad = [k for k in self.layer_kinds if k not in kinds]
         need(not bad, "layer_types", bad, "unknown layer kind")
+        if self.shared_kv is not None:
+            self._validate_shared_kv(self.shared_kv, need)
+        if self.engram is not None:
+            self._validate_engram(self.engram, need)
+        need(self.fp8_block > 0, "quantization_config.weight_block_size", self.fp8_block, "must be positive")
         need(
             len(self.hash_layers) == self.num_layers,
             "mlp_layer_types",
@@ -318,6 +411,84 @@ class ModelConfig:
             self.hca_rate,
             f"must be >= 2 and differ from the CSA rate {self.csa_rate}",
         )
+
+    def _validate_shared_kv(self, kv: SharedKVConfig, need: Callable[[bool, str, Any, str], None]) -> None:
+        """CSA2's schedule rules, as DeepSeek-V4.1's reference config states them."""
+        n = self.num_layers
+        need(len(kv.ratios) == n, "compress_ratios", list(kv.ratios), f"needs one entry per layer ({n})")
+        need(all(r >= 0 for r in kv.ratios), "compress_ratios", list(kv.ratios), "entries must be >= 0")
+        compressed = [i for i in range(n) if kv.ratios[i] > 0]
+        need(
+            all(0 <= i < n and kv.ratios[i] > 0 for i in kv.kv_sources),
+            "kv_source_layer_ids",
+            list(kv.kv_sources),
+            "must be compressed layers (compress_ratios[i] > 0)",
+        )
+        need(
+            all(any(s <= i for s in kv.kv_sources) for i in compressed),
+            "kv_source_layer_ids",
+            list(kv.kv_sources),
+            "every compressed layer needs a KV source at or before it",
+        )
+        need(
+            all(kv.ratios[i] > 0 and any(s <= i for s in kv.kv_sources) for i in kv.index_sources),
+            "index_source_layer_ids",
+            list(kv.index_sources),
+            "must be compressed layers with a KV source at or before them",
+        )
+        need(
+            all(any(s <= i for s in kv.index_sources) for i in compressed),
+            "index_source_layer_ids",
+            list(kv.index_sources),
+            "every compressed layer needs an index source at or before it (its top-k picks)",
+        )
+        need(
+            all(kv.ratios[i] == kv.ratios[kv.source_of(i)] for i in compressed),
+            "compress_ratios",
+            list(kv.ratios),
+            "a layer must have its KV source's ratio (it reads that source's entries)",
+        )
+        if kv.candidate_source >= 0:
+            need(
+                kv.candidate_source in kv.index_sources,
+                "candidate_source_layer_id",
+                kv.candidate_source,
+                f"must be an index source ({list(kv.index_sources)})",
+            )
+            later = [i for i in kv.index_sources if kv.uses_candidates(i)]
+            need(
+                all(kv.source_of(i) == kv.source_of(kv.candidate_source) for i in later),
+                "candidate_source_layer_id",
+                kv.candidate_source,
+                "the index sources after it must read the same KV source (its candidate blocks index those entries)",
+            )
+            need(kv.candidate_topk_blocks > 0, "candidate_topk_blocks", kv.candidate_topk_blocks, "must be positive")
+            need(kv.candidate_block_size > 0, "candidate_block_size", kv.candidate_block_size, "must be positive")
+
+    def _validate_engram(self, engram: EngramConfig, need: Callable[[bool, str, Any, str], None]) -> None:
+        need(
+            len(set(engram.layer_ids)) == len(engram.layer_ids)
+            and all(0 <= i < self.num_layers for i in engram.layer_ids),
+            "engram_layer_ids",
+            list(engram.layer_ids),
+            f"must be distinct layers below num_hidden_layers={self.num_layers}",
+        )
+        need(
+            len(engram.num_embeddings) == len(engram.layer_ids),
+            "engram_num_embeddings",
+            list(engram.num_embeddings),
+            "needs one entry per Engram layer",
+        )
+        for name in ("vocab_size", "max_ngram", "n_heads", "head_dim", "compressed_vocab_size"):
+            value = getattr(engram, name)
+            need(isinstance(value, int) and value > 0, f"engram_{name}", value, "must be a positive integer")
+        need(
+            2 <= engram.max_ngram <= ENGRAM_CONTEXT_TOKENS + 1,
+            "engram_max_ngram_size",
+            engram.max_ngram,
+            f"must be in [2, {ENGRAM_CONTEXT_TOKENS + 1}] (n-grams jaxserve hashes)",
+        )
+        need(0 <= engram.pad_id < self.vocab_size, "engram_pad_id", engram.pad_id, "must be a token id")
 
 
 # ---- parsing config.json ------------------------------------------------------------------------------------------
@@ -414,13 +585,13 @@ def _single_id(raw: dict[str, Any], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _weight_formats(raw: dict[str, Any]) -> tuple[str | None, str | None]:
+def _weight_formats(raw: dict[str, Any], block: list[int] = FP8_WEIGHT_BLOCK) -> tuple[str | None, str | None]:
     """(projections, routed experts) storage formats from quantization_config and expert_dtype; dense without a
-    quantization_config."""
+    quantization_config. `block`: the FP8 blocks the model's release uses."""
     quant = raw.get("quantization_config")
     if quant is None:
         return None, None
-    expected = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": FP8_WEIGHT_BLOCK}
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": block}
     for key, value in expected.items():
         if quant.get(key, value) != value:
             raise ConfigError(
@@ -459,11 +630,96 @@ def _dspark(raw: dict[str, Any]) -> DSparkConfig | None:
     )
 
 
+V41_MODEL_TYPE = "deepseek_v41"
+_V41_TOP_LEVEL = ("quantization_config", "expert_dtype", "image_token_id", "tie_word_embeddings")
+
+
+def _v41_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V4.1 config.json's text model: its `text_config` (the release's composite form) with the top-level
+    keys that describe it, or the text config itself."""
+    if raw.get("model_type") == V41_MODEL_TYPE and isinstance(raw.get("text_config"), dict):
+        text = dict(raw["text_config"])
+        text.update({key: raw[key] for key in _V41_TOP_LEVEL if key in raw})
+        return text
+    return dict(raw)
+
+
+def _shared_kv(raw: dict[str, Any], n: int) -> SharedKVConfig:
+    ratios = raw.get("compress_ratios")
+    if ratios is None:
+        raise ConfigError("compress_ratios: required for DeepSeek-V4.1 (the CSA2 schedule)")
+    ratios = tuple(int(r) for r in ratios)
+    if len(ratios) < n:
+        raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_hidden_layers={n}")
+    ratios = ratios[:n]  # the entries past the backbone's are the DSpark stages' (window only)
+    kv_sources = raw.get("kv_source_layer_ids")
+    if kv_sources is None:  # the reference's rule: the first layer of each run of one ratio
+        kv_sources = [i for i in range(n) if ratios[i] > 0 and (i == 0 or ratios[i - 1] != ratios[i])]
+    index_sources = raw.get("index_source_layer_ids")
+    if index_sources is None:
+        index_sources = kv_sources
+    candidate = raw.get("candidate_source_layer_id")
+    if candidate is None:
+        candidate = kv_sources[-1] if kv_sources else -1
+    return SharedKVConfig(
+        ratios=ratios,
+        kv_sources=tuple(int(i) for i in kv_sources),
+        index_sources=tuple(int(i) for i in index_sources),
+        candidate_source=int(candidate),
+        candidate_topk_blocks=int(raw.get("candidate_topk_blocks", 2048)),
+        candidate_block_size=int(raw.get("candidate_block_size", 8)),
+    )
+
+
+def _engram(raw: dict[str, Any]) -> EngramConfig | None:
+    layers = list(raw.get("engram_layer_ids") or [])
+    if not layers:
+        return None
+    if raw.get("engram_num_embeddings") is None:
+        raise ConfigError("engram_num_embeddings: required beside engram_layer_ids (the tables' rows)")
+    return EngramConfig(
+        layer_ids=tuple(int(i) for i in layers),
+        vocab_size=int(raw.get("engram_vocab_size", 16000000)),
+        num_embeddings=tuple(int(r) for r in raw["engram_num_embeddings"]),
+        max_ngram=int(raw.get("engram_max_ngram_size", 4)),
+        n_heads=int(raw.get("engram_n_heads", 8)),
+        head_dim=int(raw.get("engram_head_dim", 256)),
+        pad_id=int(raw.get("engram_pad_id", 2)),
+        compressed_vocab_size=int(raw.get("engram_compressed_vocab_size", 99092)),
+    )
+
+
+def _v41_fields(raw: dict[str, Any], n: int) -> dict[str, Any]:
+    """The ModelConfig fields a DeepSeek-V4.1 text config sets its own way."""
+    for key, supported in (("gate_temp", 1.0), ("topk_method", "noaux_tc"), ("norm_topk_prob", True)):
+        if raw.get(key, supported) != supported:
+            raise ConfigError(f"{key}={raw[key]!r}: jaxserve serves DeepSeek-V4.1 with {key}={supported!r}")
+    shared_kv = _shared_kv(raw, n)
+    block = (raw.get("quantization_config") or {}).get("weight_block_size", V41_FP8_WEIGHT_BLOCK)
+    image = raw.get("image_token_id")
+    return dict(
+        layer_kinds=tuple(CSA2 if r else SWA for r in shared_kv.ratios),
+        hash_layers=(False,) * n,
+        shared_kv=shared_kv,
+        engram=_engram(raw),
+        fp8_block=int(block[0]) if isinstance(block, list) and block else 0,
+        image_token_id=None if image is None else int(image),
+        # The DSpark stages V4.1 ships are not read yet (ModelConfig.with_drafter says so when asked to draft).
+        nextn_layers=0,
+        dspark=None,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-20)),
+    )
+
+
 def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfig:
-    """Parse a DeepSeek-V4 config.json dict, accepting the legacy and the current HF key sets."""
+    """Parse a DeepSeek-V4 config.json dict, accepting the legacy and the current HF key sets, or a DeepSeek-V4.1
+    one (the release's composite form, or its text config)."""
     model_type = raw.get("model_type")
-    if model_type != "deepseek_v4":
-        raise ConfigError(f"model_type={model_type!r}: jaxserve serves only 'deepseek_v4'")
+    if model_type not in ("deepseek_v4", V41_MODEL_TYPE, f"{V41_MODEL_TYPE}_text"):
+        raise ConfigError(f"model_type={model_type!r}: jaxserve serves 'deepseek_v4' and 'deepseek_v41'")
+    v41 = model_type != "deepseek_v4"
+    if v41:
+        raw = _v41_text(raw)
     if raw.get("num_key_value_heads", 1) != 1:
         raise ConfigError(f"num_key_value_heads={raw['num_key_value_heads']!r}: DeepSeek-V4 has one shared K=V head")
     if raw.get("tie_word_embeddings", False):
@@ -478,8 +734,15 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
     try:
         n = int(raw["num_hidden_layers"])
         rates = dict(raw.get("compress_rates") or {})
-        linear_format, expert_format = _weight_formats(raw)
-        return ModelConfig(
+        if v41:
+            own = _v41_fields(raw, n)
+            block = [own["fp8_block"]] * 2
+        else:
+            own = dict(layer_kinds=_layer_kinds(raw, n), hash_layers=_hash_layers(raw, n))
+            own |= dict(nextn_layers=int(raw.get("num_nextn_predict_layers") or 0), dspark=_dspark(raw))
+            block = FP8_WEIGHT_BLOCK
+        linear_format, expert_format = _weight_formats(raw, block)
+        fields: dict[str, Any] = dict(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             num_layers=n,
@@ -490,8 +753,6 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
             o_groups=int(raw["o_groups"]),
             o_lora_rank=int(raw["o_lora_rank"]),
             sliding_window=int(raw.get("sliding_window", 128)),
-            layer_kinds=_layer_kinds(raw, n),
-            hash_layers=_hash_layers(raw, n),
             csa_rate=int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4))),
             hca_rate=int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128))),
             index_n_heads=int(raw.get("index_n_heads", 64)),
@@ -515,9 +776,8 @@ def config_from_dict(raw: dict[str, Any], dtype: str = "bfloat16") -> ModelConfi
             dtype=dtype,
             linear_format=linear_format,
             expert_format=expert_format,
-            nextn_layers=int(raw.get("num_nextn_predict_layers") or 0),
-            dspark=_dspark(raw),
         )
+        return ModelConfig(**(fields | own))
     except KeyError as missing:
         raise ConfigError(f"{missing.args[0]}: required field missing from config.json") from None
     except (TypeError, ValueError) as bad:

@@ -31,7 +31,7 @@ from jaxserve.model.weights import Attention
 F32 = jnp.float32
 
 
-def _write_entries(pool, layer: jax.Array, new: NewEntries, page_table: jax.Array):
+def write_entries(pool, layer: jax.Array, new: NewEntries, page_table: jax.Array):
     """Scatter the completed entries into the paged pools [layers, pages, per_page, c] (any storage form) through
     the rows' page tables."""
     _, pages, per_page, _ = pool.shape
@@ -40,13 +40,13 @@ def _write_entries(pool, layer: jax.Array, new: NewEntries, page_table: jax.Arra
     return write_kv(pool, (layer, page, new.index % per_page), new.values)
 
 
-def _read_entries(pool, layer: jax.Array, page_table: jax.Array, dtype) -> jax.Array:
+def read_entries(pool, layer: jax.Array, page_table: jax.Array, dtype) -> jax.Array:
     """A row's compressed entries in order, decoded to `dtype`: [b, max_pages * per_page, c]."""
     rows = read_kv(pool, (layer, page_table), dtype)  # [b, pages_per_seq, per_page, c]
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])
 
 
-def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: jax.Array, dtype) -> jax.Array:
+def read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: jax.Array, dtype) -> jax.Array:
     """The compressed entries `picks [b, t, j]` (indices into a row's entries in order) name, gathered from the pool
     in their storage form and only then decoded to `dtype`: [b, t, j, c]. No other entry of the row is read."""
     per_page = pool.shape[2]
@@ -54,9 +54,11 @@ def _read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: j
     return read_kv(pool, (layer, pages, picks % per_page), dtype)
 
 
-def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
-    """Run a compressor over the chunk; store its new entries and state (and the rows' snapshots of it); return the
-    updated pool and state."""
+def compress_rows(
+    x, comp_weights, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg, rotate: bool = True
+) -> tuple[NewEntries, Any]:
+    """Run a compressor over the chunk; store its state (and the rows' snapshots of it); return its new entries
+    (rotated to their positions unless `rotate` is False) and the updated state."""
     # The rows' states read once, materialised: XLA otherwise fuses the read into each consumer, some of which it
     # orders after the write below, and copies the whole stacked state (twice) to keep the old one for them.
     old = jax.lax.optimization_barrier(gather(state, (layer, inputs.state_source)))
@@ -70,12 +72,19 @@ def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, 
         freqs,
         cfg.rms_norm_eps,
         inputs.snapshot_lengths,
+        rotate,
     )
     state = scatter(state, (layer, write_slots), rows)
     for j, snapshot in enumerate(snapshots):
         assert inputs.snapshot_rows is not None  # StepInputs sets it with snapshot_lengths
         state = scatter(state, (layer, inputs.snapshot_rows[:, j]), snapshot)
-    return _write_entries(pool, layer, new, inputs.page_table), state
+    return new, state
+
+
+def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
+    """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
+    new, state = compress_rows(x, comp_weights, state, layer, inputs, write_slots, rate, freqs, cfg)
+    return write_entries(pool, layer, new, inputs.page_table), state
 
 
 def attention_block(
@@ -99,7 +108,6 @@ def attention_block(
     window = cfg.sliding_window
     num_slots = cache.window.shape[1]
     qpos = inputs.query_positions  # [b, t]
-    valid = inputs.token_mask  # [b, t]
     write_slots = writing_slots(inputs, num_slots)
 
     with jax.named_scope("query"):
@@ -112,20 +120,7 @@ def attention_block(
         kv = keys(x, w, qpos, freqs, cfg, kernels)
 
     with jax.named_scope("window_keys"):
-        # Ring index j holds the latest position p < pos with p % W == j.
-        last = inputs.positions[:, None] - 1
-        ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
-        key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
-        key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
-        # The rows' rings [b, W, k], kept as stored: the write below puts back what it read without re-encoding.
-        ring_rows = gather(cache.window, (layer, inputs.state_source))
-        # The chunk's own K=V as the ring will store them (a no-op when the cache stores the compute dtype): a token
-        # sees every earlier one at the stored precision, wherever its chunk starts (so a prefix-cache hit, or any
-        # other chunking, gives what one long chunk would).
-        own = decode(encode(kv, ring_rows), kv.dtype)
-        shared = jnp.concatenate([decode(ring_rows, kv.dtype), own], axis=1)
-        rel = qpos[:, :, None] - key_pos[:, None, :]
-        shared_mask = key_ok[:, None, :] & ((rel >= 0) & (rel < window) | draft_block)
+        shared, shared_mask, ring_rows = window_keys(kv, cache, layer, inputs, window, draft_block)
 
     selected = selected_mask = None
     if kind != SWA:
@@ -138,7 +133,7 @@ def attention_block(
             row_capacity = inputs.page_table.shape[1] * entries.shape[2]  # entries a row's page table addresses
             entry_visible = jnp.arange(row_capacity)[None, None, :] < ((qpos + 1) // rate)[:, :, None]
         if kind == HCA:
-            row_entries = _read_entries(entries, layer, inputs.page_table, kv.dtype)  # [b, e, k]: all attended
+            row_entries = read_entries(entries, layer, inputs.page_table, kv.dtype)  # [b, e, k]: all attended
             shared = jnp.concatenate([shared, row_entries], axis=1)
             shared_mask = jnp.concatenate([shared_mask, entry_visible], axis=2)
         else:
@@ -159,27 +154,55 @@ def attention_block(
                     cfg,
                 )
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
-                index_keys = _read_entries(index_entries, layer, inputs.page_table, kv.dtype)
+                index_keys = read_entries(index_entries, layer, inputs.page_table, kv.dtype)
                 qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b, **q_norm), qpos[:, :, None], freqs)
                 head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
                 head_weights = head_weights * cfg.index_n_heads**-0.5
                 k = min(cfg.index_topk, index_keys.shape[1])
                 picks, selected_mask = kernels.indexer_topk(qi, head_weights, index_keys, entry_visible, k)
                 # Only the picked entries are read and decoded (the indexer's keys are a separate, smaller store).
-                selected = _read_picked_entries(entries, layer, inputs.page_table, picks, kv.dtype)  # [b, t, k, dim]
+                selected = read_picked_entries(entries, layer, inputs.page_table, picks, kv.dtype)  # [b, t, k, dim]
 
     with jax.named_scope("attend"):
         rotation = QueryRotation(qpos, tuple(float(f) for f in freqs), cfg.rms_norm_eps)
         o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask, rotation)
 
     with jax.named_scope("output_projection"):
-        r = _grouped_output(o, w.wo_a, cfg, kernels)
-        out = kernels.einsum("btx,xd->btd", r, w.wo_b)
+        out = output_projection(o, w, cfg, kernels)
 
     if not draft_block:
         with jax.named_scope("window_write"):
             cache = write_window(cache, layer, ring_rows, kv, inputs)
     return out, cache
+
+
+def window_keys(
+    kv: jax.Array, cache: LayerCache, layer: jax.Array, inputs: StepInputs, window: int, draft_block: bool = False
+) -> tuple[jax.Array, jax.Array, Any]:
+    """The keys every query of a row may see: its ring's last W K=V vectors then the chunk's own `kv` [b, t, k]
+    ([b, W + t, k]), which of them each query sees ([b, t, W + t]: the last W positions up to its own; with
+    `draft_block` the whole ring and block), and the rows' rings as stored (what `write_window` writes back)."""
+    qpos, valid = inputs.query_positions, inputs.token_mask
+    # Ring index j holds the latest position p < pos with p % W == j.
+    last = inputs.positions[:, None] - 1
+    ring_pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
+    key_pos = jnp.concatenate([ring_pos, qpos], axis=1)  # [b, W + t]
+    key_ok = jnp.concatenate([ring_pos >= 0, valid], axis=1)
+    # The rows' rings [b, W, k], kept as stored: the write puts back what it read without re-encoding.
+    ring_rows = gather(cache.window, (layer, inputs.state_source))
+    # The chunk's own K=V as the ring will store them (a no-op when the cache stores the compute dtype): a token
+    # sees every earlier one at the stored precision, wherever its chunk starts (so a prefix-cache hit, or any
+    # other chunking, gives what one long chunk would).
+    own = decode(encode(kv, ring_rows), kv.dtype)
+    shared = jnp.concatenate([decode(ring_rows, kv.dtype), own], axis=1)
+    rel = qpos[:, :, None] - key_pos[:, None, :]
+    return shared, key_ok[:, None, :] & ((rel >= 0) & (rel < window) | draft_block), ring_rows
+
+
+def output_projection(o: jax.Array, w: Attention, cfg: ModelConfig, kernels: Kernels) -> jax.Array:
+    """The attention output [b, t, H, k] through wo_a's grouped projection and wo_b: [b, t, d]."""
+    r = _grouped_output(o, w.wo_a, cfg, kernels)
+    return kernels.einsum("btx,xd->btd", r, w.wo_b)
 
 
 def _grouped_output(o: jax.Array, wo_a: Any, cfg: ModelConfig, kernels: Kernels) -> jax.Array:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import CSA, HCA, SWA, ConfigError, EngineConfig, ModelConfig, check_kv_cache_dtype
 from jaxserve.kernels.kv_quant import Fp8KV, decode, encode
-from jaxserve.model.segments import layer_segments
+from jaxserve.model.segments import LayerKind, layer_segments
 from jaxserve.model.weights import ArrayInfo, is_info, map_infos, nbytes, stack_infos, weights_nbytes
 from jaxserve.paging import pages_needed
 
@@ -90,6 +90,12 @@ class CacheGeometry:
         if self.num_snapshots < 0 or self.draft_tokens < 0:
             raise ValueError(f"num_snapshots={self.num_snapshots}, draft_tokens={self.draft_tokens}: must be >= 0")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype == FP8_KV and cfg.v41:
+            raise ConfigError(
+                "kv_cache_dtype='fp8': DeepSeek-V4.1's KV is already rounded to FP8 and FP4 grids (32- and 16-channel "
+                "blocks) that jaxserve's FP8 layout does not store exactly yet; use kv_cache_dtype='bfloat16', which "
+                "holds those values exactly"
+            )
         if self.kv_cache_dtype == FP8_KV:
             fp8_block(cfg)
         rates = {cfg.compress_rate(i) for i in cfg.compressed_layers}
@@ -276,11 +282,29 @@ def _layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: str) -> LayerCache:
     return layer
 
 
+def _shared_kv_layer_cache(cfg: ModelConfig, geo: CacheGeometry, kind: LayerKind) -> LayerCache:
+    """A DeepSeek-V4.1 layer's state: its window; a KV source's also its group's compressed entries and indexer keys
+    (the layers that share them hold none) and, pooling more than one token an entry, its compressor's partial group."""
+    layer = _layer_cache(cfg, geo, SWA)
+    if not kind.kv_source:
+        return layer
+    per_page = geo.page_size // kind.rate
+
+    def pool(index: bool) -> Any:  # the abstract cache: an ArrayInfo where the live one holds its array
+        return _kv_store(cfg, geo.kv_cache_dtype, (geo.num_pages, per_page), ("pages", None), index)
+
+    state = _compressor_state(geo.state_rows, kind.rate, cfg.head_dim, overlap=False) if kind.rate > 1 else None
+    return LayerCache(window=layer.window, entries=pool(False), state=state, index_entries=pool(True))
+
+
 def abstract_cache(cfg: ModelConfig, geo: CacheGeometry) -> list[list[LayerCache]]:
     geo.validate(cfg)
+
+    def layer_cache(kind: LayerKind) -> LayerCache:
+        return _shared_kv_layer_cache(cfg, geo, kind) if cfg.v41 else _layer_cache(cfg, geo, kind.attention)
+
     return [
-        [stack_infos(_layer_cache(cfg, geo, kind.attention), segment.repeats) for kind in segment.pattern]
-        for segment in layer_segments(cfg)
+        [stack_infos(layer_cache(kind), segment.repeats) for kind in segment.pattern] for segment in layer_segments(cfg)
     ]
 
 
@@ -305,6 +329,9 @@ def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
         return weights_nbytes(_kv_store(cfg, kv_cache_dtype, (1,), (None,), index))
 
     total = 0.0
+    if cfg.shared_kv is not None:  # DeepSeek-V4.1: only the KV sources store entries, for their whole group
+        kv = cfg.shared_kv
+        return sum((entry() + entry(index=True)) / kv.ratios[i] for i in kv.kv_sources)
     for kind in cfg.layer_kinds:
         if kind == CSA:
             total += (entry() + entry(index=True)) / cfg.csa_rate

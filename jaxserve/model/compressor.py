@@ -40,6 +40,7 @@ def compress_chunk(
     freqs: np.ndarray,
     eps: float,
     snapshot_lengths: jax.Array | None = None,  # [b, j] int32: also return the states this many tokens in
+    rotate: bool = True,  # False: the entries come out unrotated (DeepSeek-V4.1 derives its indexer keys from them)
 ) -> tuple[NewEntries, CompressorState, list[CompressorState]]:
     m = rate
     overlap = state.overlap
@@ -60,9 +61,10 @@ def compress_chunk(
         src = i - offset[:, None]  # chunk time of sequence index i
         from_buffer = i < offset[:, None]
         src_clipped = jnp.clip(src, 0, t - 1)
-        ape = jnp.tile(weights.ape.astype(F32), (n_windows, 1))  # [span, f]: slot i % m
         chunk_kv = jnp.take_along_axis(kv, src_clipped[..., None], axis=1)
-        chunk_gate = jnp.take_along_axis(gate, src_clipped[..., None], axis=1) + ape[None]
+        chunk_gate = jnp.take_along_axis(gate, src_clipped[..., None], axis=1)
+        if weights.ape is not None:  # DeepSeek-V4.1's compressor has no position bias
+            chunk_gate += jnp.tile(weights.ape.astype(F32), (n_windows, 1))[None]  # [span, f]: slot i % m
         pad = ((0, 0), (0, span - m), (0, 0))
         seq_kv = jnp.where(from_buffer[..., None], jnp.pad(state.buf_kv, pad), chunk_kv)
         seq_gate = jnp.where(from_buffer[..., None], jnp.pad(state.buf_gate, pad), chunk_gate)
@@ -85,7 +87,7 @@ def compress_chunk(
             slots_kv, slots_gate = win_kv, win_gate
         pooled = jnp.sum(jax.nn.softmax(slots_gate, axis=2) * slots_kv, axis=2)  # [b, w, c]
         pooled = rms_norm(pooled, weights.norm, eps)
-        values = apply_rope(pooled, window_index * m, freqs)
+        values = apply_rope(pooled, window_index * m, freqs) if rotate else pooled
 
     def state_after(tokens: jax.Array) -> CompressorState:
         """The rows' state once `tokens [b]` of the chunk are in."""

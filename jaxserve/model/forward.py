@@ -5,27 +5,32 @@ Pure: (weights, cache, inputs) -> (outputs, cache). Decode is a chunk of length 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.norm import rms_norm
-from jaxserve.kernels.quant import LayerOf
+from jaxserve.kernels.quant import LayerOf, Quantized, one_layer
 from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.attention import attention_block
 from jaxserve.model.cache import LayerCache
+from jaxserve.model.engram import engram_layout, engram_mix, hash_ids, lookup
 from jaxserve.model.inputs import StepInputs
-from jaxserve.model.layers import hc_post, hc_pre
+from jaxserve.model.layers import collapse, hc_post, hc_pre, hc_site
 from jaxserve.model.moe import moe_block
-from jaxserve.model.segments import Segment, layer_segments
+from jaxserve.model.segments import LayerKind, Segment, layer_segments
+from jaxserve.model.shared_kv import Shared, Source, shared_kv_attention
 from jaxserve.model.weights import (
     BLOCK_NORMS,
     MTP_KIND,
     ONE_DEVICE_IN_PLACE,
+    Engram,
     HyperConnection,
     Layer,
     MTPBlock,
@@ -61,16 +66,98 @@ def block(
             mixed.append(hc_post(out, h, post, comb))
         hs = mixed
     with jax.named_scope("moe"):
-        pres = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm) for h in hs]
-        flat = jnp.concatenate([normed.reshape(1, -1, normed.shape[-1]) for normed, _, _ in pres], axis=1)
-        tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
-        out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
-        sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
-        hs = [
-            hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
-            for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, pres)
-        ]
+        sites = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm) for h in hs]
+        hs = _moe(hs, [normed for normed, _, _ in sites], sites, w, experts, layer, groups, cfg, kernels)
     return hs, cache
+
+
+def _moe(hs, xs, sites, w: Layer, experts: RoutedExperts, layer, groups: Sequence[StepInputs], cfg, kernels):
+    """The MoE over every group's tokens at once (`xs`: each group's collapsed, normed input), its output put back
+    into each group's streams `hs` with the site's post weights and comb matrix (`sites`: (_, post, comb) a group)."""
+    flat = jnp.concatenate([x.reshape(1, -1, x.shape[-1]) for x in xs], axis=1)
+    tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
+    out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
+    sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
+    return [
+        hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
+        for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, sites)
+    ]
+
+
+def shared_kv_block(
+    hs: list[jax.Array],
+    pres: list[jax.Array],
+    w: Layer,
+    experts: RoutedExperts,
+    cache: LayerCache,
+    layer: jax.Array,
+    groups: Sequence[StepInputs],
+    cfg: ModelConfig,
+    kind: LayerKind,
+    kernels: Kernels,
+    shared: Shared,
+    ngram_ids: list[jax.Array] | None,
+):
+    """One DeepSeek-V4.1 block over every group of rows: its Engram (if any) writes into the streams, then attention
+    and the MoE, each site collapsing the streams with the `pre` weights of the site before it (`pres`, per group: the
+    first site's collapse takes stream 0) and computing its own for the next. Returns the streams, the last site's
+    `pre` and the cache."""
+    if w.engram is not None:
+        assert ngram_ids is not None  # an Engram model's forward hashes every group's n-grams
+        with jax.named_scope("engram"):
+            hs = [
+                engram_streams(h, ids[:, :, kind.engram], w.engram, g.token_mask, cfg, kernels)
+                for h, ids, g in zip(hs, ngram_ids, groups)
+            ]
+    with jax.named_scope("attention"):
+        mixed, attn_pres, source = [], [], None
+        for g, (h, pre, inputs) in enumerate(zip(hs, pres, groups)):
+            attn_pre, post, comb = hc_site(h, w.attn_hc, cfg)
+            x = collapse(h, pre, w.attn_norm, cfg)
+            out, cache, source = shared_kv_attention(x, w.attn, cache, layer, inputs, cfg, kind, kernels, shared, g)
+            mixed.append(hc_post(out, h, post, comb))
+            attn_pres.append(attn_pre)
+        if source is not None:  # the group's later layers read the pools every group of rows has written
+            shared.source = Source(cache.entries, cache.index_entries, layer)
+        hs = mixed
+    with jax.named_scope("moe"):
+        sites = [hc_site(h, w.ffn_hc, cfg) for h in hs]
+        xs = [collapse(h, pre, w.ffn_norm, cfg) for h, pre in zip(hs, attn_pres)]
+        hs = _moe(hs, xs, sites, w, experts, layer, groups, cfg, kernels)
+    return hs, [pre for pre, _, _ in sites], cache
+
+
+def engram_streams(
+    h: jax.Array, ids: jax.Array, w: Engram, token_mask: jax.Array, cfg: ModelConfig, kernels: Kernels
+) -> jax.Array:
+    """The streams [b, t, n, d] with the Engram's gated value added: its table's rows `ids` [b, t, c] gathered (only
+    those rows are read and decoded), projected to a key per stream and a shared value."""
+    b, t = ids.shape[:2]
+    rows = engram_rows(w.table, ids, cfg.engram_on_host)
+    kv = kernels.einsum("btx,xn->btn", rows.reshape(b, t, -1).astype(h.dtype), w.wkv)
+    return engram_mix(h, kv, one_layer(w.q_weight), one_layer(w.k_weight), cfg.rms_norm_eps, token_mask)
+
+
+def engram_rows(table: Any, ids: jax.Array, on_host: bool) -> jax.Array:
+    """An Engram table's rows `ids` [..., c] decoded to float32 [..., c, k]; gathered in the host's memory, and only
+    those rows copied to the device, where the table lives there (`on_host`)."""
+    layer = None
+    if isinstance(table, LayerOf):  # read in place from the stack (sliced, the table would be copied)
+        layer, table = table.layer, table.stack
+
+    def gather(ids, layer):
+        index = ids if layer is None else (layer, ids)
+        if isinstance(table, Quantized):
+            return lookup(table.codes[index], table.scales[index])
+        return table[index].astype(F32)
+
+    if not on_host:
+        return gather(ids, layer)
+    with jax.named_scope("engram_host_gather"):
+        ids, layer = jax.device_put((ids, layer), jax.memory.Space.Host)
+        with compute_on("device_host"):
+            rows = gather(ids, layer)
+        return jax.device_put(rows, jax.memory.Space.Device)
 
 
 def run_segment(
@@ -82,6 +169,9 @@ def run_segment(
     cfg: ModelConfig,
     kernels: Kernels,
     taps: list[jax.Array] | None = None,
+    pres: list[jax.Array] | None = None,
+    shared: Shared | None = None,
+    ngram_ids: list[jax.Array] | None = None,
 ):
     """A segment's layers: one traced body per position of its pattern, scanned over the repeats. A repeat's weights are
     its slices of the stacks, but for the routed experts, which each layer reads in place by its index (sliced, every
@@ -94,7 +184,12 @@ def run_segment(
     step).
 
     `taps`: per group, the streams averaged over the hc axis after each tapped layer ([taps + 1, b, t, d]: slot
-    `tap_slots(cfg)[layer]`, the last one a sink for the layers not tapped), updated and returned beside the cache."""
+    `tap_slots(cfg)[layer]`, the last one a sink for the layers not tapped), updated and returned beside the cache.
+
+    DeepSeek-V4.1 (`cfg.v41`): `pres`, per group, the collapse weights of the site before (carried, returned),
+    `shared` what a layer reads from the layers before it (jaxserve.model.shared_kv: inside a scanned body its picks
+    stay in the body; after the segment its last KV source's pools are the group's), `ngram_ids` the Engram's row
+    ids per group."""
     stacks, experts = zip(*(RoutedExperts.split(w) for w in weights))
     mesh = jax.sharding.get_abstract_mesh()
     in_place = mesh.empty or mesh.size == 1
@@ -118,33 +213,51 @@ def run_segment(
 
     slots = None if taps is None else tap_slots(cfg)
 
+    scanned = not ((kernels.unrolled_layers and in_place) or segment.repeats == 1)
+    # A scanned body's picks and candidates live in the body only (what a later segment reads is made before it,
+    # segments.layer_segments); traced once, its Shared is a copy.
+    body_shared = dataclasses.replace(shared) if scanned and shared is not None else shared
+
     def one_repeat(carry, xs):
-        hs, cache, taps = carry
+        hs, cache, taps, pres = carry
         layers, index = xs
         cache = list(cache)
+        here = body_shared
+        if scanned and here is not None:
+            here = dataclasses.replace(here, picks=list(here.picks), candidates=list(here.candidates))
         for p, (kind, (leaves, wholes, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):
             kept = [LayerOf(a, index) if whole else s for a, whole, s in zip(leaves, wholes, slices)]
             w = jax.tree.unflatten(tree, kept)
             with jax.named_scope(f"{kind.attention}_hash" if kind.hashed else kind.attention):
-                hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
+                if cfg.v41:
+                    assert here is not None and pres is not None  # hidden_states makes both for V4.1
+                    hs, pres, cache[p] = shared_kv_block(
+                        hs, pres, w, experts[p], cache[p], index, groups, cfg, kind, kernels, here, ngram_ids
+                    )
+                else:
+                    hs, cache[p] = block(hs, w, experts[p], cache[p], index, groups, cfg, kind.attention, kernels)
             if taps is not None and slots is not None:
                 slot = slots[segment.start + index * len(segment.pattern) + p]
                 taps = [tap.at[slot].set(jnp.mean(h.astype(F32), axis=-2).astype(h.dtype)) for tap, h in zip(taps, hs)]
-        return (hs, cache, taps), None
+        return (hs, cache, taps, pres), None
 
     # A single repeat is inlined rather than looped; so is every repeat where the kernel table says so, on one device
     # (under a mesh that splits the weights, Flash at TP 8 unrolled compiled 5x slower, 23 min for its 14 step shapes
     # on 2 cores, and its steps' temporaries grew by up to 2.5 GB a device). Inlined, each repeat's layer index is a
     # constant: as an element of an index array (a scan's, even unrolled) XLA computes it with a kernel of its own
     # for every layer whose kernels take it as an operand.
-    carry = (hs, list(cache), taps)
-    if (kernels.unrolled_layers and in_place) or segment.repeats == 1:
+    carry = (hs, list(cache), taps, pres)
+    if not scanned:
         for index in range(segment.repeats):
             carry, _ = one_repeat(carry, (jax.tree.map(lambda a, i=index: a[i], sliced), jnp.int32(index)))
     else:
         carry, _ = jax.lax.scan(one_repeat, carry, (sliced, jnp.arange(segment.repeats, dtype=jnp.int32)))
-    hs, cache, taps = carry
-    return hs, cache, taps
+        sources = [p for p, kind in enumerate(segment.pattern) if kind.kv_source]
+        if shared is not None and sources:  # the last repeat's last KV source is the one the next layers read
+            last = carry[1][sources[-1]]
+            shared.source = Source(last.entries, last.index_entries, jnp.int32(segment.repeats - 1))
+    hs, cache, taps, pres = carry
+    return hs, cache, taps, pres
 
 
 def tap_slots(cfg: ModelConfig) -> jax.Array:
@@ -163,11 +276,21 @@ def hidden_states(
 ):
     """Final-normed hidden states ([b, t, d] per group) and the updated cache; `kernels` (jaxserve.kernels.table)
     runs the kernel-worthy operations."""
-    hs, new_cache = hidden_streams(weights, cache, groups, cfg, kernels)
+    hs, new_cache, _, pres = tapped_streams(weights, cache, groups, cfg, kernels, tap=False)
     return [
-        final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg, kernels)
-        for h in hs
+        output_states(weights, h, None if pres is None else pres[i], cfg, kernels) for i, h in enumerate(hs)
     ], new_cache
+
+
+def output_states(
+    weights: Weights, h: jax.Array, pre: jax.Array | None, cfg: ModelConfig, kernels: Kernels = REFERENCE_KERNELS
+) -> jax.Array:
+    """What the LM head reads [b, t, d] from the last block's streams `h`: collapsed by the HC head and normed, or in
+    DeepSeek-V4.1 (no HC head) collapsed with the last site's weights `pre` and normed."""
+    if cfg.v41:
+        assert pre is not None  # tapped_streams returns them for V4.1
+        return collapse(h, pre, weights.norm, cfg)
+    return final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg, kernels)
 
 
 def final_norm(
@@ -187,7 +310,7 @@ def hidden_streams(
 ):
     """The last block's hc streams ([b, t, n, d] per group: what the HC head and an MTP block read) and the updated
     cache."""
-    hs, new_cache, _ = tapped_streams(weights, cache, groups, cfg, kernels, tap=False)
+    hs, new_cache, _, _ = tapped_streams(weights, cache, groups, cfg, kernels, tap=False)
     return hs, new_cache
 
 
@@ -200,22 +323,41 @@ def tapped_streams(
     tap: bool = True,
 ):
     """hidden_streams, and with `tap` the DSpark drafter's input per group: the streams after each of its target
-    layers averaged over the hc axis, concatenated in ascending layer order ([b, t, taps * d]; None without `tap`)."""
+    layers averaged over the hc axis, concatenated in ascending layer order ([b, t, taps * d]; None without `tap`);
+    and for DeepSeek-V4.1 the last site's collapse weights per group (None otherwise)."""
     hs = []
     for inputs in groups:
         x = weights.embed[inputs.tokens]
         hs.append(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], cfg.hc_mult, x.shape[-1])))
     n_taps = len(cfg.dspark.target_layer_ids) if tap and cfg.dspark is not None else 0
     taps = [jnp.zeros((n_taps + 1, *h.shape[:2], h.shape[-1]), h.dtype) for h in hs] if n_taps else None
+    pres = shared = ngram_ids = None
+    if cfg.v41:  # the first site collapses stream 0 alone
+        pres = [jnp.zeros(h.shape[:-1], F32).at[..., 0].set(1.0) for h in hs]
+        shared = Shared(picks=[None] * len(groups), candidates=[None] * len(groups))
+        if cfg.engram is not None:
+            ngram_ids = [ngram_hashes(g, weights.ngram_products, cfg) for g in groups]
     new_cache = []
     for i, (segment, w, c) in enumerate(zip(layer_segments(cfg), weights.segments, cache)):
         with jax.named_scope(f"segment_{i}"):
-            hs, c, taps = run_segment(hs, w, c, segment, groups, cfg, kernels, taps)
+            hs, c, taps, pres = run_segment(hs, w, c, segment, groups, cfg, kernels, taps, pres, shared, ngram_ids)
         new_cache.append(c)
     if taps is None:
-        return hs, new_cache, None
+        return hs, new_cache, None, pres
     features = [jnp.concatenate(list(tap[:n_taps]), axis=-1) for tap in taps]
-    return hs, new_cache, features
+    return hs, new_cache, features, pres
+
+
+def ngram_hashes(inputs: StepInputs, products: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The Engram row ids of a group's tokens [b, t, Engram layers, columns], from the tokens before its rows'
+    first (`inputs.context`) and its own."""
+    assert inputs.context is not None and cfg.engram is not None  # an Engram model's inputs carry the context
+    engram = cfg.engram
+    with jax.named_scope("ngram_hashes"):
+        context = inputs.context[:, inputs.context.shape[1] - (engram.max_ngram - 1) :]
+        # A padding position's token is kept out of the n-grams (it is never read: its rows are masked).
+        tokens = jnp.where(inputs.token_mask, inputs.tokens, 0)
+        return hash_ids(context, tokens, products, engram_layout(engram))
 
 
 def mtp_block(

@@ -23,6 +23,9 @@ class StepInputs:
     read_rows: jax.Array | None = None  # [b] int32
     snapshot_rows: jax.Array | None = None  # [b, j] int32
     snapshot_lengths: jax.Array | None = None  # [b, j] int32, in [0, length]
+    # [b, n] int32: the token ids right before each row's first, oldest first (-1: before the sequence's start), for
+    # DeepSeek-V4.1's Engram hashes; None where nothing reads them
+    context: jax.Array | None = None
 
     @property
     def state_source(self) -> jax.Array:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SWA, ModelConfig
+from jaxserve.kernels.mhc import hc_collapse, hc_weights
 from jaxserve.kernels.quant import LayerOf
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.weights import HyperConnection
@@ -81,3 +82,20 @@ def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> j
     # the previous layers' mixes into this one, each stream reading all of them: n^depth recomputation, and a decode
     # step of the tiny model took 54 s instead of 10 s to compile for an H200.
     return jax.lax.optimization_barrier(expanded + mixed.astype(dt))
+
+
+def hc_site(h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DeepSeek-V4.1's single-pass mHC at one site: its (pre, post, comb) from the streams it receives; its `pre`
+    collapses the streams at the next site (`collapse`)."""
+    if isinstance(hc, LayerOf):
+        fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
+    else:
+        fn, base, scale = hc.fn, hc.base, hc.scale
+    with jax.named_scope("hc_weights"):
+        return hc_weights(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+
+
+def collapse(h: jax.Array, pre: jax.Array, norm: Any, cfg: ModelConfig) -> jax.Array:
+    """The streams [..., n, d] collapsed with the weights `pre` [..., n] and normed by `norm` (None: not normed)."""
+    with jax.named_scope("hc_collapse"):
+        return hc_collapse(h, pre, norm, cfg.rms_norm_eps)

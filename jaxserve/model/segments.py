@@ -19,8 +19,16 @@ from jaxserve.config import ModelConfig
 
 @dataclass(frozen=True)
 class LayerKind:
-    attention: str  # SWA | CSA | HCA
+    attention: str  # SWA | CSA | HCA | CSA2 (DeepSeek-V4.1)
     hashed: bool  # routed by the token -> experts table instead of top-k
+    # DeepSeek-V4.1 (ModelConfig.shared_kv, .engram): the compress ratio, whether the layer owns the compressor its
+    # group shares (a KV source), scores the indexer (an index source), makes or reads the candidate blocks of the
+    # two-level top-k ("source" | "uses" | ""), and its place among the Engram layers (-1: not one).
+    rate: int = 0
+    kv_source: bool = False
+    index_source: bool = False
+    candidates: str = ""
+    engram: int = -1
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,39 @@ class Segment:
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
-    return tuple(LayerKind(a, h) for a, h in zip(cfg.layer_kinds, cfg.hash_layers))
+    kv = cfg.shared_kv
+    if kv is None:
+        return tuple(LayerKind(a, h) for a, h in zip(cfg.layer_kinds, cfg.hash_layers))
+    engram = cfg.engram.layer_ids if cfg.engram is not None else ()
+    return tuple(
+        LayerKind(
+            attention,
+            hashed=False,
+            rate=kv.ratios[i],
+            kv_source=i in kv.kv_sources,
+            index_source=i in kv.index_sources,
+            candidates="source" if i == kv.candidate_source else "uses" if kv.uses_candidates(i) else "",
+            engram=engram.index(i) if i in engram else -1,
+        )
+        for i, attention in enumerate(cfg.layer_kinds)
+    )
+
+
+def _self_contained(cfg: ModelConfig, start: int, length: int, repeats: int) -> bool:
+    """Whether a segment's traced body has what each of its layers reads from the layers before it (DeepSeek-V4.1's
+    CSA2): a compressed layer's top-k picks come from an index source earlier in the same repeat (picks live only
+    within one pass of the body), its entries from a KV source earlier in the same repeat or before the segment."""
+    kv = cfg.shared_kv
+    if kv is None:
+        return True
+    for repeat in range(repeats):
+        first = start + repeat * length
+        for layer in range(first, first + length):
+            if not kv.ratios[layer]:
+                continue
+            if kv.index_source_of(layer) < first or start <= kv.source_of(layer) < first:
+                return False
+    return True
 
 
 @functools.cache
@@ -54,9 +94,11 @@ def layer_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
             while True:
                 stop = start + repeats * length
                 bodies, count, rest = best[stop]
-                options.append((length + bodies, 1 + count, (Segment(start, pattern, repeats),) + rest))
+                if _self_contained(cfg, start, length, repeats):
+                    options.append((length + bodies, 1 + count, (Segment(start, pattern, repeats),) + rest))
                 if kinds[stop : stop + length] != pattern:
                     break
                 repeats += 1
-        best[start] = min(options, key=lambda option: option[:2])
+        # No option: no segment may start here (a V4.1 layer that reads picks made before it).
+        best[start] = min(options, key=lambda option: option[:2]) if options else (n + 1, n + 1, ())
     return best[0][2]

@@ -30,6 +30,9 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "experts": (EXPERT, TENSOR),
     "ffw": TENSOR,
     "vocab": TENSOR,
+    # DeepSeek-V4.1's Engram tables (about 100 GB each): split like the vocabulary (each device gathers the rows it
+    # holds, the others add zeros), padded alike (ModelConfig.vocab_multiple)
+    "engram_rows": TENSOR,
 }
 
 
@@ -121,7 +124,9 @@ def _named_shardings(abstract: Any, mesh: Mesh, make: Callable[[ArrayInfo, Named
             + "; choose parallel sizes that divide them"
         )
     return jax.tree.map(
-        lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes))), abstract, is_leaf=is_info
+        lambda info: make(info, NamedSharding(mesh, logical_spec(info.axes), memory_kind=info.memory)),
+        abstract,
+        is_leaf=is_info,
     )
 
 

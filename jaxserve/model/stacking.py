@@ -20,7 +20,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import ArrayInfo, Weights, abstract_weights, flatten_with_names, is_info, release_leaves
+from jaxserve.model.weights import (
+    DERIVED_LEAVES,
+    ArrayInfo,
+    Weights,
+    abstract_weights,
+    flatten_with_names,
+    is_info,
+    release_leaves,
+)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -166,4 +174,8 @@ class WeightsBuilder:
         missing = [name for name in self._layout if name not in self._received]
         if missing:
             raise ValueError(f"{len(missing)} leaves never given, e.g. {missing[:5]}")
+        for path in DERIVED_LEAVES:  # zeros until the loader makes them (no checkpoint tensor holds them)
+            if path in self._infos and path not in self._arrays:
+                info = self._infos[path]
+                self._arrays[path] = _place(np.zeros(info.shape, info.dtype), self._sharding(path))
         return jax.tree.unflatten(self._structure, [self._arrays[path] for path in self._paths])

@@ -44,6 +44,7 @@ class ArrayInfo:
     dtype: Any
     axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes by jaxserve.model.sharding
     init: str = "normal"  # normal | ones | zeros | small | expert_ids
+    memory: str | None = None  # the memory kind that holds it (None: the devices'; "pinned_host": the host's)
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -61,17 +62,32 @@ class HyperConnection:
 @dataclass
 class Compressor:
     wkv: Any  # [d, coff*c]
-    wgate: Any  # [d, coff*c]
-    ape: Any  # [m, coff*c], per-slot position bias added to the gate
+    wgate: Any  # [d, coff*c]; None: DeepSeek-V4.1 at ratio 1 (every token its own entry, nothing pooled)
+    ape: Any  # [m, coff*c], per-slot position bias added to the gate; None: DeepSeek-V4.1 (it has none)
     norm: Any  # [c]
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class Indexer:
-    compressor: Compressor
+    compressor: Compressor | None  # DeepSeek-V4's own compressor of the indexer keys (V4.1: none)
     wq_b: Any  # [q_lora, n_I, c_I]
     weights_proj: Any  # [d, n_I]
+    # DeepSeek-V4.1's KV sources: the indexer keys made from the compressor's latent, k_norm(latent @ wk).
+    wk: Any = None  # [c, c_I]
+    k_norm: Any = None  # [c_I]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Engram:
+    """DeepSeek-V4.1's Engram memory at one layer (jaxserve.model.engram): the hashed n-gram rows' table, their
+    projection to a key per hc stream and one shared value, and the gate's weights (used only as their product)."""
+
+    table: Any  # [rows, head_dim]: FP8 with one scale per 32 channels of a row, as the release stores it
+    wkv: Any  # [columns * head_dim, (hc + 1) * d]
+    q_weight: Any  # [hc, d]
+    k_weight: Any  # [hc, d]
 
 
 @jax.tree_util.register_dataclass
@@ -137,6 +153,7 @@ class Layer:
     ffn_hc: HyperConnection
     ffn_norm: Any  # [d]
     moe: MoE
+    engram: Engram | None = None  # DeepSeek-V4.1's Engram layers
 
 
 @jax.tree_util.register_dataclass
@@ -179,18 +196,27 @@ class DSparkDrafter:
 class Weights:
     embed: Any  # [V, d]
     segments: list[list[Layer]]  # [segment][position in its pattern], every leaf stacked: [repeats, ...]
-    hc_head_fn: Any  # [hc*d, hc]
+    hc_head_fn: Any  # [hc*d, hc]; None (and base, scale): DeepSeek-V4.1, whose last site's weights collapse
     hc_head_base: Any  # [hc]
     hc_head_scale: Any  # [1]
     norm: Any  # [d]
     head: Any  # [d, V]
     mtp: list[MTPBlock] = dataclasses.field(default_factory=list)  # the blocks `cfg.mtp_layers` holds
     dspark: DSparkDrafter | None = None  # held when `cfg.dspark_drafting`
+    # DeepSeek-V4.1's Engram: every token id's hash products ([V + 1, Engram layers, max n-gram, 2] uint32,
+    # jaxserve.model.engram.product_table), made from the tokenizer at load (DERIVED_LEAVES), not read
+    ngram_products: Any = None
+
+
+# Leaves made at load from something other than the checkpoint's tensors (the tokenizer): no release name, zeros
+# until the loader makes them (jaxserve.checkpoints.load).
+DERIVED_LEAVES = ("ngram_products",)
 
 
 # ---- the abstract description ---------------------------------------------------------------------------------
 
 FP8_BLOCK = 128  # the release's FP8 blocks: 128 x 128 of an `[out, in]` tensor
+HOST_MEMORY = "pinned_host"  # the memory kind of what lives in the host's memory (--engram-placement host)
 FP4_BLOCK = 32  # the release's FP4 blocks: 1 x 32 along the input
 
 
@@ -227,14 +253,15 @@ def _weight(
 
 
 def _projection(cfg: ModelConfig, shape: tuple[int, int], axes: tuple[str | None, str | None]):
-    """An input-major [in, out] projection the release ships as FP8 (128x128 blocks either way round)."""
-    return _weight(shape, axes, cfg.dtype, cfg.linear_format, (FP8_BLOCK, FP8_BLOCK))
+    """An input-major [in, out] projection the release ships as FP8 (square blocks either way round: 128 x 128 in
+    V4, 32 x 32 in V4.1)."""
+    return _weight(shape, axes, cfg.dtype, cfg.linear_format, (cfg.fp8_block, cfg.fp8_block))
 
 
 def _heads_projection(cfg: ModelConfig, rows: int, heads: int, width: int, axes, what: str):
-    """[in, heads, width], the release's [heads * width, in]: its 128-row blocks split over heads and width."""
-    fmt = cfg.linear_format
-    blocks = (FP8_BLOCK, *_split_block(FP8_BLOCK, heads, width, what)) if fmt else ()
+    """[in, heads, width], the release's [heads * width, in]: its blocks' rows split over heads and width."""
+    fmt, block = cfg.linear_format, cfg.fp8_block
+    blocks = (block, *_split_block(block, heads, width, what)) if fmt else ()
     return _weight((rows, heads, width), axes, cfg.dtype, fmt, blocks)
 
 
@@ -242,18 +269,18 @@ def _grouped_output(cfg: ModelConfig):
     """wo_a [heads, head_dim, o_lora], the release's [groups * o_lora, heads_per_group * head_dim]: the heads axis
     mixes a group (from the release's rows) and a head within it (from its columns)."""
     g, j, k, o = cfg.o_groups, cfg.heads_per_group, cfg.head_dim, cfg.o_lora_rank
-    fmt = cfg.linear_format
+    fmt, block = cfg.linear_format, cfg.fp8_block
     blocks: tuple[int, ...] = ()
     if fmt:
-        per_group, per_lora = _split_block(FP8_BLOCK, g, o, "attn.wo_a")
-        per_head, per_dim = _split_block(FP8_BLOCK, j, k, "attn.wo_a")
+        per_group, per_lora = _split_block(block, g, o, "attn.wo_a")
+        per_head, per_dim = _split_block(block, j, k, "attn.wo_a")
         if per_head == j:
             heads = per_group * j
         elif j % per_head == 0:
             heads = per_head
         else:
             raise ConfigError(
-                f"attn.wo_a: its {FP8_BLOCK}-element blocks split a group's {j} heads unevenly; "
+                f"attn.wo_a: its {block}-element blocks split a group's {j} heads unevenly; "
                 "load it with --quantization none"
             )
         blocks = (heads, per_dim, per_lora)
@@ -261,8 +288,8 @@ def _grouped_output(cfg: ModelConfig):
 
 
 def _experts(cfg: ModelConfig, shape: tuple[int, int, int], axes):
-    """Routed experts [e, in, out]: the release's per-expert [out, in] in FP4 (1x32) or FP8 (128x128)."""
-    return _weight(shape, axes, cfg.dtype, cfg.expert_format, (1, FP8_BLOCK, FP8_BLOCK))
+    """Routed experts [e, in, out]: the release's per-expert [out, in] in FP4 (1x32) or FP8 (square blocks)."""
+    return _weight(shape, axes, cfg.dtype, cfg.expert_format, (1, cfg.fp8_block, cfg.fp8_block))
 
 
 def _hyper_connection(cfg: ModelConfig) -> HyperConnection:
@@ -284,6 +311,54 @@ def _compressor(cfg: ModelConfig, rate: int, width: int, overlap: bool) -> Compr
         wgate=ArrayInfo((d, coff * width), cfg.dtype, ("embed", None)),
         ape=ArrayInfo((rate, coff * width), F32, (None, None), "small"),
         norm=ArrayInfo((width,), F32, (None,), "ones"),
+    )
+
+
+def _v41_compressor(cfg: ModelConfig, kind: LayerKind) -> Compressor:
+    """A DeepSeek-V4.1 KV source's compressor: no position bias, and at ratio 1 no gate (nothing is pooled)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    gate = ArrayInfo((d, hd), cfg.dtype, ("embed", None)) if kind.rate > 1 else None
+    return Compressor(
+        wkv=ArrayInfo((d, hd), F32, ("embed", None)), wgate=gate, ape=None, norm=ArrayInfo((hd,), F32, (None,), "ones")
+    )
+
+
+def _v41_attention(cfg: ModelConfig, attn: Attention, kind: LayerKind) -> Attention:
+    """A DeepSeek-V4.1 layer's attention: a KV source owns its group's compressor, an index source an indexer (a KV
+    source's also makes the group's indexer keys)."""
+    if kind.attention == SWA:
+        return attn
+    compressor = _v41_compressor(cfg, kind) if kind.kv_source else None
+    indexer = None
+    if kind.index_source:
+        c, ci = cfg.head_dim, cfg.index_head_dim
+        indexer = Indexer(
+            compressor=None,
+            wq_b=_heads_projection(
+                cfg, cfg.q_lora_rank, cfg.index_n_heads, ci, ("q_lora", "index_heads", None), "attn.indexer.wq_b"
+            ),
+            weights_proj=ArrayInfo((cfg.hidden_size, cfg.index_n_heads), F32, ("embed", "index_heads")),
+            wk=ArrayInfo((c, ci), F32, (None, None)) if kind.kv_source else None,
+            k_norm=ArrayInfo((ci,), F32, (None,), "ones") if kind.kv_source else None,
+        )
+    return dataclasses.replace(attn, compressor=compressor, indexer=indexer)
+
+
+def _engram(cfg: ModelConfig, place: int) -> Engram:
+    """The Engram weights of the `place`-th Engram layer."""
+    engram = cfg.engram
+    assert engram is not None  # an Engram layer's config has one
+    n, d, hd = cfg.hc_mult, cfg.hidden_size, engram.head_dim
+    rows = -(-engram.num_embeddings[place] // cfg.vocab_multiple) * cfg.vocab_multiple  # padded as the vocabulary
+    fmt = cfg.linear_format
+    table = _weight((rows, hd), ("engram_rows", None), cfg.dtype, fmt, (1, 32))
+    if cfg.engram_on_host:
+        table = map_infos(lambda info: dataclasses.replace(info, memory=HOST_MEMORY), table)
+    return Engram(
+        table=table,
+        wkv=_projection(cfg, (engram.columns * hd, (n + 1) * d), (None, None)),
+        q_weight=ArrayInfo((n, d), F32, (None, None), "ones"),
+        k_weight=ArrayInfo((n, d), F32, (None, None), "ones"),
     )
 
 
@@ -332,20 +407,23 @@ def _moe(cfg: ModelConfig, hashed: bool) -> MoE:
 
 def _layer(cfg: ModelConfig, kind: LayerKind) -> Layer:
     d = cfg.hidden_size
+    attn = _attention(cfg, SWA if cfg.v41 else kind.attention)
     return Layer(
         attn_hc=_hyper_connection(cfg),
         attn_norm=ArrayInfo((d,), F32, (None,), "ones"),
-        attn=_attention(cfg, kind.attention),
+        attn=_v41_attention(cfg, attn, kind) if cfg.v41 else attn,
         ffn_hc=_hyper_connection(cfg),
         ffn_norm=ArrayInfo((d,), F32, (None,), "ones"),
         moe=_moe(cfg, kind.hashed),
+        engram=_engram(cfg, kind.engram) if kind.engram >= 0 else None,
     )
 
 
 def stack_infos(tree: Any, repeats: int) -> Any:
     """An abstract (sub)tree with a leading `layers` axis of size `repeats` on every leaf."""
     return map_infos(
-        lambda info: ArrayInfo((repeats, *info.shape), info.dtype, ("layers", *info.axes), info.init), tree
+        lambda info: ArrayInfo((repeats, *info.shape), info.dtype, ("layers", *info.axes), info.init, info.memory),
+        tree,
     )
 
 
@@ -408,7 +486,7 @@ _DSPARK_NAMES = {
 
 def abstract_weights(cfg: ModelConfig) -> Weights:
     d, v = cfg.hidden_size, cfg.padded_vocab_size
-    fn, base, scale = _hc_head(cfg)
+    fn, base, scale = (None, None, None) if cfg.v41 else _hc_head(cfg)
     return Weights(
         embed=ArrayInfo((v, d), cfg.dtype, ("vocab", "embed")),
         segments=[
@@ -422,7 +500,16 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
         head=ArrayInfo((d, v), cfg.dtype, ("embed", "vocab")),
         mtp=[_mtp_block(cfg) for _ in range(cfg.mtp_layers)],
         dspark=_dspark_drafter(cfg),
+        ngram_products=_ngram_products(cfg),
     )
+
+
+def _ngram_products(cfg: ModelConfig) -> ArrayInfo | None:
+    engram = cfg.engram
+    if engram is None:
+        return None
+    shape = (cfg.vocab_size + 1, len(engram.layer_ids), engram.max_ngram, 2)
+    return ArrayInfo(shape, jnp.uint32, (None,) * 4, "zeros")
 
 
 def is_info(x: Any) -> bool:
@@ -473,29 +560,47 @@ class LayerLeaf:
     stored: ArrayInfo | Quantized
 
     def padded(self, array: Any) -> Any:
-        """`array`, shaped as `stored`, zero-padded to `info`'s shape."""
-        if not isinstance(self.info, ArrayInfo) or self.info.shape == self.stored.shape:
+        """`array`, shaped as `stored` (codes and scales alike when quantized), zero-padded to `info`'s shape."""
+        if self.info == self.stored:
             return array
-        return np.pad(np.asarray(array), [(0, n - s) for s, n in zip(self.stored.shape, self.info.shape)])
+        return jax.tree.map(
+            lambda a, info, stored: np.pad(np.asarray(a), [(0, n - s) for s, n in zip(stored.shape, info.shape)]),
+            array,
+            self.info,
+            self.stored,
+            is_leaf=is_info,
+        )
 
     def unpadded(self, array: Any) -> Any:
         """`array`, shaped as `info`, without its padding: shaped as `stored`."""
-        if not isinstance(self.info, ArrayInfo) or self.info.shape == self.stored.shape:
+        if self.info == self.stored:
             return array
-        return array[tuple(slice(0, s) for s in self.stored.shape)]
+        return jax.tree.map(
+            lambda a, stored: a[tuple(slice(0, s) for s in stored.shape)], array, self.stored, is_leaf=is_info
+        )
 
 
-def _stored(info: ArrayInfo | Quantized, cfg: ModelConfig) -> ArrayInfo | Quantized:
-    """A leaf's description as checkpoints store it: its vocabulary axes `cfg.vocab_size` long (never quantized)."""
-    if not isinstance(info, ArrayInfo) or "vocab" not in info.axes:
-        return info
-    shape = tuple(cfg.vocab_size if axis == "vocab" else n for axis, n in zip(info.axes, info.shape))
-    return dataclasses.replace(info, shape=shape)
+# Axes the devices hold padded (to a multiple of ModelConfig.vocab_multiple) that checkpoints store unpadded.
+PADDED_AXES = ("vocab", "engram_rows")
+
+
+def _stored(info: ArrayInfo | Quantized, cfg: ModelConfig, rows: int | None = None) -> ArrayInfo | Quantized:
+    """A leaf's description as checkpoints store it: its vocabulary axes `cfg.vocab_size` long, its Engram rows axis
+    `rows` long (codes and scales alike)."""
+    real = {"vocab": cfg.vocab_size, "engram_rows": rows}
+
+    def stored(part: ArrayInfo) -> ArrayInfo:
+        if not any(axis in PADDED_AXES for axis in part.axes):
+            return part
+        shape = tuple(real[axis] or n if axis in PADDED_AXES else n for axis, n in zip(part.axes, part.shape))
+        return dataclasses.replace(part, shape=shape)
+
+    return map_infos(stored, info)
 
 
 def _unstacked(info: Any) -> Any:
     """One layer's description of a stacked leaf: its leading `layers` axis dropped."""
-    return map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init), info)
+    return map_infos(lambda i: ArrayInfo(i.shape[1:], i.dtype, i.axes[1:], i.init, i.memory), info)
 
 
 def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
@@ -507,6 +612,8 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
     after: list[LayerLeaf] = []
     by_layer: dict[int, list[LayerLeaf]] = {}
     for path, info in flatten_with_names(abstract_weights(cfg), is_weight):
+        if path in DERIVED_LEAVES:
+            continue
         if path.startswith("mtp."):
             _, block, rest = path.split(".", 2)
             if rest.startswith("block."):  # the block's layer: named as the release names a layer's leaves
@@ -526,8 +633,17 @@ def release_leaves(cfg: ModelConfig) -> list[LayerLeaf]:
         own = _unstacked(info)
         for k in range(segment.repeats):
             layer = segment.layer(k, int(p))
-            by_layer.setdefault(layer, []).append(LayerLeaf(f"layers.{layer}.{rest}", path, k, own, _stored(own, cfg)))
+            rows = _engram_rows(cfg, layer) if rest.startswith("engram.table") else None
+            by_layer.setdefault(layer, []).append(
+                LayerLeaf(f"layers.{layer}.{rest}", path, k, own, _stored(own, cfg, rows))
+            )
     return before + [leaf for layer in sorted(by_layer) for leaf in by_layer[layer]] + after
+
+
+def _engram_rows(cfg: ModelConfig, layer: int) -> int:
+    """The rows of an Engram layer's table as the checkpoint stores them."""
+    assert cfg.engram is not None  # only an Engram model has Engram tables
+    return cfg.engram.num_embeddings[cfg.engram.layer_ids.index(layer)]
 
 
 def _dspark_leaves(path: str, info: Any, cfg: ModelConfig) -> list[LayerLeaf]:

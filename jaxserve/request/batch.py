@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.config import ENGRAM_CONTEXT_TOKENS
 from jaxserve.request.params import SamplingParams
 from jaxserve.request.step import StepPlan, StepRow
 
@@ -48,6 +49,10 @@ class GroupBatch:
     snapshot_tokens: np.ndarray  # [r] int32
     keeps: np.ndarray  # [r] bool: the token sampled after the row is an output token (kept in its slot, returned)
     next_tokens: np.ndarray  # [r, c] int32: the prompt token after each position, for prompt logprobs and drafting
+    # [r, ENGRAM_CONTEXT_TOKENS] int32: the tokens right before each row's first, oldest first (-1 before the sequence's
+    # start): DeepSeek-V4.1's Engram hashes the n-grams that end in a row's tokens (a decode row's own token is on the
+    # device, those before it are delivered)
+    context: np.ndarray
     next_counts: np.ndarray  # [r] int32: the positions that have one (a prompt's last token has none)
     logprobs: np.ndarray  # [r] int32: alternatives returned with the sampled token (-1: no logprobs)
     prompt_logprobs: np.ndarray  # [r] int32: alternatives returned with each prompt token (-1: none asked)
@@ -87,6 +92,7 @@ class GroupBatch:
         tokens = np.zeros((n, width), np.int32)
         page_table = np.zeros((n, pages), np.int32)
         next_tokens = np.zeros((n, width), np.int32)
+        context = np.array([row.request.tokens_before(row.start, ENGRAM_CONTEXT_TOKENS) for row in rows], np.int32)
         per_row = np.zeros(
             (n, len(_PER_ROW)), np.int32
         )  # one array, its columns the per-row fields (built once a step)
@@ -118,6 +124,7 @@ class GroupBatch:
             tokens=tokens,
             page_table=page_table,
             next_tokens=next_tokens,
+            context=context.reshape(n, ENGRAM_CONTEXT_TOKENS),
             **{name: column.astype(bool) if name == "keeps" else column for name, column in columns.items()},
             params=tuple(row.request.sampling for row in rows),
             late=lambda words: _late_inputs(rows, words),

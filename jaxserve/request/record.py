@@ -120,6 +120,16 @@ class Request:
     def total_len(self) -> int:
         return self.prompt_len + len(self.output_ids)
 
+    def tokens_before(self, position: int, count: int) -> list[int]:
+        """The `count` token ids at positions position - count .. position - 1, oldest first; -1 before the
+        sequence's start, and for an output token not delivered yet (only a speculative verify row's tokens before
+        it may be in flight; a model that reads them, an Engram's, refuses speculative decoding)."""
+        n, known = self.prompt_len, self.prompt_len + len(self.output_ids)
+        return [
+            -1 if p < 0 or p >= known else self.prompt_ids[p] if p < n else self.output_ids[p - n]
+            for p in range(position - count, position)
+        ]
+
     @property
     def decode_position(self) -> int:
         """The position of the token the next decode step feeds: the last one sampled for it by a dispatched step

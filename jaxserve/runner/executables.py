@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.table import Kernels
 from jaxserve.model.cache import CacheGeometry
-from jaxserve.model.forward import final_norm, last_logits, tapped_streams
+from jaxserve.model.forward import last_logits, output_states, tapped_streams
 from jaxserve.model.sharding import shape_dtype_structs, shardings_for
 from jaxserve.request.grammar import mask_words
 from jaxserve.request.step import StepShape
@@ -107,12 +107,12 @@ class ExecutableCache:
         )
         speculative = isinstance(cache, SpeculativeCache)
         kv = cache.kv if speculative else cache
-        hs, kv, taps = tapped_streams(weights, kv, steps, self.cfg, self.kernels, tap=self.cfg.dspark_drafting)
+        hs, kv, taps, pres = tapped_streams(weights, kv, steps, self.cfg, self.kernels, tap=self.cfg.dspark_drafting)
         if speculative:
             cache = self._prompt_drafting(weights, dataclasses.replace(cache, kv=kv), hs, taps, groups)
         else:
             cache = kv
-        logits, prompts = self._logits(weights, hs, groups)
+        logits, prompts = self._logits(weights, hs, groups, pres)
         return logits, prompts, cache
 
     def _prompt_drafting(
@@ -131,12 +131,12 @@ class ExecutableCache:
                 positions = decoding_from(positions, group.step, completes)
         return dataclasses.replace(cache, draft=draft, positions=positions)
 
-    def _logits(self, weights, hs: list[jax.Array], groups: tuple[GroupInputs, ...]):
-        """Each group's logits at its rows' last tokens, and its prompt logprobs (None where not asked)."""
+    def _logits(self, weights, hs: list[jax.Array], groups: tuple[GroupInputs, ...], pres=None):
+        """Each group's logits at its rows' last tokens, and its prompt logprobs (None where not asked). `pres`:
+        DeepSeek-V4.1's last collapse weights per group (forward.output_states)."""
         logits, prompts = [], []
-        for h, group in zip(hs, groups):
-            head = (weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm)
-            y = final_norm(h, *head, self.cfg, self.kernels)
+        for i, (h, group) in enumerate(zip(hs, groups)):
+            y = output_states(weights, h, None if pres is None else pres[i], self.cfg, self.kernels)
             asked = group.asked
             logits.append(last_logits(y, group.step, weights.head, self.cfg.vocab_size))
             prompt = None

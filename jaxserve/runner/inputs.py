@@ -77,6 +77,7 @@ def group_inputs(group: StepGroup, geometry: CacheGeometry) -> GroupInputs:
         lengths=pad(rows.lengths),
         slots=pad(rows.slots),
         page_table=_page_table(rows, pad, geometry),
+        context=pad(rows.context, fill=-1),
         **prefix_state,
     )
     # Padding rows keep nothing: their store slot is past every slot.

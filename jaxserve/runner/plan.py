@@ -36,7 +36,15 @@ from jaxserve.kernels.quant import Quantized
 from jaxserve.kernels.table import kernels_for
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
-from jaxserve.model.weights import abstract_weights, flatten_with_names, is_info, is_quantized, is_weight, nbytes
+from jaxserve.model.weights import (
+    HOST_MEMORY,
+    abstract_weights,
+    flatten_with_names,
+    is_info,
+    is_quantized,
+    is_weight,
+    nbytes,
+)
 from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, targets
 from jaxserve.runner.executables import ExecutableCache
@@ -232,13 +240,19 @@ def _stored_arrays(cfg: ModelConfig, mesh: Mesh) -> Iterator[tuple[str, str, Any
 
 def weight_bytes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, dict[str, int], int]:
     """(bytes per device, the same by storage format, bytes of the whole model) of the weights `cfg` describes,
-    sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it."""
+    sharded over `mesh` (ShardingError when it cannot be), its vocabulary padded as `mesh` holds it. What lives in
+    the host's memory (Engram tables placed there) is not in a device's bytes; `by format` has it per device's share,
+    as "<format> in host memory"."""
     by_format: dict[str, int] = {}
-    total = 0
-    for _, kind, _, per_device, whole in _stored_arrays(cfg, mesh):
+    total = on_devices = 0
+    for _, kind, info, per_device, whole in _stored_arrays(cfg, mesh):
+        if info.memory == HOST_MEMORY:  # DeepSeek-V4.1's Engram tables with --engram-placement host
+            kind = f"{kind} in host memory"
+        else:
+            on_devices += per_device
         by_format[kind] = by_format.get(kind, 0) + per_device
         total += whole
-    return sum(by_format.values()), by_format, total
+    return on_devices, by_format, total
 
 
 def decode_read_bytes(
@@ -261,7 +275,7 @@ def decode_read_bytes(
     experts = min(cfg.n_routed_experts, rows * tokens_per_row * cfg.num_experts_per_tok)
     weights = 0.0
     for name, _, info, per_device, _ in _stored_arrays(cfg, mesh):
-        if name == "embed" or name.endswith("tid2eid"):
+        if name == "embed" or name.endswith("tid2eid") or "engram_rows" in info.axes:  # a row per token is read
             continue
         weights += per_device * experts / cfg.n_routed_experts if "experts" in info.axes else per_device
     tokens = min(context, cfg.index_topk * cfg.csa_rate) if CSA in cfg.layer_kinds else context

@@ -336,7 +336,7 @@ def speculative_step(
         draft = DraftState(mtp_cache, draft.streams)
     with jax.named_scope("verify"):
         fed = dataclasses.replace(inputs, tokens=jnp.concatenate([last[:, None], drafts], axis=1))
-        streams, cache, taps = tapped_streams(weights, state.kv, [*prompts, fed], cfg, kernels, tap=dspark)
+        streams, cache, taps, _ = tapped_streams(weights, state.kv, [*prompts, fed], cfg, kernels, tap=dspark)
         head = (weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm)
         y = final_norm(streams[-1], *head, cfg, kernels)
         logits = vocab_logits(y, weights.head, cfg.vocab_size)

@@ -293,6 +293,13 @@ def _text(content: Any, where: str, joiner: str = "") -> str:
         parts = []
         for k, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and "image" in kind:  # image_url, input_image, image
+                    raise ChatTemplateError(
+                        "messages",
+                        f"{where}.content[{k}]: image content ({kind!r}) is not supported: jaxserve serves the text "
+                        "model only (DeepSeek-V4.1's vision tower is not built)",
+                    )
                 raise ChatTemplateError(
                     "messages", f"{where}.content[{k}]: only text parts are supported, got {part!r:.80}"
                 )
