@@ -141,22 +141,22 @@ def engram_streams(
 def engram_rows(table: Any, ids: jax.Array, on_host: bool) -> jax.Array:
     """An Engram table's rows `ids` [..., c] decoded to float32 [..., c, k]; gathered in the host's memory, and only
     those rows copied to the device, where the table lives there (`on_host`)."""
-    layer = None
-    if isinstance(table, LayerOf):  # read in place from the stack (sliced, the table would be copied)
-        layer, table = table.layer, table.stack
+    if isinstance(table, LayerOf):  # read in place from the stack as one run of rows (sliced, it would be copied)
+        rows_per_layer = jax.tree.leaves(table.stack)[0].shape[1]
+        ids = ids + table.layer * rows_per_layer
+        table = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), table.stack)
 
-    def gather(ids, layer):
-        index = ids if layer is None else (layer, ids)
+    def gather(ids):
         if isinstance(table, Quantized):
-            return lookup(table.codes[index], table.scales[index])
-        return table[index].astype(F32)
+            return lookup(table.codes[ids], table.scales[ids])
+        return table[ids].astype(F32)
 
     if not on_host:
-        return gather(ids, layer)
+        return gather(ids)
     with jax.named_scope("engram_host_gather"):
-        ids, layer = jax.device_put((ids, layer), jax.memory.Space.Host)
+        ids = jax.device_put(ids, jax.memory.Space.Host)
         with compute_on("device_host"):
-            rows = gather(ids, layer)
+            rows = gather(ids)
         return jax.device_put(rows, jax.memory.Space.Device)
 
 
