@@ -651,6 +651,14 @@ def plan(args: argparse.Namespace) -> int:
         prepare_for_target()
         gpu = gpu_target(args.target)
     cfg = engine_config(args)
+    if gpu is not None and cfg.engram_placement == "host":
+        # XLA's deviceless GPU devices expose no host memory kinds, so a step that gathers there cannot compile.
+        print(
+            "jaxserve plan: --engram-placement host cannot compile for a --target GPU without one (its deviceless "
+            "devices have no host memory); plan it without --target",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     memory = cfg.device_memory if cfg.device_memory is not None or gpu is None else gpu.memory_bytes
     if memory is None:
         print("jaxserve plan: --device-memory is required (e.g. 80GiB)", file=sys.stderr)

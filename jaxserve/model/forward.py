@@ -27,6 +27,7 @@ from jaxserve.model.moe import moe_block
 from jaxserve.model.segments import LayerKind, Segment, layer_segments
 from jaxserve.model.shared_kv import Shared, Source, shared_kv_attention
 from jaxserve.model.weights import (
+    ALWAYS_IN_PLACE,
     BLOCK_NORMS,
     MTP_KIND,
     ONE_DEVICE_IN_PLACE,
@@ -141,23 +142,28 @@ def engram_streams(
 def engram_rows(table: Any, ids: jax.Array, on_host: bool) -> jax.Array:
     """An Engram table's rows `ids` [..., c] decoded to float32 [..., c, k]; gathered in the host's memory, and only
     those rows copied to the device, where the table lives there (`on_host`)."""
+    stacked = isinstance(table, LayerOf)
     if isinstance(table, LayerOf):  # read in place from the stack as one run of rows (sliced, it would be copied)
-        rows_per_layer = jax.tree.leaves(table.stack)[0].shape[1]
-        ids = ids + table.layer * rows_per_layer
-        table = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), table.stack)
+        ids = ids + table.layer * jax.tree.leaves(table.stack)[0].shape[1]
+        table = table.stack
 
     def gather(ids):
-        if isinstance(table, Quantized):
-            return lookup(table.codes[ids], table.scales[ids])
-        return table[ids].astype(F32)
+        # Reshaped where the table lives (in host memory: inside the host computation).
+        rows = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), table) if stacked else table
+        return jax.tree.map(lambda a: a[ids], rows)
+
+    def decoded(rows) -> jax.Array:
+        return lookup(rows.codes, rows.scales) if isinstance(rows, Quantized) else rows.astype(F32)
 
     if not on_host:
-        return gather(ids)
+        return decoded(gather(ids))
     with jax.named_scope("engram_host_gather"):
         ids = jax.device_put(ids, jax.memory.Space.Host)
         with compute_on("device_host"):
             rows = gather(ids)
-        return jax.device_put(rows, jax.memory.Space.Device)
+        # The rows cross the host link as stored (FP8 codes and their scales: 264 B a release row, not 1 KB
+        # decoded) and are decoded on the device.
+        return decoded(jax.device_put(rows, jax.memory.Space.Device))
 
 
 def run_segment(
@@ -201,7 +207,12 @@ def run_segment(
         # A hyper-connection's weights and the block norms are replicated on every mesh (read whole, no gather).
         name = getattr(path[-1], "name", None)
         in_place_here = is_quantized(a) or name in ONE_DEVICE_IN_PLACE
-        return isinstance(a, HyperConnection) or name in BLOCK_NORMS or (in_place and in_place_here)
+        return (
+            isinstance(a, HyperConnection)
+            or name in BLOCK_NORMS
+            or name in ALWAYS_IN_PLACE
+            or (in_place and in_place_here)
+        )
 
     # Per position: its weights as leaves (a Quantized is one, a HyperConnection too), whether each is kept whole,
     # those the scan slices (the rest left None) and the structure to put a repeat's layer back together.

@@ -142,6 +142,9 @@ class RoutedExperts:
 # device as the projections are (the query's low-rank norm, which its projections fold in; the attention sinks).
 BLOCK_NORMS = ("attn_norm", "ffn_norm")
 ONE_DEVICE_IN_PLACE = ("q_norm", "sinks")
+# Read in place on any mesh and any placement: DeepSeek-V4.1's Engram tables, of which a step gathers a few rows
+# (sliced out of their stack, a table would be copied; in host memory, the slice would not stay there).
+ALWAYS_IN_PLACE = ("table",)
 
 
 @jax.tree_util.register_dataclass

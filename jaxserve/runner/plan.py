@@ -284,15 +284,17 @@ def decode_read_bytes(
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(parameters, those one token uses) of the model `cfg` describes, counted on its abstract weights (dense, so a
-    packed FP4 code counts as its two values; the hash-routing table is not a parameter): a token uses
-    num_experts_per_tok of the n_routed_experts routed experts and every other weight."""
-    total = routed = 0
+    packed FP4 code counts as its two values; the hash-routing table and the Engram hash products are not
+    parameters): a token uses num_experts_per_tok of the n_routed_experts routed experts, of each Engram table the
+    rows its n-grams hash to (counted as none), and every other weight."""
+    total = routed = engram = 0
     for name, info in flatten_with_names(abstract_weights(cfg.dequantized()), is_info):
-        if not name.endswith("tid2eid"):
+        if not name.endswith(("tid2eid", "ngram_products")):
             count = int(np.prod(info.shape))
             total += count
             routed += count if "experts" in info.axes else 0
-    return total, total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+            engram += count if "engram_rows" in info.axes else 0
+    return total, total - routed - engram + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
 
 
 @dataclass
