@@ -18,17 +18,30 @@ What runs, in one process, the two placements interleaved round by round, the or
    beside them and the largest B and L run with all four runners (2 table sizes x 2 placements) interleaved: a
    step that copied or converted a whole table would grow with its size.
 2. The gather alone (`jaxserve.model.forward.engram_rows`, jitted, both Engram layers of a step): device table,
-   host table, and on the host table the rows' codes and scales only (no FP8 decode), at each table size.
-3. Copies: numpy memcpy of the bytes a step moves, `jax.device_put` from pinned_host to device memory (an array
-   of that size, and one of 264 B: the fixed cost of a transfer), each timed alone.
+   host table (the host path: the rows' codes and scales gathered in host memory, copied to the device as stored,
+   decoded there), and on the host table the same without the decode (the host path's host-side work and its
+   copy), at each table size.
+3. Copies: numpy memcpy of the bytes a step moves (its rows as stored + their ids), `jax.device_put` from
+   pinned_host to device memory (an array of that size, and one of 264 B: the fixed cost of a transfer), each
+   timed alone.
 4. Checks: both placements' logits (a jitted `logits_all`: a prompt chunk, then a decode step) are bitwise equal,
    and so are the runners' greedy tokens; the compiled host step's HLO names no table-sized value other than the
    tables themselves (no copy of a table).
 
+The host path (`engram_rows` with the tables in host memory, per Engram layer): the row ids (int32, 4 B a row) are
+copied to host memory, the rows are gathered there as stored (FP8 codes + ue8m0 scales, 264 B a release row) inside
+`compute_on("device_host")`, copied to the device as stored, and decoded to float32 on the device (`lookup`), as
+the device path decodes its own gather. A step moves rows x 264 B + rows x 4 B of ids between the memory kinds, in
+3 transfers a layer (the ids; the codes and the scales).
+
 On XLA:CPU "device" and "pinned_host" memory are both this machine's RAM, and `compute_on("device_host")` runs on
-the same cores: the host path's transfers are at most memcpys (the HLO shows none inside the step). The
-prediction here is therefore bytes / memcpy bandwidth + the fixed cost of a transfer; what it would be over PCIe
-5.0 x16 to an H200 is computed from an assumed bandwidth (see the results' last table).
+the same cores: the host path's transfers are at most memcpys (the HLO check says whether there are any inside the
+step). The prediction here is therefore the moved bytes at this machine's memcpy rate + the fixed cost of a
+transfer; what the rows would take over PCIe 5.0 x16 to an H200 is computed from an assumed bandwidth (see the
+results' last table).
+
+`--render RESULT.json` recomputes the derived fields (byte counts, predictions, the H200 table) from the raw
+measurements in the JSON with this byte model and rewrites the findings and markdown; measured numbers are kept.
 """
 
 from __future__ import annotations
@@ -67,8 +80,11 @@ PLACEMENTS = ("device", "host")
 HEAD_DIM = 256  # the release's engram_head_dim
 N_HEADS = 8  # the release's engram_n_heads: 8 heads x 3 n-gram sizes (2, 3, 4) = 24 columns
 SCALE_BLOCK = 32  # channels per ue8m0 scale
-ROW_BYTES = HEAD_DIM + HEAD_DIM // SCALE_BLOCK  # 264: FP8 codes + scales, what the table stores per row
-DECODED_ROW_BYTES = HEAD_DIM * 4  # 1024: a row decoded to float32, what the host computation hands the device
+ROW_BYTES = HEAD_DIM + HEAD_DIM // SCALE_BLOCK  # 264: FP8 codes + scales, what a row stores and what crosses the link
+ID_BYTES = 4  # a row id (int32), copied to host memory
+TRANSFERS_PER_LAYER = 3  # the ids to the host; the rows' codes and scales back to the device
+# The earlier design (before ff37eb2) decoded the rows on the host and handed the device float32: for comparison only.
+DECODED_ROW_BYTES = HEAD_DIM * 4
 TABLE_CHUNK = 1 << 17  # rows drawn and quantized at a time when writing a big table
 # The release (issue 43; the v41-flash preset): 2 Engram layers, (4 - 1) x 8 = 24 columns, 264 B a row.
 RELEASE_LAYERS, RELEASE_COLUMNS = 2, 24
@@ -148,7 +164,7 @@ def code_state() -> dict[str, Any]:
     import subprocess
 
     def git(*words: str) -> str:
-        return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True, check=False).stdout.rstrip()
 
     changed = git("status", "--porcelain", "--", "jaxserve", "kernels", "checkpoints", "server", "cli")
     return {"head": git("rev-parse", "HEAD"), "modified": [line[3:] for line in changed.splitlines()]}
@@ -206,10 +222,11 @@ def paired(times: dict[str, list[float]], base: str = "device", other: str = "ho
 
 
 def step_bytes(tokens: int, layers: int = 2, columns: int = RELEASE_COLUMNS) -> dict[str, int]:
-    """A step's Engram bytes: the rows as stored (the issue's measure), as the host computation hands them over
-    (decoded to float32), and the ids (and broadcast layer index) sent to host memory."""
+    """A step's Engram bytes on the host path: the rows as stored (codes + scales: what the host hands the device),
+    their ids (sent to host memory), and the two together (`moved`: what crosses between the memory kinds)."""
     rows = tokens * layers * columns
-    return {"rows": rows, "stored": rows * ROW_BYTES, "decoded": rows * DECODED_ROW_BYTES, "ids": rows * 4 * 2}
+    stored, ids = rows * ROW_BYTES, rows * ID_BYTES
+    return {"rows": rows, "stored": stored, "ids": ids, "moved": stored + ids}
 
 
 def copy_costs(sizes: dict[str, int], repeats: int) -> dict[str, Any]:
@@ -269,9 +286,10 @@ def synthetic_tables(rows: int, seed: int = 0):
 
 
 def gather_costs(rows: int, token_counts: list[int], repeats: int) -> dict[str, Any]:
-    """The Engram gather of a step alone (both layers, 24 columns each), on tables of `rows` rows: device table,
-    host table (what the step runs), and on the host table the codes and scales only (what a host gather that
-    left the FP8 decode to the device would do on the host)."""
+    """The Engram gather of a step alone (both layers, 24 columns each), on tables of `rows` rows: device table
+    (gathered and decoded on the device), host table (what the step runs: codes and scales gathered in host
+    memory, copied to the device as stored, decoded there), and on the host table the same without the decode
+    (`host_codes_only`: the host path's host-side gather and its copy; `host` - `host_codes_only` is the decode)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -289,7 +307,8 @@ def gather_costs(rows: int, token_counts: list[int], repeats: int) -> dict[str, 
         return jax.jit(run)
 
     def codes_only(table, ids):
-        # as engram_rows reads a stack (one run of rows, a flat index), without the decode
+        # engram_rows' host path (one run of rows of the stack, a flat index; rows handed over as stored) without
+        # the decode on the device
         rows_per_layer = table.codes.shape[1]
         codes, scales = (a.reshape(-1, a.shape[-1]) for a in (table.codes, table.scales))
         out = []
@@ -567,40 +586,92 @@ def table_size_steps(
 # ---- predictions and the report ---------------------------------------------------------------------------------
 
 
-def predict(moved: dict[str, Any], ids_bytes: int, copies: dict[str, Any], transfers: int) -> float:
-    """Seconds: a memcpy of the step's moved bytes (`moved`: its entry in `copies`), the ids at that bandwidth,
-    and `transfers` times the fixed cost of a transfer (a one-row device_put, pinned_host -> device)."""
-    copy_s = moved["memcpy"]["median_ms"] / 1e3
+def memcpy_rate(nbytes: int, copies: dict[str, Any]) -> tuple[float, str]:
+    """Bytes a second of this machine's memcpy for a copy of `nbytes`, and where it comes from: the copy measured
+    at that size, else interpolated (linearly in log size) between the measured sizes around it, or the nearest
+    measured size beyond the range (a result of a run whose copies were sized for another byte model). The one-row
+    copy (call overhead, not bandwidth) is left out."""
+    import math
+
+    sizes = [(c["bytes"], c["memcpy_GBps"] * 1e9, name) for name, c in copies.items() if c["bytes"] > ROW_BYTES]
+    measured = sorted(sizes)
+    for size, rate, name in measured:
+        if size == nbytes:
+            return rate, f"measured ({name})"
+    if nbytes <= measured[0][0] or nbytes >= measured[-1][0]:
+        size, rate, name = measured[0] if nbytes <= measured[0][0] else measured[-1]
+        return rate, f"nearest measured size ({name})"
+    (s0, r0, n0), (s1, r1, n1) = next((a, b) for a, b in zip(measured, measured[1:]) if a[0] < nbytes < b[0])
+    w = math.log(nbytes / s0) / math.log(s1 / s0)
+    return r0 + w * (r1 - r0), f"interpolated ({n0}, {n1})"
+
+
+def predict(moved: int, copies: dict[str, Any], transfers: int) -> float:
+    """Seconds: a memcpy of `moved` bytes at this machine's memcpy rate for that size, and `transfers` times the
+    fixed cost of a transfer (a one-row device_put, pinned_host -> device)."""
     fixed = copies["one row (264 B)"]["device_put"]["median_ms"] / 1e3
-    return copy_s * (1 + ids_bytes / moved["bytes"]) + transfers * fixed
+    return moved / memcpy_rate(moved, copies)[0] + transfers * fixed
 
 
-def h200_projection(gathers: dict[str, Any]) -> list[dict[str, Any]]:
-    """The release's step bytes over PCIe 5.0 x16 (assumed bandwidths), the host-side gather measured here at the
-    same row counts, and plausible H200 step times (estimates)."""
+def h200_projection(gathers: dict[int, Any]) -> list[dict[str, Any]]:
+    """The release's rows as stored over PCIe 5.0 x16 (assumed bandwidths; the ids go the other way, a separate
+    direction of the link), the host path's gather measured here at the same row counts, and plausible H200 step
+    times (estimates). `earlier_design_decoded`: what handing the device float32 rows (decoding on the host, the
+    design before ff37eb2) would have cost, for comparison."""
     out = []
+    achieved = sum(PCIE5_ACHIEVED) / 2
     for label, tokens, step_s in (
         (f"decode batch {RELEASE_DECODE_ROWS}", RELEASE_DECODE_ROWS, H200_DECODE_64_S),
         (f"prefill chunk {RELEASE_PREFILL_CHUNK}", RELEASE_PREFILL_CHUNK, H200_PREFILL_8192_S),
     ):
         b = step_bytes(tokens, RELEASE_LAYERS, RELEASE_COLUMNS)
         row: dict[str, Any] = {"step": label, "tokens": tokens, **b}
-        for what in ("stored", "decoded"):
-            row[f"{what}_ms_at"] = {
-                f"{bw / 1e9:.0f} GB/s": round(1e3 * b[what] / bw, 3) for bw in (PCIE5_THEORETICAL, *PCIE5_ACHIEVED)
-            }
+        row["stored_ms_at"] = {
+            f"{bw / 1e9:.0f} GB/s": round(1e3 * b["stored"] / bw, 3) for bw in (PCIE5_THEORETICAL, *PCIE5_ACHIEVED)
+        }
         row["step_estimate_ms"] = [round(1e3 * s, 1) for s in step_s]
-        achieved = sum(PCIE5_ACHIEVED) / 2
-        row["decoded_share_of_step"] = [round(b["decoded"] / achieved / s, 4) for s in reversed(step_s)]
         row["stored_share_of_step"] = [round(b["stored"] / achieved / s, 4) for s in reversed(step_s)]
+        decoded = b["rows"] * DECODED_ROW_BYTES
+        row["earlier_design_decoded"] = {
+            "bytes": decoded,
+            f"ms_at_{achieved / 1e9:g}_GBps": round(1e3 * decoded / achieved, 3),
+            "share_of_step": [round(decoded / achieved / s, 4) for s in reversed(step_s)],
+        }
         measured = gathers.get(tokens)
         if measured is not None:
             row["host_gather_here_ms"] = {
-                "gather_and_decode": measured["host"]["median_ms"],
+                "device": measured["device"]["median_ms"],
+                "host": measured["host"]["median_ms"],
                 "codes_only": measured["host_codes_only"]["median_ms"],
             }
         out.append(row)
     return out
+
+
+def derive(report: dict[str, Any]) -> None:
+    """The fields computed from the measurements, (re)computed in place with this script's byte model: each step's
+    and gather's bytes, the steps' predicted extra, the H200 table. Measured numbers are left as they are."""
+    report["byte_model"] = {
+        "row_bytes_stored": ROW_BYTES,
+        "id_bytes": ID_BYTES,
+        "transfers_per_step": TRANSFERS_PER_LAYER * RELEASE_LAYERS,
+        "moved": "rows x (264 B of codes and scales + 4 B of id): the rows cross as stored, decoded on the device",
+    }
+    copies = report["copies"]
+    for g in report["gathers"]:
+        for tokens, m in g["by_tokens"].items():
+            m.pop("decoded", None)
+            m.update(step_bytes(int(tokens)))
+    for model in report["models"]:
+        for kind in ("decode", "prefill"):
+            for n, m in model[kind].items():
+                m.pop("decoded", None)
+                m.update(step_bytes(int(n)))
+                rate, source = memcpy_rate(m["moved"], copies)
+                m["memcpy_GBps_used"] = {"GBps": round(rate / 1e9, 2), "from": source}
+                m["predicted_copy_ms"] = round(1e3 * predict(m["moved"], copies, 0), 3)
+                m["predicted_ms"] = round(1e3 * predict(m["moved"], copies, TRANSFERS_PER_LAYER * RELEASE_LAYERS), 3)
+    report["h200"] = h200_projection({int(t): m for t, m in report["gathers"][0]["by_tokens"].items()})
 
 
 def extra(s: dict[str, Any]) -> str:
@@ -621,6 +692,8 @@ def markdown(report: dict[str, Any]) -> str:
     if code:
         changed = f", with uncommitted changes to {', '.join(code['modified'])}" if code["modified"] else ""
         lines[-1] += f" Code measured: jaxserve at {code['head'][:10]}{changed}."
+        if code.get("note"):
+            lines[-1] += f" Note: {code['note']}"
     lines.append("")
     for model in report["models"]:
         sizes = " + ".join(f"{b / 1e6:.1f} MB" for b in model["table_bytes_each"])
@@ -636,7 +709,7 @@ def markdown(report: dict[str, Any]) -> str:
                         f"{m['ratio']:.3f}x",
                         extra(m["extra_ms"]),
                         f"{m['extra_of_minimums_ms']:+.3f}",
-                        f"{m['stored'] / 1e3:,.1f} / {m['decoded'] / 1e3:,.1f}",
+                        f"{m['moved'] / 1e3:,.1f}",
                         f"{m['predicted_copy_ms']:.3f} / {m['predicted_ms']:.3f}",
                         m["device"]["n"],
                     ]
@@ -650,7 +723,7 @@ def markdown(report: dict[str, Any]) -> str:
                     "host/device",
                     "extra ms",
                     "min - min ms",
-                    "KB stored / moved",
+                    "KB moved",
                     "predicted extra ms: copy / + fixed",
                     "rounds",
                 ],
@@ -699,13 +772,16 @@ def markdown(report: dict[str, Any]) -> str:
                 )
         headers = ["step", "placement", f"{mb[0]:.0f} MB ms", f"{mb[1]:.0f} MB ms", "big/small", "big - small ms"]
         lines += [markdown_table(headers, rows), ""]
+    transfers = TRANSFERS_PER_LAYER * RELEASE_LAYERS
     lines += [
-        "KB stored: rows x 264 B (256 B of FP8 codes + 8 B of scales, the issue's measure: tokens x 2 layers x 24 "
-        "columns x 264 B). KB moved: what the host computation hands the device, the rows decoded to float32 "
-        "(1024 B a row: `lookup` runs inside `compute_on('device_host')`). Predicted extra: the moved bytes at this "
-        "machine's memcpy of that many bytes (`copy`), and that + 4 transfers a step (per Engram layer the ids to the "
-        "host, the rows back) at the measured cost of a one-row device_put from Python (`+ fixed`: mostly dispatch). "
-        "Both assume the step copies its rows; see the findings for whether XLA:CPU's compiled step copies anything.",
+        f"KB moved: what the host path moves between the memory kinds, rows x {ROW_BYTES + ID_BYTES} B (tokens x 2 "
+        f"layers x 24 columns): each row as stored, {ROW_BYTES} B (256 B of FP8 codes + 8 B of ue8m0 scales: the host "
+        "gathers the rows inside `compute_on('device_host')` and hands them over undecoded; `lookup` decodes them on "
+        f"the device, as in the device path), and its id, {ID_BYTES} B, sent to host memory. Predicted extra: the "
+        "moved bytes at this machine's memcpy rate for that size (`copy`; see the copies below), and that + "
+        f"{transfers} transfers a step (per Engram layer the ids to the host, the codes and the scales back) at the "
+        "measured cost of a one-row device_put from Python (`+ fixed`: mostly dispatch). Both assume the step copies "
+        "its rows; see the findings for whether XLA:CPU's compiled step copies anything.",
         "",
         "## The gather alone (both Engram layers of a step, jitted)",
         "",
@@ -722,31 +798,50 @@ def markdown(report: dict[str, Any]) -> str:
                     f"{m['ratio']:.3f}x",
                     f"{m['extra_ms']['median_ms']:+.3f}",
                     f"{m['host_codes_only']['median_ms']:.3f}",
+                    f"{m['host']['median_ms'] - m['host_codes_only']['median_ms']:.3f}",
                     m["rows_equal"],
                 ]
             )
     lines.append(
         markdown_table(
-            ["table", "tokens", "device ms", "host ms", "host/device", "extra ms", "host, codes only ms", "equal"], rows
+            [
+                "table",
+                "tokens",
+                "device ms",
+                "host ms",
+                "host/device",
+                "extra ms",
+                "host, codes only ms",
+                "host - codes only ms",
+                "equal",
+            ],
+            rows,
         )
     )
     lines += [
         "",
-        "`host, codes only`: the same rows' codes and scales gathered in host memory and handed over undecoded "
-        "(264 B a row); the difference to `host` is XLA:CPU's FP8 -> float32 decode of the rows.",
+        "`device`: the rows gathered from the device's table and decoded there. `host`: the host path, the rows' "
+        "codes and scales gathered in host memory, copied to the device as stored (264 B a row) and decoded there. "
+        "`host, codes only`: the host path without its decode on the device (the gather in host memory and the copy "
+        "of the stored rows); `host - codes only` (difference of medians) is the device's FP8 -> float32 decode, the "
+        "same decode the device path runs. On XLA:CPU both memories are this machine's RAM and every part runs on "
+        "the same cores.",
         "",
         "## Copies on this machine",
         "",
     ]
-    rows = []
+    rows, earlier = [], False
     for name, c in report["copies"].items():
+        sized = re.fullmatch(r"(decode|prefill) (\d+): moved", name)
+        if sized and c["bytes"] == step_bytes(int(sized.group(2)))["rows"] * DECODED_ROW_BYTES:
+            name, earlier = f"{sized.group(1)} {sized.group(2)}: its rows decoded to float32 (earlier design)", True
         rows.append(
             [
                 name,
                 c["bytes"],
-                f"{c['memcpy']['median_ms']:.4f}",
+                f"{c['memcpy']['median_ms']:.3f}",
                 c["memcpy_GBps"],
-                f"{c['device_put']['median_ms']:.4f}",
+                f"{c['device_put']['median_ms']:.3f}",
                 c["device_put_GBps"],
             ]
         )
@@ -756,11 +851,29 @@ def markdown(report: dict[str, Any]) -> str:
         "device_put is called from Python (its time includes the dispatch); inside a jitted step XLA:CPU emits no "
         "copy between the memory kinds at all (see the HLO check above).",
         "",
+    ]
+    if earlier:
+        used = {
+            f"{kind} {n}": m["memcpy_GBps_used"]
+            for model in report["models"][:1]
+            for kind in ("decode", "prefill")
+            for n, m in model[kind].items()
+        }
+        lines += [
+            "This run's copies were sized for the earlier design's bytes (rows decoded to float32 on the host, "
+            f"{DECODED_ROW_BYTES} B a row); the predictions above take the memcpy rate at each step's moved bytes "
+            "from them, interpolated in log size: "
+            + ", ".join(f"{k} {v['GBps']:.2f} GB/s" for k, v in used.items())
+            + ".",
+            "",
+        ]
+    lines += [
         "## What the same bytes would cost on an H200 over PCIe 5.0 x16",
         "",
         "Assumed, not measured: PCIe 5.0 x16 gives 64 GB/s per direction in theory and about 50-55 GB/s achieved "
-        "host-to-device; shares below use 52.5 GB/s. Release geometry: 2 Engram layers, 24 columns, 264 B a stored "
-        "row (1024 B decoded to float32). Step times are estimates of the release on 8 x H200 at TP 8: decode at "
+        "host-to-device; shares below use 52.5 GB/s. Release geometry: 2 Engram layers, 24 columns, 264 B a row as "
+        "stored, which is what crosses the link (the rows are decoded on the device; the ids, 4 B a row, go the "
+        "other way). Step times are estimates of the release on 8 x H200 at TP 8: decode at "
         "batch 64 is bound by reading ~25 GB of weights a device (`jaxserve plan --preset v41-flash`: 34 GB of FP4 "
         "experts a device, ~64% of experts touched at batch 64, ~3 GB of dense weights) at 4.8 TB/s, ~5 ms, so "
         "8-20 ms in practice; a prefill chunk of 8192 tokens is ~2.8e14 FLOP (~17B active parameters a token), "
@@ -770,17 +883,19 @@ def markdown(report: dict[str, Any]) -> str:
     rows = []
     for p in report["h200"]:
         here = p.get("host_gather_here_ms", {})
+        old = p["earlier_design_decoded"]
+        old_ms = next(v for k, v in old.items() if k.startswith("ms_at_"))
         rows.append(
             [
                 p["step"],
                 f"{p['rows']:,}",
-                f"{p['stored'] / 1e6:.2f} / {p['decoded'] / 1e6:.2f}",
+                f"{p['stored'] / 1e6:.2f}",
                 " / ".join(f"{v:.3f}" for v in p["stored_ms_at"].values()),
-                " / ".join(f"{v:.3f}" for v in p["decoded_ms_at"].values()),
                 f"{p['step_estimate_ms'][0]:.0f}-{p['step_estimate_ms'][1]:.0f}",
-                f"{100 * p['stored_share_of_step'][0]:.2f}-{100 * p['stored_share_of_step'][1]:.2f}% / "
-                f"{100 * p['decoded_share_of_step'][0]:.2f}-{100 * p['decoded_share_of_step'][1]:.2f}%",
-                f"{here['gather_and_decode']:.1f} / {here['codes_only']:.1f}" if here else "-",
+                f"{100 * p['stored_share_of_step'][0]:.2f}-{100 * p['stored_share_of_step'][1]:.2f}%",
+                f"{here['device']:.1f} / {here['host']:.1f} / {here['codes_only']:.1f}" if here else "-",
+                f"{old['bytes'] / 1e6:.2f} MB, {old_ms:.3f} ms, "
+                f"{100 * old['share_of_step'][0]:.2f}-{100 * old['share_of_step'][1]:.2f}%",
             ]
         )
     lines.append(
@@ -788,16 +903,21 @@ def markdown(report: dict[str, Any]) -> str:
             [
                 "step",
                 "rows",
-                "MB stored / decoded",
-                "ms stored at 64 / 50 / 55 GB/s",
-                "ms decoded at 64 / 50 / 55 GB/s",
+                "MB over the link (as stored)",
+                "ms at 64 / 50 / 55 GB/s",
                 "step estimate ms",
-                "share of step: stored / decoded",
-                "host gather here ms: with decode / codes only",
+                "share of step at 52.5 GB/s",
+                "gather alone here ms: device / host / host codes only",
+                "earlier design, not run: rows decoded on the host (1024 B a row) at 52.5 GB/s",
             ],
             rows,
         )
     )
+    lines += [
+        "",
+        "The last column is what the design before ff37eb2 (decoding on the host, handing the device float32 rows) "
+        f"would have moved: {DECODED_ROW_BYTES / ROW_BYTES:.2f}x the bytes; the code measured here does not do it.",
+    ]
     lines += ["", "## Findings", ""] + [f"- {f}" for f in report["findings"]]
     return "\n".join(lines)
 
@@ -825,15 +945,30 @@ def findings(report: dict[str, Any]) -> list[str]:
         + ", ".join(f"{name} {m['ratio']:.3f}x ({m['extra_ms']['median_ms']:+.3f} ms)" for name, m in steps)
         + f"; the largest measured extra beyond the prediction (copy + fixed): {excess:+.3f} ms ({label})."
     )
+    noise = [(name, m) for name, m in steps if len(m["extra_ms_quartiles"]) == 3]
+    straddle = [name for name, m in noise if m["extra_ms_quartiles"][0] <= 0 <= m["extra_ms_quartiles"][2]]
+    above = [name for name, m in noise if m["extra_ms_quartiles"][0] > 0]
+    below = [name for name, m in noise if m["extra_ms_quartiles"][2] < 0]
+    verdict = (
+        f"Per-round host - device differences whose interquartile range contains 0: {', '.join(straddle) or 'none'}"
+    )
+    if above:
+        verdict += f"; host slower in at least 3 of 4 rounds: {', '.join(above)}"
+    if below:
+        verdict += f"; host faster in at least 3 of 4 rounds: {', '.join(below)}"
+    out.append(verdict + ".")
     gathers = report["gathers"]
     top = max(gathers[0]["by_tokens"], key=int)
     g = gathers[0]["by_tokens"][top]
     out.append(
-        f"On the host table the FP8 decode is most of the host-side work: the gather alone of {int(top):,} tokens x 2 "
-        f"layers x 24 columns takes {g['host']['median_ms']:.1f} ms with the decode (what the committed path runs "
-        f"under compute_on('device_host')) and {g['host_codes_only']['median_ms']:.1f} ms for the codes and scales "
-        "alone (XLA:CPU, this machine). Decoding on the host also hands the device 1024 B a row instead of 264 B: "
-        f"{DECODED_ROW_BYTES / ROW_BYTES:.2f}x the bytes over the link."
+        f"The host path's host-side work is the gather of the stored rows: the gather alone of {int(top):,} tokens x "
+        f"2 layers x 24 columns takes {g['host_codes_only']['median_ms']:.1f} ms for the codes and scales gathered "
+        f"in host memory and copied over as stored, {g['host']['median_ms']:.1f} ms for the whole host path; the "
+        f"difference, {g['host']['median_ms'] - g['host_codes_only']['median_ms']:.1f} ms, is the FP8 -> float32 "
+        f"decode, which runs on the device in both placements (the device path: {g['device']['median_ms']:.1f} ms "
+        f"for the same gather and decode; XLA:CPU, this machine). The rows cross the link as stored, {ROW_BYTES} B a "
+        f"row; decoding them on the host (the design before ff37eb2) would have handed the device "
+        f"{DECODED_ROW_BYTES / ROW_BYTES:.2f}x the bytes."
     )
     if len(gathers) > 1:
         common_tokens = sorted(set(gathers[0]["by_tokens"]) & set(gathers[1]["by_tokens"]), key=int)
@@ -889,6 +1024,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.render:
         report = json.loads(args.render.read_text())
+        derive(report)
         report["findings"] = findings(report)
         text = markdown(report)
         print(text)
@@ -915,11 +1051,11 @@ def main(argv: list[str] | None = None) -> None:
         folders[vocab] = write_checkpoint(args.checkpoints / f"vocab{vocab}", vocab)
         print(f"checkpoint vocab {vocab}: {folders[vocab]} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    # 3. copies: the byte counts the measured steps move (decoded rows), and the release's
+    # 3. copies: the byte counts the measured steps move (rows as stored + ids), and the release's
     sizes = {}
     for kind, ns in (("decode", batches), ("prefill", chunks)):
         for n in ns:
-            sizes[f"{kind} {n}: moved"] = step_bytes(n)["decoded"]
+            sizes[f"{kind} {n}: moved"] = step_bytes(n)["moved"]
     sizes[f"release prefill {RELEASE_PREFILL_CHUNK}: stored"] = step_bytes(RELEASE_PREFILL_CHUNK)["stored"]
     print("copies", flush=True)
     report["copies"] = copy_costs(sizes, 5 if quick else 11)
@@ -945,14 +1081,7 @@ def main(argv: list[str] | None = None) -> None:
         report["table_size"] = table_size_steps(big, small, args, max(batches), max(chunks), rounds, prefill_rounds)
         small.close()
     big.close()
-    for model in report["models"]:
-        for kind in ("decode", "prefill"):
-            for n, m in model[kind].items():
-                moved = report["copies"][f"{kind} {n}: moved"]
-                m["predicted_ms"] = round(1e3 * predict(moved, m["ids"], report["copies"], 4), 3)
-                m["predicted_copy_ms"] = round(1e3 * predict(moved, m["ids"], report["copies"], 0), 3)
-    release_gathers = {int(t): m for t, m in report["gathers"][0]["by_tokens"].items()}
-    report["h200"] = h200_projection(release_gathers)
+    derive(report)
     report["assumptions"] = {
         "pcie5_x16_theoretical_Bps": PCIE5_THEORETICAL,
         "pcie5_x16_achieved_Bps": list(PCIE5_ACHIEVED),
