@@ -23,7 +23,7 @@ from jaxserve.model.segments import layer_segments
 from jaxserve.model.sharding import make_mesh
 from jaxserve.presets import preset
 from jaxserve.runner import build_runner
-from jaxserve.runner.plan import parameter_counts, weight_bytes
+from jaxserve.runner.plan import decode_read_bytes, parameter_counts, weight_bytes
 from jaxserve.server import create_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import BackgroundServer, bind
@@ -244,3 +244,13 @@ def test_v41_flash_preset_is_the_releases_geometry_and_its_engram_tables_live_wh
     assert host_by_format["scales in host memory"] == sum(rows) * 8 // 8
     assert on_devices - on_host == sum(rows) * (256 + 8) // 8 and whole == host_whole
     assert 500e9 <= whole <= 505e9  # about 510 GB as released (the vision tower and DSpark stages are not held)
+
+
+def test_a_decode_steps_least_reads_count_every_indexer_key_and_the_picked_entries_of_each_kv_source(folder):
+    cfg = load_config(folder, dtype="float32")
+    mesh = make_mesh(1, 1)
+    # Float32 store: an entry is head_dim x 4 B, an indexer key index_head_dim x 4 B. Per row at context 100: the
+    # ratio-2 source's 50 keys and its 8 (index_topk) picked entries, the ratio-1 source's 100 keys and 8 entries.
+    entry, key = 64 * 4, 32 * 4
+    per_row = 50 * key + 8 * entry + 100 * key + 8 * entry
+    assert decode_read_bytes(cfg, mesh, 2, 100) - decode_read_bytes(cfg, mesh, 2, 0) == 2 * per_row

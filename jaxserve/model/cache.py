@@ -321,12 +321,17 @@ def zeros_of(abstract: Any, shardings: Any = None) -> Any:
     )
 
 
+def entry_bytes(cfg: ModelConfig, kv_cache_dtype: str = "auto", index: bool = False) -> int:
+    """Bytes of one stored compressed entry (`index` False) or indexer key (True)."""
+    return weights_nbytes(_kv_store(cfg, kv_cache_dtype, (1,), (None,), index))
+
+
 def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> float:
     """Bytes of compressed KV (both pools: codes, scales and RoPE dims when FP8) one token adds, summed over
     layers."""
 
     def entry(index=False):
-        return weights_nbytes(_kv_store(cfg, kv_cache_dtype, (1,), (None,), index))
+        return entry_bytes(cfg, kv_cache_dtype, index)
 
     total = 0.0
     if cfg.shared_kv is not None:  # DeepSeek-V4.1: only the KV sources store entries, for their whole group

@@ -34,7 +34,7 @@ import jaxserve.kernels
 from jaxserve.config import CSA, ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
 from jaxserve.kernels.table import kernels_for
-from jaxserve.model.cache import CacheGeometry, bytes_per_token, kv_geometry, resolve_max_model_len
+from jaxserve.model.cache import CacheGeometry, bytes_per_token, entry_bytes, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import (
     HOST_MEMORY,
@@ -278,6 +278,14 @@ def decode_read_bytes(
         if name == "embed" or name.endswith("tid2eid") or "engram_rows" in info.axes:  # a row per token is read
             continue
         weights += per_device * experts / cfg.n_routed_experts if "experts" in info.axes else per_device
+    if cfg.shared_kv is not None:  # DeepSeek-V4.1: per KV source, every indexer key and the picked entries
+        kv = cfg.shared_kv
+        entry, key = (entry_bytes(cfg, kv_cache_dtype, index) for index in (False, True))
+        per_row = sum(
+            (context // kv.ratios[s]) * key + min(context // kv.ratios[s], cfg.index_topk) * entry
+            for s in kv.kv_sources
+        )
+        return int(weights + rows * per_row)
     tokens = min(context, cfg.index_topk * cfg.csa_rate) if CSA in cfg.layer_kinds else context
     return int(weights + rows * tokens * bytes_per_token(cfg, kv_cache_dtype))
 
