@@ -28,7 +28,7 @@ from jaxserve.config import ModelConfig, load_config
 from jaxserve.kernels.quant import FP4, Quantized
 from jaxserve.kernels.quant import FP8 as FP8_E4M3
 from jaxserve.model.stacking import WeightsBuilder
-from jaxserve.model.weights import FP4_BLOCK, FP8_BLOCK, ArrayInfo, Weights, release_leaves
+from jaxserve.model.weights import ENGRAM_TABLE_BLOCKS, FP4_BLOCK, FP8_BLOCK, ArrayInfo, Weights, release_leaves
 from jaxserve.progress import progress
 
 log = logging.getLogger("jaxserve.checkpoints")
@@ -166,7 +166,7 @@ def _layer_sources(layer: str, cfg: ModelConfig) -> dict[str, Source]:
     src[f"{a}.indexer.wk"] = Source((f"{a}.indexer.wk.weight",), TRANSPOSED)
     src[f"{a}.indexer.k_norm"] = Source((f"{a}.indexer.k_norm.weight",), AS_IS)
     e = f"{layer}.engram"
-    src[f"{e}.table"] = Source((f"{e}.embed.weight",), AS_IS, FP8, fp8_blocks=(1, 32))
+    src[f"{e}.table"] = Source((f"{e}.embed.weight",), AS_IS, FP8, fp8_blocks=ENGRAM_TABLE_BLOCKS)
     src[f"{e}.wkv"] = Source((f"{e}.wkv.weight",), TRANSPOSED, FP8)
     src[f"{e}.q_weight"] = Source((f"{e}.q_weight",), AS_IS)
     src[f"{e}.k_weight"] = Source((f"{e}.k_weight",), AS_IS)

@@ -29,6 +29,11 @@ def indexer_topk(
 
     Returns (indices [b, t, k] int32, valid [b, t, k] bool); picks that land on invisible entries are invalid.
     """
-    scores = jnp.where(visible, indexer_scores(q, head_weights, keys), -jnp.inf)
-    top_scores, top_idx = jax.lax.top_k(scores, k)
+    return top_visible(indexer_scores(q, head_weights, keys), visible, k)
+
+
+def top_visible(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k best `visible` entries of `scores` [..., e]: (indices [..., k] int32, valid [..., k] bool); picks that
+    land on invisible entries (fewer than k visible) are invalid."""
+    top_scores, top_idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
     return top_idx.astype(jnp.int32), top_scores > -jnp.inf

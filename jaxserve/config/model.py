@@ -218,7 +218,12 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         """The vocabulary rows the devices hold: `vocab_size` rounded up to a multiple of `vocab_multiple`."""
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+        return self.padded_rows(self.vocab_size)
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows of an axis split like the vocabulary (V4.1's Engram tables too) that the devices hold: `rows` rounded
+        up to a multiple of `vocab_multiple`."""
+        return -(-rows // self.vocab_multiple) * self.vocab_multiple
 
     def with_vocab_multiple(self, multiple: int) -> ModelConfig:
         return dataclasses.replace(self, vocab_multiple=multiple)

@@ -111,14 +111,14 @@ def shared_kv_block(
                 for h, ids, g in zip(hs, ngram_ids, groups)
             ]
     with jax.named_scope("attention"):
-        mixed, attn_pres, source = [], [], None
+        mixed, attn_pres = [], []
         for g, (h, pre, inputs) in enumerate(zip(hs, pres, groups)):
             attn_pre, post, comb = hc_site(h, w.attn_hc, cfg)
             x = collapse(h, pre, w.attn_norm, cfg)
-            out, cache, source = shared_kv_attention(x, w.attn, cache, layer, inputs, cfg, kind, kernels, shared, g)
+            out, cache = shared_kv_attention(x, w.attn, cache, layer, inputs, cfg, kind, kernels, shared, g)
             mixed.append(hc_post(out, h, post, comb))
             attn_pres.append(attn_pre)
-        if source is not None:  # the group's later layers read the pools every group of rows has written
+        if kind.kv_source:  # the group's later layers read the pools every group of rows has written
             shared.source = Source(cache.entries, cache.index_entries, layer)
         hs = mixed
     with jax.named_scope("moe"):
@@ -143,7 +143,7 @@ def engram_rows(table: Any, ids: jax.Array, on_host: bool) -> jax.Array:
     """An Engram table's rows `ids` [..., c] decoded to float32 [..., c, k]; gathered in the host's memory, and only
     those rows copied to the device, where the table lives there (`on_host`)."""
     stacked = isinstance(table, LayerOf)
-    if isinstance(table, LayerOf):  # read in place from the stack as one run of rows (sliced, it would be copied)
+    if stacked:  # read in place from the stack as one run of rows (sliced, it would be copied)
         ids = ids + table.layer * jax.tree.leaves(table.stack)[0].shape[1]
         table = table.stack
 
@@ -225,15 +225,14 @@ def run_segment(
     slots = None if taps is None else tap_slots(cfg)
 
     scanned = not ((kernels.unrolled_layers and in_place) or segment.repeats == 1)
-    # A scanned body's picks and candidates live in the body only (what a later segment reads is made before it,
-    # segments.layer_segments); traced once, its Shared is a copy.
-    body_shared = dataclasses.replace(shared) if scanned and shared is not None else shared
 
     def one_repeat(carry, xs):
         hs, cache, taps, pres = carry
         layers, index = xs
         cache = list(cache)
-        here = body_shared
+        here = shared
+        # A scanned body's picks, candidates and pools live in the body only (what a later segment reads is made
+        # before it, segments.layer_segments): traced once, it works on a copy.
         if scanned and here is not None:
             here = dataclasses.replace(here, picks=list(here.picks), candidates=list(here.candidates))
         for p, (kind, (leaves, wholes, tree), slices) in enumerate(zip(segment.pattern, flat, layers)):

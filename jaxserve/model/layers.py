@@ -57,14 +57,19 @@ def hc_pre(
     """Collapse the streams into one block input; return it with the post weights and the comb matrix. `hc` is one
     layer's weights, or a layer of the segment's stacked ones (kernels that can read it in place). `norm`: the
     block's input norm weight (a `LayerOf` view where `hc` is one): the block input comes out normalised by it."""
-    if isinstance(hc, LayerOf):
-        fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
-    else:
-        fn, base, scale = hc.fn, hc.base, hc.scale
+    fn, base, scale = _hc_parts(hc)
     with jax.named_scope("hc_pre"):
         return kernels.hc_pre(
             h, fn, base, scale, norm, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters
         )
+
+
+def _hc_parts(hc: HyperConnection | LayerOf) -> tuple[Any, Any, Any]:
+    """A hyper-connection's (fn, base, scale): one layer's, or `LayerOf` views of a stack's (kernels read them in
+    place)."""
+    if isinstance(hc, LayerOf):
+        return LayerOf(hc.stack.fn, hc.layer), LayerOf(hc.stack.base, hc.layer), LayerOf(hc.stack.scale, hc.layer)
+    return hc.fn, hc.base, hc.scale
 
 
 def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
@@ -87,10 +92,7 @@ def hc_post(out: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> j
 def hc_site(h: jax.Array, hc: HyperConnection | LayerOf, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DeepSeek-V4.1's single-pass mHC at one site: its (pre, post, comb) from the streams it receives; its `pre`
     collapses the streams at the next site (`collapse`)."""
-    if isinstance(hc, LayerOf):
-        fn, base, scale = (LayerOf(a, hc.layer) for a in (hc.stack.fn, hc.stack.base, hc.stack.scale))
-    else:
-        fn, base, scale = hc.fn, hc.base, hc.scale
+    fn, base, scale = _hc_parts(hc)
     with jax.named_scope("hc_weights"):
         return hc_weights(h, fn, base, scale, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 

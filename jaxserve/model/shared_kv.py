@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CSA, SWA, ModelConfig
-from jaxserve.kernels.indexer import indexer_scores
+from jaxserve.kernels.indexer import indexer_scores, top_visible
 from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.qat import FP4_ENTRY_BLOCK, FP4_INDEX_BLOCK, fake_fp4, fake_fp8
 from jaxserve.kernels.rope import apply_rope
@@ -85,10 +85,9 @@ def shared_kv_attention(
     kernels: Kernels,
     shared: Shared,
     group: int,
-) -> tuple[jax.Array, LayerCache, Source | None]:
+) -> tuple[jax.Array, LayerCache]:
     """One DeepSeek-V4.1 layer's attention over a group of rows; `cache` is its stack's, `layer` its place there.
-    Updates `shared` (the group's picks and candidates); returns the output, the cache and, for a KV source, its pools
-    as this group left them."""
+    Updates `shared` (the group's picks and candidates); returns the output and the cache."""
     freqs = rope_frequencies(cfg, CSA if kind.rate else SWA)
     qpos = inputs.query_positions
     eps = cfg.rms_norm_eps
@@ -106,13 +105,12 @@ def shared_kv_attention(
         keys, keys_mask, ring_rows = window_keys(kv, cache, layer, inputs, cfg.sliding_window)
 
     selected = selected_mask = None
-    own_source = None
     if kind.rate:
-        if kind.kv_source:
+        source = shared.source
+        if kind.kv_source:  # its own pools, as this group of rows leaves them
             with jax.named_scope("compressor"):
                 cache = _compress(x, w, cache, layer, inputs, cfg, kind, freqs)
-                own_source = Source(cache.entries, cache.index_entries, layer)
-        source = own_source or shared.source
+                source = Source(cache.entries, cache.index_entries, layer)
         assert source is not None  # every compressed layer has a KV source at or before it (SharedKVConfig)
         if kind.index_source:
             with jax.named_scope("indexer"):
@@ -134,7 +132,7 @@ def shared_kv_attention(
 
     with jax.named_scope("window_write"):
         cache = write_window(cache, layer, ring_rows, kv, inputs)
-    return out, cache, own_source
+    return out, cache
 
 
 def _compress(x, w: Attention, cache: LayerCache, layer, inputs: StepInputs, cfg: ModelConfig, kind, freqs):
@@ -197,15 +195,14 @@ def _pick(
     keys = read_entries(source.index_entries, source.layer, inputs.page_table, F32)  # [b, e, c]
     visible_count = (qpos + 1) // kind.rate  # [b, t]
     visible = jnp.arange(keys.shape[1])[None, None, :] < visible_count[:, :, None]
-    scores = jnp.where(visible, indexer_scores(q, head_weights, keys), -jnp.inf)
+    scores = indexer_scores(q, head_weights, keys)
     if kind.candidates == "source":
-        shared.candidates[group] = _candidate_blocks(scores, visible_count, cfg)
+        shared.candidates[group] = _candidate_blocks(jnp.where(visible, scores, -jnp.inf), visible_count, cfg)
     elif kind.candidates == "uses":
         candidates = shared.candidates[group]
         assert candidates is not None  # the candidate source ran before this layer in this forward
-        scores = jnp.where(candidates, scores, -jnp.inf)
-    top, index = jax.lax.top_k(scores, min(cfg.index_topk, keys.shape[1]))
-    return Picks(index.astype(jnp.int32), top > -jnp.inf)
+        visible = visible & candidates
+    return Picks(*top_visible(scores, visible, min(cfg.index_topk, keys.shape[1])))
 
 
 def _candidate_blocks(scores: jax.Array, visible_count: jax.Array, cfg: ModelConfig) -> jax.Array:

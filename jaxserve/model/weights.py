@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxserve.config import CSA, SWA, ConfigError, ModelConfig
 from jaxserve.kernels.quant import FP4, Quantized, codes_dtype, codes_shape, quantize, scales_shape
+from jaxserve.model.engram import SCALE_BLOCK
 from jaxserve.model.segments import LayerKind, layer_segments
 
 F32 = jnp.float32
@@ -219,6 +220,7 @@ DERIVED_LEAVES = ("ngram_products",)
 # ---- the abstract description ---------------------------------------------------------------------------------
 
 FP8_BLOCK = 128  # the release's FP8 blocks: 128 x 128 of an `[out, in]` tensor
+ENGRAM_TABLE_BLOCKS = (1, SCALE_BLOCK)  # V4.1's Engram tables: one scale per 32 channels of a row
 HOST_MEMORY = "pinned_host"  # the memory kind of what lives in the host's memory (--engram-placement host)
 FP4_BLOCK = 32  # the release's FP4 blocks: 1 x 32 along the input
 
@@ -352,9 +354,8 @@ def _engram(cfg: ModelConfig, place: int) -> Engram:
     engram = cfg.engram
     assert engram is not None  # an Engram layer's config has one
     n, d, hd = cfg.hc_mult, cfg.hidden_size, engram.head_dim
-    rows = -(-engram.num_embeddings[place] // cfg.vocab_multiple) * cfg.vocab_multiple  # padded as the vocabulary
-    fmt = cfg.linear_format
-    table = _weight((rows, hd), ("engram_rows", None), cfg.dtype, fmt, (1, 32))
+    rows = cfg.padded_rows(engram.num_embeddings[place])
+    table = _weight((rows, hd), ("engram_rows", None), cfg.dtype, cfg.linear_format, ENGRAM_TABLE_BLOCKS)
     if cfg.engram_on_host:
         table = map_infos(lambda info: dataclasses.replace(info, memory=HOST_MEMORY), table)
     return Engram(
