@@ -183,18 +183,16 @@ def test_lookup_decodes_fp8_rows():
     assert np.array_equal(got, decoded[ids])  # exact: an e4m3 code times a power of two
 
 
-def _mix_float64(streams, rows, wkv, q, k, eps, mask):
-    b, t, h, d = streams.shape
-    kv = rows.reshape(b, t, -1) @ wkv
-    key, value = kv[..., : h * d].reshape(b, t, h, d), kv[..., h * d :]
-    rstd = 1 / np.sqrt((streams**2).mean(-1) + eps) / np.sqrt((key**2).mean(-1) + eps)
-    dot = (streams * q * k * key).sum(-1) * rstd / np.sqrt(d)
-    gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6)))) * mask[..., None]
-    return streams + gate[..., None] * value[:, :, None, :]
+def _gates(got: np.ndarray, streams: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Each stream's gate, read off the mix: how far it moved along the value."""
+    delta = got.astype(np.float64) - streams
+    return (delta * value).sum(-1) / (value**2).sum(-1)
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-20])
 def test_engram_mix(eps):
+    """The mix's properties (its numbers are transformers' own: tests/test_v41.py serves the Engram layers against
+    the reference's logprobs)."""
     rng = np.random.default_rng(1)
     b, t, h, d, c, k = 2, 5, 4, 64, 6, 32
     inputs = [
@@ -208,22 +206,25 @@ def test_engram_mix(eps):
     mask = rng.random((b, t)) > 0.3
     mix = jax.jit(engram.engram_mix, static_argnums=4)
     projected = jnp.asarray(rows.reshape(b, t, -1)) @ jnp.asarray(wkv)
-    got = np.asarray(
-        mix(jnp.asarray(streams), projected, jnp.asarray(q_weight), jnp.asarray(k_weight), eps, jnp.asarray(mask))
-    )
+    qw, kw = jnp.asarray(q_weight), jnp.asarray(k_weight)
+    got = np.asarray(mix(jnp.asarray(streams), projected, qw, kw, eps, jnp.asarray(mask)))
     assert got.dtype == np.float32
-    f64 = [a.astype(np.float64) for a in inputs]
-    want = _mix_float64(f64[0], f64[1], f64[2], f64[3], f64[4], eps, mask)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    value = np.asarray(projected, np.float64)[:, :, None, h * d :]
+    gate = _gates(got, streams, value)
+    # The gate is a sigmoid of a signed root of a normalized dot product: a stream scaled keeps its gate, and the
+    # keys negated give each stream the complementary gate.
+    scaled = np.asarray(mix(jnp.asarray(streams * 8), projected, qw, kw, eps, jnp.asarray(mask)))
+    np.testing.assert_allclose(_gates(scaled, streams * 8, value)[mask], gate[mask], atol=1e-5)
+    negated = projected.at[..., : h * d].multiply(-1)
+    flipped = np.asarray(mix(jnp.asarray(streams), negated, qw, kw, eps, jnp.asarray(mask)))
+    np.testing.assert_allclose(_gates(flipped, streams, value)[mask], 1 - gate[mask], atol=1e-5)
+    assert np.any(gate[mask] > 0.6) and np.any(gate[mask] < 0.4)  # the random keys agree with some streams only
     # Masked positions pass through bit for bit; elsewhere each stream moves along the value by a gate in (0, 1).
     assert np.array_equal(got[~mask], streams[~mask])
-    value = (rows.reshape(b, t, -1).astype(np.float64) @ wkv)[:, :, None, h * d :]
     delta = got.astype(np.float64) - streams
-    gate = (delta * value).sum(-1) / (value**2).sum(-1)
     assert np.all((gate[mask] > 0) & (gate[mask] < 1))
     np.testing.assert_allclose(delta[mask], (gate[..., None] * value)[mask], atol=1e-3)
     # No mask: every position mixes; bfloat16 streams come back as bfloat16.
-    x, qw, kw = (jnp.asarray(a) for a in (streams, q_weight, k_weight))
-    unmasked = engram.engram_mix(x.astype(jnp.bfloat16), projected, qw, kw, eps)
+    unmasked = engram.engram_mix(jnp.asarray(streams).astype(jnp.bfloat16), projected, qw, kw, eps)
     assert unmasked.dtype == jnp.bfloat16
     assert not np.array_equal(np.asarray(unmasked, np.float32)[~mask], streams[~mask])

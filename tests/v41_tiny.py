@@ -52,6 +52,7 @@ from jaxserve.checkpoints.deepseek import BF16, F32, FP4_PACKED, FP8, scale_name
 from jaxserve.checkpoints.writer import quantize_tensor, save_tensors
 from jaxserve.kernels.quant import FP8 as FP8_E4M3
 from jaxserve.kernels.quant import quantize
+from jaxserve.model.engram import EngramLayout
 
 ENGRAM_TABLE = "engram_table"  # FP8 e4m3 rows with one ue8m0 scale per 32 channels of a row
 FP8_BLOCK = 32  # quantization_config.weight_block_size of the tiny checkpoint
@@ -149,28 +150,19 @@ def tiny_config(text_config: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-def _is_prime(n: int) -> bool:
-    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
-
-
 def engram_primes(cfg: dict[str, Any]) -> list[list[list[int]]]:
-    """[engram layer][n-gram size - 2][head] bucket sizes: for each (layer, n-gram size), `engram_n_heads` primes
-    counting up from `engram_vocab_size`, none used twice in the whole model."""
-    seen: set[int] = set()
-    out: list[list[list[int]]] = []
-    for _ in cfg["engram_layer_ids"]:
-        per_layer = []
-        for _ in range(cfg["engram_max_ngram_size"] - 1):
-            current, heads = cfg["engram_vocab_size"] - 1, []
-            for _ in range(cfg["engram_n_heads"]):
-                current += 1
-                while not _is_prime(current) or current in seen:
-                    current += 1
-                seen.add(current)
-                heads.append(current)
-            per_layer.append(heads)
-        out.append(per_layer)
-    return out
+    """[engram layer][n-gram size - 2][head] bucket sizes, as jaxserve's Engram layout draws them (the reference
+    script checks them against transformers')."""
+    layout = EngramLayout.build(
+        cfg["engram_layer_ids"],
+        cfg["engram_vocab_size"],
+        cfg["engram_max_ngram_size"],
+        cfg["engram_n_heads"],
+        cfg["engram_head_dim"],
+        cfg["engram_compressed_vocab_size"],
+    )
+    heads = cfg["engram_n_heads"]
+    return [[list(layer[i : i + heads]) for i in range(0, len(layer), heads)] for layer in layout.primes]
 
 
 @dataclasses.dataclass(frozen=True)
