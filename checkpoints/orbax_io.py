@@ -259,8 +259,14 @@ def _check_conversion(dst: Path, cfg: ModelConfig) -> None:
             f"checkpoint shipped none, or it was converted by a jaxserve that converted the backbone only); convert "
             f"again, or serve the safetensors checkpoint, for speculative decoding with method {drafter!r}"
         )
-    # The vocabulary's padding is the mesh's (sharding.for_mesh), never the conversion's.
-    converted = drafting_config(dst, drafter).with_dtype(cfg.dtype).with_vocab_multiple(cfg.vocab_multiple)
+    # The vocabulary's padding is the mesh's (sharding.for_mesh) and the Engram tables' placement the server's,
+    # never the conversion's.
+    converted = (
+        drafting_config(dst, drafter)
+        .with_dtype(cfg.dtype)
+        .with_vocab_multiple(cfg.vocab_multiple)
+        .with_engram_placement("host" if cfg.engram_on_host else "device")
+    )
     differing = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(converted, f.name)]
     if differing:
         hint = (

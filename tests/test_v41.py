@@ -12,15 +12,18 @@ import json
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from v41_tiny import write_tiny_v41
 
 from jaxserve.checkpoints.load import load_model
-from jaxserve.config import CSA2, SWA, ConfigError, EngineConfig, config_from_dict, load_config
+from jaxserve.checkpoints.orbax_io import convert_checkpoint
+from jaxserve.config import CSA2, SWA, ConfigError, EngineConfig, config_from_dict, load_config, to_hf_dict
 from jaxserve.engine import Engine
 from jaxserve.model.cache import CacheGeometry, abstract_cache
 from jaxserve.model.segments import layer_segments
 from jaxserve.model.sharding import make_mesh
+from jaxserve.model.weights import flatten_with_names
 from jaxserve.presets import preset
 from jaxserve.runner import build_runner
 from jaxserve.runner.plan import decode_read_bytes, parameter_counts, weight_bytes
@@ -54,6 +57,30 @@ def test_the_release_config_parses_into_the_shared_kv_schedule_and_engram(folder
     kinds = [k for segment in layer_segments(cfg) for k in segment.pattern]
     assert [c.entries is not None for c in layers] == [k.kv_source for k in kinds]
     assert [c.state is not None for c in layers] == [k.kv_source and k.rate > 1 for k in kinds]
+
+
+def test_the_written_config_is_the_releases_composite_form_and_reads_back_the_same(folder):
+    for cfg in (load_config(folder), load_config(folder).dequantized(), preset("v41-flash")):
+        written = to_hf_dict(cfg)
+        assert written["model_type"] == "deepseek_v41" and written["text_config"]["model_type"] == "deepseek_v41_text"
+        assert config_from_dict(written, dtype=cfg.dtype) == cfg
+    assert to_hf_dict(load_config(folder))["quantization_config"]["weight_block_size"] == [32, 32]
+
+
+def test_an_orbax_conversion_restores_exactly_with_the_tables_on_the_devices_or_in_host_memory(folder, tmp_path):
+    converted = convert_checkpoint(folder, tmp_path / "orbax", dtype="float32")
+    mesh = make_mesh(2, 2)
+    for placement in ("device", "host"):
+        restored = load_model(converted, mesh, dtype="float32", engram_placement=placement)
+        original = load_model(folder, mesh, dtype="float32", engram_placement=placement)
+        assert restored.config == original.config and restored.config.engram_on_host == (placement == "host")
+        for (path, got), (_, want) in zip(
+            flatten_with_names(restored.weights), flatten_with_names(original.weights), strict=True
+        ):
+            assert got.dtype == want.dtype and got.sharding == want.sharding, path
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+        # The n-gram products are made from the conversion's tokenizer, as from the release's.
+        assert np.asarray(restored.weights.ngram_products).any()
 
 
 def _raw(folder: Path) -> dict:

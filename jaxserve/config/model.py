@@ -808,11 +808,9 @@ def load_config(path: str | Path, dtype: str = "bfloat16") -> ModelConfig:
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json (current HF key set) that describes `cfg`; parsing it gives `cfg` back."""
-    kind_names = {v: k for k, v in _HF_LAYER_TYPES.items()}
+    """The config.json (current HF key set) that describes `cfg`; parsing it gives `cfg` back. A DeepSeek-V4.1
+    config is written in the release's composite form (`_v41_composite`)."""
     out: dict[str, Any] = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -824,9 +822,6 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "o_groups": cfg.o_groups,
         "o_lora_rank": cfg.o_lora_rank,
         "sliding_window": cfg.sliding_window,
-        "layer_types": [kind_names[k] for k in cfg.layer_kinds],
-        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
-        "compress_rates": {"compressed_sparse_attention": cfg.csa_rate, "heavily_compressed_attention": cfg.hca_rate},
         "index_n_heads": cfg.index_n_heads,
         "index_head_dim": cfg.index_head_dim,
         "index_topk": cfg.index_topk,
@@ -849,24 +844,11 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
+        # Not read back from a V4.1 config (ModelConfig.csa_rate / hca_rate are V4's), but kept so any config
+        # round-trips.
+        "compress_rates": {"compressed_sparse_attention": cfg.csa_rate, "heavily_compressed_attention": cfg.hca_rate},
         "num_nextn_predict_layers": cfg.nextn_layers,
     }
-    if cfg.dspark is not None:
-        out["dspark_block_size"] = cfg.dspark.block_size
-        out["dspark_noise_token_id"] = cfg.dspark.noise_token_id
-        out["dspark_target_layer_ids"] = list(cfg.dspark.target_layer_ids)
-        out["dspark_markov_rank"] = cfg.dspark.markov_rank
-        out["n_mtp_layers"] = cfg.dspark.stages
-    if cfg.quantized:
-        out["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": FP8_WEIGHT_BLOCK,
-            "activation_scheme": "dynamic",
-        }
-        if cfg.expert_format is not None:  # FP8 projections may come with unquantized experts
-            out["expert_dtype"] = {v: k for k, v in _EXPERT_DTYPES.items()}[cfg.expert_format]
     if cfg.yarn is not None:
         out["rope_scaling"] = {
             "type": "yarn",
@@ -875,4 +857,69 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
             "beta_fast": cfg.yarn.beta_fast,
             "beta_slow": cfg.yarn.beta_slow,
         }
+    quantization = _quantization_fields(cfg, [cfg.fp8_block] * 2 if cfg.v41 else FP8_WEIGHT_BLOCK)
+    if cfg.v41:
+        return _v41_composite(cfg, out, quantization)
+    kind_names = {v: k for k, v in _HF_LAYER_TYPES.items()}
+    out |= {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "layer_types": [kind_names[k] for k in cfg.layer_kinds],
+        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+    }
+    if cfg.dspark is not None:
+        out["dspark_block_size"] = cfg.dspark.block_size
+        out["dspark_noise_token_id"] = cfg.dspark.noise_token_id
+        out["dspark_target_layer_ids"] = list(cfg.dspark.target_layer_ids)
+        out["dspark_markov_rank"] = cfg.dspark.markov_rank
+        out["n_mtp_layers"] = cfg.dspark.stages
+    return out | quantization
+
+
+def _quantization_fields(cfg: ModelConfig, block: list[int]) -> dict[str, Any]:
+    """quantization_config and expert_dtype for `cfg`'s storage formats (none when it is dense)."""
+    if not cfg.quantized:
+        return {}
+    out: dict[str, Any] = {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": block,
+            "activation_scheme": "dynamic",
+        }
+    }
+    if cfg.expert_format is not None:  # FP8 projections may come with unquantized experts
+        out["expert_dtype"] = {v: k for k, v in _EXPERT_DTYPES.items()}[cfg.expert_format]
     return out
+
+
+def _v41_composite(cfg: ModelConfig, text: dict[str, Any], quantization: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V4.1 config.json as the release writes it: the text model's fields under `text_config`, the
+    storage formats and the image token at the top (no vision tower: jaxserve serves the text model)."""
+    kv, engram = cfg.shared_kv, cfg.engram
+    assert kv is not None
+    text |= {
+        "model_type": f"{V41_MODEL_TYPE}_text",
+        "compress_ratios": list(kv.ratios),
+        "kv_source_layer_ids": list(kv.kv_sources),
+        "index_source_layer_ids": list(kv.index_sources),
+        "candidate_source_layer_id": kv.candidate_source,
+        "candidate_topk_blocks": kv.candidate_topk_blocks,
+        "candidate_block_size": kv.candidate_block_size,
+    }
+    if engram is not None:
+        text |= {
+            "engram_layer_ids": list(engram.layer_ids),
+            "engram_vocab_size": engram.vocab_size,
+            "engram_num_embeddings": list(engram.num_embeddings),
+            "engram_max_ngram_size": engram.max_ngram,
+            "engram_n_heads": engram.n_heads,
+            "engram_head_dim": engram.head_dim,
+            "engram_pad_id": engram.pad_id,
+            "engram_compressed_vocab_size": engram.compressed_vocab_size,
+        }
+    out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": V41_MODEL_TYPE}
+    if cfg.image_token_id is not None:
+        out["image_token_id"] = cfg.image_token_id
+    return out | quantization | {"tie_word_embeddings": False, "text_config": text}
