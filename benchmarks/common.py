@@ -220,7 +220,14 @@ def add_kernels_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def make_runner(
-    cfg, weights, geo, mesh, prefill_chunks: tuple[int, ...], decode_rows: tuple[int, ...], kernels: str = "auto"
+    cfg,
+    weights,
+    geo,
+    mesh,
+    prefill_chunks: tuple[int, ...],
+    decode_rows: tuple[int, ...],
+    kernels: str = "auto",
+    batch_invariant: bool = False,
 ):
     """A ModelRunner with `weights` placed on `mesh`, every bucket compiled; returns (runner, compile seconds)."""
     from jaxserve.model.sharding import place
@@ -235,6 +242,7 @@ def make_runner(
         mesh,
         Buckets(prefill_rows=(1,), prefill_chunks=prefill_chunks, decode_rows=decode_rows),
         kernels=kernels,
+        batch_invariant=batch_invariant,
     )
     return runner, timed(runner.warmup)
 

@@ -21,8 +21,9 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
-from . import attention, indexer, mhc, moe, quant
+from . import attention, indexer, mhc, moe, quant, tiles
 
 log = logging.getLogger("jaxserve.kernels")
 
@@ -50,13 +51,33 @@ class Kernels:
     # launches a layer of Flash's 75) for a compile about a second a layer longer; on CPU the scan keeps compiles
     # short, and under a mesh that splits the weights the forward scans (jaxserve.model.forward.run_segment).
     unrolled_layers: bool = False
+    # Batch-invariant serving (--batch-invariant): the rows of every row-wise computation of a step go through
+    # `rows` in tiles of this many (kernels.tiles); None: as they come.
+    row_tile: int | None = None
+
+    def rows(self, fn: Callable[..., Any], *arrays: Any, lead: int = 1) -> Any:
+        """fn(*arrays), where fn treats the rows (the `lead` leading axes of every array) independently: computed in
+        fixed tiles of `row_tile` rows when batch-invariant (kernels.tiles.rowwise), at once otherwise."""
+        if self.row_tile is None:
+            return fn(*arrays)
+        return tiles.rowwise(fn, arrays, lead, self.row_tile)
+
+    @property
+    def compiler_options(self) -> tuple[tuple[str, Any], ...]:
+        """XLA's options for every step compiled through this table: when batch-invariant, no code moves into or out of
+        a loop (kernels.tiles: a tile's body is then compiled the same in every step; with the weights' conversions
+        hoisted out of it, XLA:CPU split a bfloat16 row's matmul differently in steps of different chunk sizes)."""
+        if self.row_tile is None:
+            return ()
+        return (("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),)
 
     def describe(self) -> str:
         layers = ", layers unrolled on one device" if self.unrolled_layers else ""
-        return ", ".join(f"{op} {impl}" for op, impl in self.implementations) + layers
+        invariant = f", rows in tiles of {self.row_tile} (batch-invariant)" if self.row_tile else ""
+        return ", ".join(f"{op} {impl}" for op, impl in self.implementations) + layers + invariant
 
 
-OPERATIONS = tuple(f.name for f in fields(Kernels) if f.name not in ("implementations", "unrolled_layers"))
+OPERATIONS = tuple(f.name for f in fields(Kernels) if f.name not in ("implementations", "unrolled_layers", "row_tile"))
 
 REFERENCES: dict[str, Callable] = {
     "grouped_matmul": moe.grouped_matmul,
@@ -104,9 +125,10 @@ def check_choice(choice: str) -> None:
 
 
 @functools.cache
-def kernels_for(choice: str, platform: str) -> Kernels:
-    """The implementations `--kernels choice` means on devices of `platform` ("cpu", "gpu", "cuda", "tpu", ...).
-    Cached: one record per (choice, platform), so equal choices share compiled steps."""
+def kernels_for(choice: str, platform: str, row_tile: int | None = None) -> Kernels:
+    """The implementations `--kernels choice` means on devices of `platform` ("cpu", "gpu", "cuda", "tpu", ...),
+    with every row-wise computation in tiles of `row_tile` rows (batch-invariant serving; None: off). Cached: one
+    record per (choice, platform, row_tile), so equal choices share compiled steps."""
     check_choice(choice)
     native = platform in PALLAS_PLATFORMS
     use_pallas = choice == PALLAS or (choice == "auto" and native)
@@ -122,7 +144,7 @@ def kernels_for(choice: str, platform: str) -> Kernels:
         if choice == PALLAS:
             missing = [op for op, impl in implementations.items() if impl == REFERENCE]
             log.warning("--kernels pallas: no Pallas kernel yet for %s; their references run", ", ".join(missing))
-    return Kernels(**chosen, implementations=tuple(implementations.items()), unrolled_layers=native)
+    return Kernels(**chosen, implementations=tuple(implementations.items()), unrolled_layers=native, row_tile=row_tile)
 
 
 REFERENCE_KERNELS = kernels_for(REFERENCE, "cpu")

@@ -107,6 +107,16 @@ class EngineConfig:
             choices=KERNEL_CHOICES,
         ),
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata=flag(
+            bool,
+            "a request's tokens and logprobs do not depend on its batch (the other requests, chunk sizes, mixed "
+            "steps, a prefix-cache hit): every row-wise computation of a step runs in fixed tiles of rows and every "
+            "query attends to its keys by itself, in one order (same model, layout, build and flags; see the README "
+            "for what it costs and covers). DeepSeek-V4 without speculative decoding",
+        ),
+    )
     device_memory: int | None = field(
         default=None,
         metadata=flag(
@@ -289,6 +299,11 @@ class EngineConfig:
             raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_choice(self.kernels)
+        if self.batch_invariant and self.speculative_config is not None:
+            raise ConfigError(
+                "batch_invariant: speculative decoding is not batch-invariant yet (its drafter's block attends as a "
+                "block); serve without --speculative-config, or without --batch-invariant"
+            )
         if self.engram_placement not in ENGRAM_PLACEMENTS:
             raise ConfigError(f"engram_placement={self.engram_placement!r}: must be one of {ENGRAM_PLACEMENTS}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

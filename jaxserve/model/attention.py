@@ -21,7 +21,7 @@ from jaxserve.kernels.attention import QueryRotation
 from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.quant import LayerOf, Quantized, dense, one_layer
 from jaxserve.kernels.rope import apply_rope
-from jaxserve.kernels.table import Kernels
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.cache import LayerCache, decode, encode, gather, read_kv, scatter, write_kv
 from jaxserve.model.compressor import NewEntries, compress_chunk
 from jaxserve.model.inputs import StepInputs
@@ -55,7 +55,17 @@ def read_picked_entries(pool, layer: jax.Array, page_table: jax.Array, picks: ja
 
 
 def compress_rows(
-    x, comp_weights, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg, rotate: bool = True
+    x,
+    comp_weights,
+    state,
+    layer,
+    inputs: StepInputs,
+    write_slots,
+    rate,
+    freqs,
+    cfg,
+    rotate: bool = True,
+    kernels: Kernels = REFERENCE_KERNELS,
 ) -> tuple[NewEntries, Any]:
     """Run a compressor over the chunk; store its state (and the rows' snapshots of it); return its new entries
     (rotated to their positions unless `rotate` is False) and the updated state."""
@@ -73,6 +83,7 @@ def compress_rows(
         cfg.rms_norm_eps,
         inputs.snapshot_lengths,
         rotate,
+        kernels,
     )
     state = scatter(state, (layer, write_slots), rows)
     for j, snapshot in enumerate(snapshots):
@@ -81,9 +92,9 @@ def compress_rows(
     return new, state
 
 
-def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg):
+def _update_compressed(x, comp_weights, pool, state, layer, inputs: StepInputs, write_slots, rate, freqs, cfg, kernels):
     """Run a compressor over the chunk; store its new entries and state; return the updated pool and state."""
-    new, state = compress_rows(x, comp_weights, state, layer, inputs, write_slots, rate, freqs, cfg)
+    new, state = compress_rows(x, comp_weights, state, layer, inputs, write_slots, rate, freqs, cfg, kernels=kernels)
     return write_entries(pool, layer, new, inputs.page_table), state
 
 
@@ -113,11 +124,15 @@ def attention_block(
     with jax.named_scope("query"):
         # The low-rank query's norm is folded into both projections that read it (this one and the indexer's).
         q_norm = dict(norm=w.q_norm, norm_eps=cfg.rms_norm_eps)
-        qr = kernels.einsum("btd,dr->btr", x, w.wq_a)
-        q = kernels.einsum("btr,rhk->bthk", qr, w.wq_b, **q_norm)  # normalised per head and rotated in attention
+
+        def query(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            qr = kernels.einsum("btd,dr->btr", x, w.wq_a)
+            return qr, kernels.einsum("btr,rhk->bthk", qr, w.wq_b, **q_norm)  # normed per head, rotated in attention
+
+        qr, q = kernels.rows(query, x, lead=2)
 
     with jax.named_scope("kv"):
-        kv = keys(x, w, qpos, freqs, cfg, kernels)
+        kv = kernels.rows(lambda x, p: keys(x, w, p, freqs, cfg, kernels), x, qpos, lead=2)
 
     with jax.named_scope("window_keys"):
         shared, shared_mask, ring_rows = window_keys(kv, cache, layer, inputs, window, draft_block)
@@ -127,7 +142,7 @@ def attention_block(
         rate = cfg.kind_rate(kind)
         with jax.named_scope("compressor"):
             entries, state = _update_compressed(
-                x, w.compressor, cache.entries, cache.state, layer, inputs, write_slots, rate, freqs, cfg
+                x, w.compressor, cache.entries, cache.state, layer, inputs, write_slots, rate, freqs, cfg, kernels
             )
             cache = dataclasses.replace(cache, entries=entries, state=state)
             row_capacity = inputs.page_table.shape[1] * entries.shape[2]  # entries a row's page table addresses
@@ -152,23 +167,33 @@ def attention_block(
                     rate,
                     freqs,
                     cfg,
+                    kernels,
                 )
                 cache = dataclasses.replace(cache, index_entries=index_entries, index_state=index_state)
                 index_keys = read_entries(index_entries, layer, inputs.page_table, kv.dtype)
-                qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b, **q_norm), qpos[:, :, None], freqs)
-                head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
-                head_weights = head_weights * cfg.index_n_heads**-0.5
+
+                def index_query(qr: jax.Array, x: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    qi = apply_rope(kernels.einsum("btr,rhc->bthc", qr, idx.wq_b, **q_norm), p[:, :, None], freqs)
+                    head_weights = jnp.einsum("btd,dh->bth", x.astype(F32), idx.weights_proj.astype(F32))
+                    return qi, head_weights * cfg.index_n_heads**-0.5
+
+                qi, head_weights = kernels.rows(index_query, qr, x, qpos, lead=2)
                 k = min(cfg.index_topk, index_keys.shape[1])
-                picks, selected_mask = kernels.indexer_topk(qi, head_weights, index_keys, entry_visible, k)
+                picks, selected_mask = per_query_topk(qi, head_weights, index_keys, entry_visible, k, kernels)
                 # Only the picked entries are read and decoded (the indexer's keys are a separate, smaller store).
                 selected = read_picked_entries(entries, layer, inputs.page_table, picks, kv.dtype)  # [b, t, k, dim]
 
     with jax.named_scope("attend"):
         rotation = QueryRotation(qpos, tuple(float(f) for f in freqs), cfg.rms_norm_eps)
-        o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask, rotation)
+        if kernels.row_tile is None:
+            o = kernels.sink_attention(q, shared, shared_mask, w.sinks, selected, selected_mask, rotation)
+        else:
+            o = per_query_attention(
+                q, shared, shared_mask, w.sinks, selected, selected_mask, rotation, inputs, window, kernels
+            )
 
     with jax.named_scope("output_projection"):
-        out = output_projection(o, w, cfg, kernels)
+        out = kernels.rows(lambda o: output_projection(o, w, cfg, kernels), o, lead=2)
 
     if not draft_block:
         with jax.named_scope("window_write"):
@@ -197,6 +222,80 @@ def window_keys(
     shared = jnp.concatenate([decode(ring_rows, kv.dtype), own], axis=1)
     rel = qpos[:, :, None] - key_pos[:, None, :]
     return shared, key_ok[:, None, :] & ((rel >= 0) & (rel < window) | draft_block), ring_rows
+
+
+def per_query_topk(
+    qi: jax.Array, head_weights: jax.Array, index_keys: jax.Array, visible: jax.Array, k: int, kernels: Kernels
+) -> tuple[jax.Array, jax.Array]:
+    """kernels.indexer_topk, and when batch-invariant (`kernels.row_tile`) one query at a time in fixed tiles of
+    queries, each scoring its row's keys (`index_keys` [b, e, c]) by itself."""
+    if kernels.row_tile is None:
+        return kernels.indexer_topk(qi, head_weights, index_keys, visible, k)
+    b, t = qi.shape[:2]
+
+    def one(q, weights, keys, seen):  # a query [h, c], its head weights [h], its row's keys [e, c], its mask [e]
+        picks, mask = kernels.indexer_topk(q[None, None], weights[None, None], keys[None], seen[None, None], k)
+        return picks[0, 0], mask[0, 0]
+
+    def tile(q, weights, seen, row):  # [1, tile, ...]
+        picks, mask = jax.vmap(one)(q[0], weights[0], index_keys[row[0]], seen[0])
+        return picks[None], mask[None]
+
+    return kernels.rows(tile, qi, head_weights, visible, _row_of_each_query(b, t), lead=2)
+
+
+def per_query_attention(
+    q: jax.Array,
+    shared: jax.Array,
+    shared_mask: jax.Array,
+    sinks: Any,
+    selected: jax.Array | None,
+    selected_mask: jax.Array | None,
+    rotation: QueryRotation,
+    inputs: StepInputs,
+    window: int,
+    kernels: Kernels,
+) -> jax.Array:
+    """kernels.sink_attention, batch-invariant: every query attends by itself, in fixed tiles of queries, to its
+    keys in an order that does not depend on how its row was chunked: its window's last W positions oldest first
+    (`window_order`), then its row's compressed entries (HCA) or its selected ones (CSA). `shared` is window_keys'
+    ring and chunk [b, W + t, k], then any dense entries."""
+    b, t = q.shape[:2]
+    order, in_window = window_order(inputs, window)
+    window_part = shared[:, : window + t]
+    window_keys_of = jnp.take_along_axis(window_part[:, None], order[..., None], axis=2)  # [b, t, W, k]
+    window_mask = jnp.take_along_axis(shared_mask[..., : window + t], order, axis=2) & in_window
+    entries, entries_mask = shared[:, window + t :], shared_mask[..., window + t :]
+    empty = jnp.zeros((1, 0, shared.shape[-1]), shared.dtype)
+
+    def tile(q, keys, mask, more_mask, positions, row, picked=None, picked_mask=None):  # [1, tile, ...]
+        extra = [entries[row[0]][None]] if entries.shape[1] else []  # the row's dense entries, for each query
+        extra_mask = [more_mask] if entries.shape[1] else []
+        if picked is not None:
+            extra, extra_mask = extra + [picked], extra_mask + [picked_mask]
+        all_keys = jnp.concatenate([keys, *extra], axis=2)
+        all_mask = jnp.concatenate([mask, *extra_mask], axis=2)
+        here = dataclasses.replace(rotation, positions=positions)
+        return kernels.sink_attention(q, empty, jnp.zeros((1, q.shape[1], 0), bool), sinks, all_keys, all_mask, here)
+
+    rows = _row_of_each_query(b, t)
+    picked = () if selected is None else (selected, selected_mask)
+    return kernels.rows(tile, q, window_keys_of, window_mask, entries_mask, rotation.positions, rows, *picked, lead=2)
+
+
+def _row_of_each_query(b: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+
+
+def window_order(inputs: StepInputs, window: int) -> tuple[jax.Array, jax.Array]:
+    """Where each query's window keys sit in window_keys' [ring; chunk] keys, oldest first ([b, t, W]: the key at
+    position qpos - W + 1 + i), and which of those positions exist (>= 0). The ring keeps position p at p % W
+    (window_keys), the chunk its token at p - the chunk's first position."""
+    qpos = inputs.query_positions
+    key_pos = qpos[:, :, None] - (window - 1) + jnp.arange(window)[None, None, :]
+    start = inputs.positions[:, None, None]
+    index = jnp.where(key_pos >= start, window + key_pos - start, jnp.mod(key_pos, window))
+    return index, key_pos >= 0
 
 
 def output_projection(o: jax.Array, w: Attention, cfg: ModelConfig, kernels: Kernels) -> jax.Array:

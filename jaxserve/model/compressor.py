@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.kernels.norm import rms_norm
 from jaxserve.kernels.rope import apply_rope
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.cache import CompressorState
 from jaxserve.model.weights import Compressor
 
@@ -41,6 +42,7 @@ def compress_chunk(
     eps: float,
     snapshot_lengths: jax.Array | None = None,  # [b, j] int32: also return the states this many tokens in
     rotate: bool = True,  # False: the entries come out unrotated (DeepSeek-V4.1 derives its indexer keys from them)
+    kernels: Kernels = REFERENCE_KERNELS,  # its `rows`: the projections token by token, the pooling window by window
 ) -> tuple[NewEntries, CompressorState, list[CompressorState]]:
     m = rate
     overlap = state.overlap
@@ -49,10 +51,15 @@ def compress_chunk(
     n_windows = (m - 1 + t) // m + 1  # enough to hold the partial window plus the whole chunk
     span = n_windows * m
 
-    with jax.named_scope("project"):
+    def project(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         xf = x.astype(F32)
-        kv = jnp.einsum("btd,df->btf", xf, weights.wkv.astype(F32))
-        gate = jnp.einsum("btd,df->btf", xf, weights.wgate.astype(F32))
+        return (
+            jnp.einsum("btd,df->btf", xf, weights.wkv.astype(F32)),
+            jnp.einsum("btd,df->btf", xf, weights.wgate.astype(F32)),
+        )
+
+    with jax.named_scope("project"):
+        kv, gate = kernels.rows(project, x, lead=2)
 
     with jax.named_scope("align_windows"):
         # Sequence index i holds absolute position (pos // m) * m + i: the buffered tokens, then the chunk.
@@ -85,9 +92,13 @@ def compress_chunk(
             slots_gate = jnp.concatenate([a_gate, win_gate[..., c:]], axis=2)
         else:
             slots_kv, slots_gate = win_kv, win_gate
-        pooled = jnp.sum(jax.nn.softmax(slots_gate, axis=2) * slots_kv, axis=2)  # [b, w, c]
-        pooled = rms_norm(pooled, weights.norm, eps)
-        values = apply_rope(pooled, window_index * m, freqs) if rotate else pooled
+
+        def pool(slots_gate: jax.Array, slots_kv: jax.Array, window_index: jax.Array) -> jax.Array:
+            pooled = jnp.sum(jax.nn.softmax(slots_gate, axis=2) * slots_kv, axis=2)  # [b, w, c]
+            pooled = rms_norm(pooled, weights.norm, eps)
+            return apply_rope(pooled, window_index * m, freqs) if rotate else pooled
+
+        values = kernels.rows(pool, slots_gate, slots_kv, window_index, lead=2)
 
     def state_after(tokens: jax.Array) -> CompressorState:
         """The rows' state once `tokens [b]` of the chunk are in."""

@@ -62,12 +62,12 @@ def block(
     with jax.named_scope("attention"):
         mixed = []
         for h, inputs in zip(hs, groups):
-            normed, post, comb = hc_pre(h, w.attn_hc, cfg, kernels, w.attn_norm)
+            normed, post, comb = kernels.rows(lambda h: hc_pre(h, w.attn_hc, cfg, kernels, w.attn_norm), h, lead=2)
             out, cache = attention_block(normed, w.attn, cache, layer, inputs, cfg, kind, kernels, draft_block)
-            mixed.append(hc_post(out, h, post, comb))
+            mixed.append(kernels.rows(hc_post, out, h, post, comb, lead=2))
         hs = mixed
     with jax.named_scope("moe"):
-        sites = [hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm) for h in hs]
+        sites = [kernels.rows(lambda h: hc_pre(h, w.ffn_hc, cfg, kernels, w.ffn_norm), h, lead=2) for h in hs]
         hs = _moe(hs, [normed for normed, _, _ in sites], sites, w, experts, layer, groups, cfg, kernels)
     return hs, cache
 
@@ -77,10 +77,10 @@ def _moe(hs, xs, sites, w: Layer, experts: RoutedExperts, layer, groups: Sequenc
     into each group's streams `hs` with the site's post weights and comb matrix (`sites`: (_, post, comb) a group)."""
     flat = jnp.concatenate([x.reshape(1, -1, x.shape[-1]) for x in xs], axis=1)
     tokens = jnp.concatenate([g.tokens.reshape(1, -1) for g in groups], axis=1)
-    out = moe_block(flat, tokens, w.moe, experts, layer, cfg, kernels)[0]
+    out = kernels.rows(lambda x, t: moe_block(x, t, w.moe, experts, layer, cfg, kernels), flat, tokens, lead=2)[0]
     sizes = np.cumsum([g.tokens.size for g in groups])[:-1]
     return [
-        hc_post(o.reshape(h.shape[0], h.shape[1], -1), h, post, comb)
+        kernels.rows(hc_post, o.reshape(h.shape[0], h.shape[1], -1), h, post, comb, lead=2)
         for o, h, (_, post, comb) in zip(jnp.split(out, sizes), hs, sites)
     ]
 
@@ -300,7 +300,13 @@ def output_states(
     if cfg.v41:
         assert pre is not None  # tapped_streams returns them for V4.1
         return collapse(h, pre, weights.norm, cfg)
-    return final_norm(h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg, kernels)
+    return kernels.rows(
+        lambda h: final_norm(
+            h, weights.hc_head_fn, weights.hc_head_base, weights.hc_head_scale, weights.norm, cfg, kernels
+        ),
+        h,
+        lead=2,
+    )
 
 
 def final_norm(
@@ -426,8 +432,10 @@ def vocab_logits(y: jax.Array, head: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.einsum("...d,dv->...v", y, head, preferred_element_type=F32)[..., :vocab_size]
 
 
-def last_logits(y: jax.Array, inputs: StepInputs, head: jax.Array, vocab_size: int) -> jax.Array:
+def last_logits(
+    y: jax.Array, inputs: StepInputs, head: jax.Array, vocab_size: int, kernels: Kernels = REFERENCE_KERNELS
+) -> jax.Array:
     """Logits at each row's last valid token ([b, V] float32) of one group's hidden states: what sampling needs."""
     last = jnp.clip(inputs.lengths - 1, 0, None)
     y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-    return vocab_logits(y_last, head, vocab_size)
+    return kernels.rows(lambda y: vocab_logits(y, head, vocab_size), y_last)

@@ -74,20 +74,29 @@ class ExecutableCache:
             slot_tokens=self.abstract((geometry.num_slots,), jnp.int32),
         )
         # The calls, each jitted from one spec (the export store makes its thin call of the same spec).
+        options = kernels.compiler_options
         self._forward = JitSpec(
             self._forward_fn,
             donate_argnames=("cache",),
             out_shardings=(self.replicated, self.replicated, self.cache_shardings),
+            compiler_options=options,
         )
-        self._sampler = JitSpec(self._sampler_fn, static_argnames=("cuts",), out_shardings=self.replicated)
+        self._sampler = JitSpec(
+            self._sampler_fn, static_argnames=("cuts",), out_shardings=self.replicated, compiler_options=options
+        )
         self._speculate = JitSpec(
             self._speculate_fn,
             static_argnames=("sampled",),
             donate_argnames=("cache",),
             out_shardings=(self.replicated, self.replicated, self.replicated, self.cache_shardings, self.replicated),
+            compiler_options=options,
         )
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
-        self.penalize = jax.jit(apply_penalties, out_shardings=self.replicated)
+        self.penalize = jax.jit(
+            lambda logits, penalties: kernels.rows(apply_penalties, logits, penalties),
+            out_shardings=self.replicated,
+            compiler_options=dict(options) or None,
+        )
         self._compiled: dict[StepShape, ShapeExecutables] = {}
         self._compiling = threading.Lock()
         # By the rows of each group and whether some row cuts by top-k / top-p (the sampler that sorts).
@@ -138,10 +147,12 @@ class ExecutableCache:
         for i, (h, group) in enumerate(zip(hs, groups)):
             y = output_states(weights, h, None if pres is None else pres[i], self.cfg, self.kernels)
             asked = group.asked
-            logits.append(last_logits(y, group.step, weights.head, self.cfg.vocab_size))
+            logits.append(last_logits(y, group.step, weights.head, self.cfg.vocab_size, self.kernels))
             prompt = None
             if asked.targets is not None and asked.prompt is not None:  # prefill groups only (group_inputs)
-                prompt = prompt_logprobs(y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size)
+                prompt = prompt_logprobs(
+                    y, weights.head, asked.targets, asked.prompt, self.cfg.vocab_size, self.kernels
+                )
             prompts.append(prompt)
         return tuple(logits), tuple(prompts)
 
@@ -173,8 +184,8 @@ class ExecutableCache:
         logits, prompt_logprobs = self._logits(weights, hs, prompts)
         return verified, logits, prompt_logprobs, cache, slot_tokens
 
-    @staticmethod
     def _sampler_fn(
+        self,
         slot_tokens: jax.Array,
         logits: tuple[jax.Array, ...],
         penalized: tuple[jax.Array, ...],
@@ -186,10 +197,10 @@ class ExecutableCache:
         are the raw `logits`'. `cuts`: some row has a top-k or top-p cut (see `sample`)."""
         tokens, sampled = [], []
         for group_logits, to_sample, sampling, route in zip(logits, penalized, samplings, routes):
-            group_tokens = sample(to_sample, sampling, cuts)
+            group_tokens = self.kernels.rows(lambda x, p: sample(x, p, cuts), to_sample, sampling)
             slot_tokens = slot_tokens.at[route.store_slot].set(group_tokens, mode="drop")
             tokens.append(group_tokens)
-            sampled.append(sampled_logprobs(group_logits, group_tokens))
+            sampled.append(self.kernels.rows(sampled_logprobs, group_logits, group_tokens))
         return tuple(tokens), tuple(sampled), slot_tokens
 
     # ---- abstract arguments ------------------------------------------------------------------------------------

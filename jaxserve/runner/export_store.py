@@ -47,6 +47,7 @@ class JitSpec:
     donate_argnames: tuple[str, ...] = ()
     static_argnames: tuple[str, ...] = ()
     out_shardings: Any = None
+    compiler_options: tuple[tuple[str, Any], ...] = ()  # XLA's, as (name, value) pairs (Kernels.compiler_options)
 
     @functools.cached_property
     def jitted(self) -> Any:
@@ -55,6 +56,7 @@ class JitSpec:
             donate_argnames=self.donate_argnames,
             static_argnames=self.static_argnames,
             out_shardings=self.out_shardings,
+            compiler_options=dict(self.compiler_options) or None,
         )
 
 
@@ -151,7 +153,12 @@ class ExportStore:
         call.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=[p for n, p in signature.parameters.items() if n in dynamic]
         )
-        wrapped = jax.jit(call, donate_argnames=spec.donate_argnames, out_shardings=spec.out_shardings)
+        wrapped = jax.jit(
+            call,
+            donate_argnames=spec.donate_argnames,
+            out_shardings=spec.out_shardings,
+            compiler_options=dict(spec.compiler_options) or None,
+        )
         return wrapped.lower(**dynamic).compile()
 
     @staticmethod

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels.table import REFERENCE_KERNELS, Kernels
 from jaxserve.model.forward import vocab_logits
 from jaxserve.request import MAX_LOGPROBS, TokenLogprob
 
@@ -76,11 +77,25 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array) -> Logprobs:
 
 
 def prompt_logprobs(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, asked: jax.Array, vocab_size: int
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    asked: jax.Array,
+    vocab_size: int,
+    kernels: Kernels = REFERENCE_KERNELS,
 ) -> Logprobs:
     """hidden [b, t, d] (final-normed), head [d, V] (V: `vocab_size` and any padding), targets [b, t] -> Logprobs
-    [b, t] of each target at the position before it, over the real vocabulary (zeros unless asked)."""
+    [b, t] of each target at the position before it, over the real vocabulary (zeros unless asked). Batch-invariant
+    (`kernels.row_tile`): position by position in the kernels' fixed tiles, whatever the rows and chunk."""
     rows, length, dim = hidden.shape
+    if kernels.row_tile is not None:
+
+        def tile(h: jax.Array, t: jax.Array) -> Logprobs:
+            return _logprobs_of(vocab_logits(h, head, vocab_size), t)
+
+        return _when_asked(
+            asked, lambda: kernels.rows(tile, hidden, targets, lead=2), (rows, length), min(MAX_LOGPROBS, vocab_size)
+        )
     block = max(1, min(length, PROMPT_LOGITS_TOKENS // rows))
     blocks = -(-length // block)
     pad = blocks * block - length

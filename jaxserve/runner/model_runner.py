@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kernels.table import kernels_for
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig
+from jaxserve.kernels.table import Kernels, kernels_for
+from jaxserve.kernels.tiles import ROW_TILE
 from jaxserve.model.cache import CacheGeometry, kv_geometry, zeros_of
 from jaxserve.progress import progress
 from jaxserve.request import TokenLogprob
@@ -92,16 +93,20 @@ class Buckets:
         mixed: bool = False,
         decode_row_tokens: int = 1,
         role: str = "null",
+        min_decode_rows: int = 1,
     ) -> Buckets:
+        """`min_decode_rows`: the smallest decode bucket (batch-invariant steps compute rows in tiles of ROW_TILE,
+        so a smaller bucket would save nothing and cost a compile)."""
         # Chunks grow by 4x: each bucket costs a compile at start-up, padding costs only a little compute.
         chunks, size = [], min(min_chunk, chunked_prefill_size)
         while size < chunked_prefill_size:
             chunks.append(size)
             size *= 4
+        decode_rows = powers_of_two_up_to(max_num_seqs)
         return Buckets(
             prefill_rows=powers_of_two_up_to(max_prefill_rows),
             prefill_chunks=tuple(chunks) + (chunked_prefill_size,),
-            decode_rows=powers_of_two_up_to(max_num_seqs),
+            decode_rows=tuple(r for r in decode_rows if r >= min(min_decode_rows, max_num_seqs)),
             mixed=mixed,
             decode_row_tokens=decode_row_tokens,
             role=role,
@@ -117,6 +122,7 @@ class Buckets:
             mixed=engine_cfg.mixed_steps,
             decode_row_tokens=engine_cfg.draft_tokens + 1,
             role=engine_cfg.disaggregation_mode,
+            min_decode_rows=ROW_TILE if engine_cfg.batch_invariant else 1,
         )
 
     @property
@@ -146,8 +152,12 @@ class Buckets:
         first = self.first_shapes()
         return first + [s for s in rest if s not in first and self.runs(s)]
 
+    @property
+    def smallest_decode(self) -> GroupShape:
+        return GroupShape(self.decode_rows[0], 1)
+
     def first_shapes(self) -> list[StepShape]:
-        first = [StepShape(prefill=GroupShape(1, self.prefill_chunks[0])), StepShape(decode=GroupShape(1, 1))]
+        first = [StepShape(prefill=GroupShape(1, self.prefill_chunks[0])), StepShape(decode=self.smallest_decode)]
         return [shape for shape in first if self.runs(shape)]
 
     def runs(self, shape: StepShape) -> bool:
@@ -157,7 +167,7 @@ class Buckets:
     def prompt_shapes(self, prompt_len: int) -> list[StepShape]:
         """What one prompt of `prompt_len` tokens needs, alone: its chunk (or the largest) and a decode of one."""
         chunk = next((c for c in self.prefill_chunks if c >= prompt_len), self.prefill_chunks[-1])
-        return [StepShape(prefill=GroupShape(1, chunk)), StepShape(decode=GroupShape(1, 1))]
+        return [StepShape(prefill=GroupShape(1, chunk)), StepShape(decode=self.smallest_decode)]
 
 
 def step_limits(compiled: set[StepShape], buckets: Buckets) -> StepLimits | None:
@@ -274,13 +284,30 @@ class StepTimes:
     compile_s: dict[StepShape, float] = field(default_factory=dict)
 
 
+def step_kernels(cfg: ModelConfig, mesh: Mesh, choice: str, batch_invariant: bool) -> Kernels:
+    """The kernel table every step of a runner runs through: `--kernels choice` for these devices, with the rows in
+    fixed tiles when batch-invariant (`--batch-invariant`, docs/architecture.md), which DeepSeek-V4.1 is not yet."""
+    if batch_invariant and cfg.v41:
+        raise ConfigError(
+            "batch_invariant: DeepSeek-V4.1's shared compressed KV and Engram are not batch-invariant yet; serve it "
+            "without --batch-invariant"
+        )
+    return kernels_for(choice, mesh.devices.flat[0].platform, ROW_TILE if batch_invariant else None)
+
+
 class ModelRunner:
     def __init__(
-        self, cfg: ModelConfig, weights, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets, kernels: str = "auto"
+        self,
+        cfg: ModelConfig,
+        weights,
+        geometry: CacheGeometry,
+        mesh: Mesh,
+        buckets: Buckets,
+        kernels: str = "auto",
+        batch_invariant: bool = False,
     ):
         self.cfg = cfg
-        # The kernel table's choice for these devices (--kernels); every step runs through it.
-        self.kernels = kernels_for(kernels, mesh.devices.flat[0].platform)
+        self.kernels = step_kernels(cfg, mesh, kernels, batch_invariant)
         self.geometry = geometry
         self.mesh = mesh
         self.buckets = buckets
@@ -687,4 +714,5 @@ def build_runner(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights, mesh
         mesh,
         Buckets.for_config(engine_cfg),
         kernels=engine_cfg.kernels,
+        batch_invariant=engine_cfg.batch_invariant,
     )

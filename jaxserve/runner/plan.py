@@ -33,7 +33,6 @@ from jaxlib import xla_client
 import jaxserve.kernels
 from jaxserve.config import CSA, ConfigError, EngineConfig, ModelConfig, check_memory_fraction
 from jaxserve.kernels.quant import Quantized
-from jaxserve.kernels.table import kernels_for
 from jaxserve.model.cache import CacheGeometry, bytes_per_token, entry_bytes, kv_geometry, resolve_max_model_len
 from jaxserve.model.sharding import ShardingError, for_mesh, make_mesh, shape_dtype_structs, shardings_for
 from jaxserve.model.weights import (
@@ -49,6 +48,7 @@ from jaxserve.request.step import GroupShape, StepShape
 from jaxserve.runner import Buckets, targets
 from jaxserve.runner.executables import ExecutableCache
 from jaxserve.runner.hlo_profile import step_profile
+from jaxserve.runner.model_runner import step_kernels
 from jaxserve.runner.speculative import abstract_runner_cache
 from jaxserve.runner.targets import GpuTarget
 
@@ -355,11 +355,18 @@ class AbstractRunner:
     buckets and the kernel choice the engine's runner would have): traced and compiled, never run."""
 
     def __init__(
-        self, cfg: ModelConfig, weights: Any, geometry: CacheGeometry, mesh: Mesh, buckets: Buckets, kernels: str
+        self,
+        cfg: ModelConfig,
+        weights: Any,
+        geometry: CacheGeometry,
+        mesh: Mesh,
+        buckets: Buckets,
+        kernels: str,
+        batch_invariant: bool = False,
     ):
         self.buckets, self.geometry = buckets, geometry
-        # The kernel table's choice for these devices (--kernels), as the engine's runner makes it.
-        self.kernels = kernels_for(kernels, mesh.devices.flat[0].platform)
+        # The kernel table's choice for these devices (--kernels, --batch-invariant), as the engine's runner makes it.
+        self.kernels = step_kernels(cfg, mesh, kernels, batch_invariant)
         self.executables = ExecutableCache(cfg, weights, geometry, mesh, self.kernels)
 
     def jaxprs(self, shape: StepShape) -> list[ClosedJaxpr]:
@@ -429,7 +436,13 @@ def make_plan(
     temp = 0
     buckets = Buckets.for_config(engine_cfg)
     runner = AbstractRunner(
-        cfg, shape_dtype_structs(abstract_weights(cfg), mesh), geometry, mesh, buckets, kernels=engine_cfg.kernels
+        cfg,
+        shape_dtype_structs(abstract_weights(cfg), mesh),
+        geometry,
+        mesh,
+        buckets,
+        kernels=engine_cfg.kernels,
+        batch_invariant=engine_cfg.batch_invariant,
     )
     started = time.perf_counter()
     if gpu is not None:
