@@ -41,7 +41,7 @@ from jaxserve.server.serving import BackgroundServer, bind
 
 TARGETS = 20
 PREFIX_HITS = 8  # the targets served a second time alone, from the prefix cache
-MAX_TOKENS = 16
+MAX_TOKENS = 8
 # Mixed steps on: a mixed step carries every decode row (64) and 80 - 64 = 16 prompt tokens, a pure prefill step 80.
 SERVING = dict(
     batch_invariant=True,
@@ -79,7 +79,7 @@ def _others(rng: random.Random, n: int, vocab: int) -> list[dict]:
     return [
         {
             "prompt": [rng.randrange(2, vocab) for _ in range(rng.randrange(5, 64))],
-            "max_tokens": rng.randrange(1, 24),
+            "max_tokens": rng.randrange(1, 12),
             "ignore_eos": True,
             "temperature": rng.choice([0.0, 0.7]),
         }
@@ -97,10 +97,10 @@ def _output(response: httpx.Response) -> tuple:
 
 
 @contextlib.contextmanager
-def _server(loaded, **knobs):
+def _server(loaded, runner, **knobs):
+    """An HTTP server on `runner` (its buckets hold chunks of 16, 64 and 80 and the mixed step: an engine of other
+    knobs takes what it needs of them)."""
     cfg = EngineConfig(dtype=loaded.config.dtype, **(SERVING | knobs))
-    mesh = make_mesh(1, 1)
-    runner = build_runner(cfg, loaded.config, loaded.weights, mesh)
     engine = Engine(cfg, loaded.config, runner, loaded.tokenizer.eos_ids).start()
     server = BackgroundServer(
         create_app(engine, loaded.tokenizer, "default", ServerConfig(log_stats_interval=0)), bind("127.0.0.1", 0)
@@ -149,7 +149,8 @@ def test_a_requests_tokens_and_logprobs_do_not_depend_on_its_batch(dtype):
             if _output(response) != alone[i]:
                 mismatches.append(f"{dtype}, {case}: target {i}")
 
-    with _server(loaded) as (http, engine):
+    runner = build_runner(EngineConfig(dtype=dtype, **SERVING), loaded.config, loaded.weights, make_mesh(1, 1))
+    with _server(loaded, runner) as (http, engine):
         alone = []
         for i, body in enumerate(targets):
             first = http.post("/v1/completions", json=body)
@@ -184,7 +185,7 @@ def test_a_requests_tokens_and_logprobs_do_not_depend_on_its_batch(dtype):
         assert engine.stats().finished.get("abort", 0) == aborted + 3
 
     # Chunks of 16, no mixed steps: every target at once with 12 others.
-    with _server(loaded, chunked_prefill_size=16, mixed_batches=False) as (http, _):
+    with _server(loaded, runner, chunked_prefill_size=16, mixed_batches=False) as (http, _):
         responses = _serve_together(http, [targets[i] for i in order] + _others(rng, 12, vocab))
         check("chunks of 16, mixed steps off, all at once", order, responses[:TARGETS])
     assert not mismatches, mismatches
