@@ -13,6 +13,7 @@ compiled without loop-invariant code motion (`Kernels.compiler_options`), so not
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,7 @@ def rowwise(fn: Callable[..., Any], arrays: tuple[Any, ...], lead: int, tile: in
     original's. The padding rows are zeros; their results are dropped."""
     leaves = [leaf for leaf in jax.tree.leaves(arrays) if leaf is not None]
     shape = leaves[0].shape[:lead]
-    rows = 1
-    for size in shape:
-        rows *= size
+    rows = math.prod(shape)
     tiles = -(-rows // tile)
     view = (1,) * (lead - 1) + (tile,)
 

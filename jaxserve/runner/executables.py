@@ -92,11 +92,11 @@ class ExecutableCache:
             compiler_options=options,
         )
         # Only groups with a penalized row take it (compiled once per penalty bucket reached, when first needed).
-        self.penalize = jax.jit(
+        self.penalize = JitSpec(
             lambda logits, penalties: kernels.rows(apply_penalties, logits, penalties),
             out_shardings=self.replicated,
-            compiler_options=dict(options) or None,
-        )
+            compiler_options=options,
+        ).jitted
         self._compiled: dict[StepShape, ShapeExecutables] = {}
         self._compiling = threading.Lock()
         # By the rows of each group and whether some row cuts by top-k / top-p (the sampler that sorts).
