@@ -63,6 +63,15 @@ def test_device_logprobs_are_the_log_softmax_in_blocks_and_nothing_unless_asked(
     np.testing.assert_array_equal(out.token, out.top[:, 0])
 
 
+def test_sampled_logprobs_take_the_top_k_without_sorting_the_vocabulary():
+    """Every step computes them: as a sort of the whole vocabulary (which XLA keeps when anything else reads the sort
+    top_k starts as) a decode step of the embedded default took 2.3 ms instead of 1.5 on CPU."""
+    logits = jax.ShapeDtypeStruct((8, 4096), np.float32)
+    tokens = jax.ShapeDtypeStruct((8,), np.int32)
+    optimized = jax.jit(sampled_logprobs).lower(logits, tokens).compile().as_text()
+    assert " sort(" not in optimized
+
+
 # ---- over HTTP, against the reference ------------------------------------------------------------------------------
 
 
