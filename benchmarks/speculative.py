@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--tokens", type=int)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="a subset, none among them (printed only)")
     args = parser.parse_args()
+    if args.configs is not None and "none" not in args.configs:
+        parser.error("--configs: the ratios are to no drafts, so 'none' must be one of them")
+    configs = {name: CONFIGS[name] for name in args.configs or CONFIGS}
     rounds = args.rounds or (2 if args.quick else 4)
     max_tokens = args.tokens or (48 if args.quick else 128)
     configure_jax(1, compile_cache=False)  # this process only tokenizes (and finds the repository's modules)
@@ -65,10 +69,10 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in SAMPLE_PROMPTS]
     load_before = load_average()
     servers = {}
-    runs: dict = {(name, batch): [] for name in CONFIGS for batch in (1, 8)}  # one entry a round: its streams
-    drafts: dict = {(name, batch): {} for name in CONFIGS for batch in (1, 8)}  # counters summed over the rounds
+    runs: dict = {(name, batch): [] for name in configs for batch in (1, 8)}  # one entry a round: its streams
+    drafts: dict = {(name, batch): {} for name in configs for batch in (1, 8)}  # counters summed over the rounds
     try:
-        for name, spec in CONFIGS.items():
+        for name, spec in configs.items():
             print(f"starting jaxserve serve ({name})", flush=True)
             method = (
                 []
@@ -78,7 +82,7 @@ def main() -> None:
             servers[name] = Server(FLAGS + method)
             streamed_tokens(servers[name].url, prompts[0], 8)  # the HTTP path's first call
         for r in range(rounds):
-            order = list(CONFIGS)[r % len(CONFIGS) :] + list(CONFIGS)[: r % len(CONFIGS)]
+            order = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
             for batch in (1, 8):
                 for name in order:
                     url = servers[name].url
@@ -102,15 +106,15 @@ def main() -> None:
     for batch in (1, 8):
         expected = tokens(runs["none", batch][0][1])
         assert all(len(t) == max_tokens for t in expected)
-        for name in CONFIGS:
+        for name in configs:
             for _, streams in runs[name, batch]:
                 assert tokens(streams) == expected, f"{name} batch {batch}: greedy tokens differ from no drafts'"
         speeds = {
-            name: [[decode_speed(chunks) for chunks in streams] for _, streams in runs[name, batch]] for name in CONFIGS
+            name: [[decode_speed(chunks) for chunks in streams] for _, streams in runs[name, batch]] for name in configs
         }
         base = median([s for round_speeds in speeds["none"] for s in round_speeds])
         results[batch] = {}
-        for name, spec in CONFIGS.items():
+        for name, spec in configs.items():
             every = [s for round_speeds in speeds[name] for s in round_speeds]
             per_round = [median(round_speeds) for round_speeds in speeds[name]]
             counts = drafts[name, batch]
@@ -131,11 +135,11 @@ def main() -> None:
                 else [],
             }
     best = {
-        method: max(r["decode_tok_s_per_stream"] for n, r in results[1].items() if n.startswith(method))
+        method: max((r["decode_tok_s_per_stream"] for n, r in results[1].items() if n.startswith(method)), default=0)
         for method in ("mtp", "dspark")
     }
     met = {
-        "dspark_over_mtp": round(best["dspark"] / best["mtp"], 3),
+        "dspark_over_mtp": round(best["dspark"] / best["mtp"], 3) if best["mtp"] else None,
         "dspark_over_none": round(best["dspark"] / results[1]["none"]["decode_tok_s_per_stream"], 3),
     }
     data = {
@@ -182,7 +186,8 @@ def main() -> None:
         f"before, {data['load_average_after']} after; {data['machine']['cpu_cores']} CPU cores.\n"
     )
     print(markdown)
-    write_results("speculative", data, markdown)
+    if args.configs is None:  # the results file holds whole runs only
+        write_results("speculative", data, markdown)
 
 
 def decode_speed(chunks: list[tuple[float, list[int]]]) -> float:
