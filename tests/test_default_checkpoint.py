@@ -4,6 +4,7 @@ from the training script, and the script's first steps reproduce its committed l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -14,9 +15,10 @@ from harness import run_schedule
 from tokenizers import Tokenizer as RustTokenizer
 
 from jaxserve.checkpoints import default_checkpoint_path
-from jaxserve.checkpoints.deepseek import load_weights
+from jaxserve.checkpoints.deepseek import DSPARK_FOLDER, load_weights
 from jaxserve.config import CSA, HCA, SWA, config_from_dict, load_config, to_hf_dict
 from jaxserve.text.tokenizer import Tokenizer, load_tokenizer
+from training import train_dspark
 from training.corpus import Corpus, stdlib_corpus
 from training.default_model import SPECIAL_TOKENS, model_config, tokenizer_config, train_tokenizer
 from training.train_default import encode, evaluate, held_out_windows, train, unigram_perplexity
@@ -25,8 +27,8 @@ FOLDER = default_checkpoint_path()
 MAX_BYTES = 20 * 10**6  # the issue's bound on the trained default
 
 
-def _log() -> list[dict]:
-    return [json.loads(line) for line in (FOLDER / "training_log.jsonl").read_text().splitlines()]
+def _log(folder=FOLDER) -> list[dict]:
+    return [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines()]
 
 
 def _evaluation() -> dict:
@@ -109,4 +111,18 @@ def test_the_training_script_reproduces_its_logged_first_steps(tokens):
         assert record["loss"] == pytest.approx(expected["loss"], rel=1e-3)
         assert record["mtp_loss"] == pytest.approx(expected["mtp_loss"], rel=1e-3)
     assert [r["step"] for r in records] == [1, 2, 3]
+    jax.clear_caches()
+
+
+def test_the_drafters_training_script_reproduces_its_logged_first_steps(tokens):
+    """The DSpark drafter's training (`python -m training.train_dspark`, the target frozen): three steps from the seed
+    give the losses its committed log starts with."""
+    cfg = dataclasses.replace(load_config(FOLDER, dtype="float32"), dspark=train_dspark.DRAFTER).with_drafter("dspark")
+    target, _ = load_weights(FOLDER, load_config(FOLDER, dtype="float32"))
+    logged = {r["step"]: r for r in _log(FOLDER / DSPARK_FOLDER) if "step" in r}
+    records: list[dict] = []
+    train_dspark.train(dataclasses.replace(target, dspark=None), cfg, tokens[0], 3, records.append)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["loss"] == pytest.approx(logged[record["step"]]["loss"], rel=1e-3)
     jax.clear_caches()

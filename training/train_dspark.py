@@ -81,7 +81,7 @@ def taps(target: Weights, windows: jax.Array, cfg: ModelConfig) -> tuple[jax.Arr
     rows = windows.shape[0]
     inputs = dataclasses.replace(_rows(rows, LENGTH, jnp.zeros(rows)), tokens=windows)
     cache = zeros_of(abstract_cache(cfg, window_geometry(rows, LENGTH)))
-    (streams,), _, (features,) = tapped_streams(target, cache, [inputs], cfg)
+    (streams,), _, (features,), _ = tapped_streams(target, cache, [inputs], cfg)
     y = final_norm(streams, target.hc_head_fn, target.hc_head_base, target.hc_head_scale, target.norm, cfg)
     return features, jax.nn.log_softmax(vocab_logits(y, target.head, cfg.vocab_size), axis=-1)
 
