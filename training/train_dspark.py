@@ -47,7 +47,7 @@ from training.corpus import Corpus, stdlib_corpus
 from training.train_default import LENGTH, PAGE, encode, training_log, window_geometry
 
 SEED = 5
-STEPS = 3000
+STEPS = 5000
 BATCH = 8  # windows a step
 ANCHORS = 16  # blocks a window
 BLOCK = 5  # the release's dspark_block_size
