@@ -4,7 +4,6 @@ from the training script, and the script's first steps reproduce its committed l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -117,11 +116,10 @@ def test_the_training_script_reproduces_its_logged_first_steps(tokens):
 def test_the_drafters_training_script_reproduces_its_logged_first_steps(tokens):
     """The DSpark drafter's training (`python -m training.train_dspark`, the target frozen): three steps from the seed
     give the losses its committed log starts with."""
-    cfg = dataclasses.replace(load_config(FOLDER, dtype="float32"), dspark=train_dspark.DRAFTER).with_drafter("dspark")
-    target, _ = load_weights(FOLDER, load_config(FOLDER, dtype="float32"))
+    target, cfg = train_dspark.frozen_target(FOLDER)
     logged = {r["step"]: r for r in _log(FOLDER / DSPARK_FOLDER) if "step" in r}
     records: list[dict] = []
-    train_dspark.train(dataclasses.replace(target, dspark=None), cfg, tokens[0], 3, records.append)
+    train_dspark.train(target, cfg, tokens[0], 3, records.append)
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert record["loss"] == pytest.approx(logged[record["step"]]["loss"], rel=1e-3)

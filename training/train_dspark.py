@@ -201,6 +201,13 @@ layer work a drafted token), and three beside the default's 5 layers would cost 
 """
 
 
+def frozen_target(model: Path) -> tuple[Weights, ModelConfig]:
+    """The target as the drafter trains beside it (float32, no drafter of its own) and the config with DRAFTER."""
+    base = load_config(model, dtype="float32")
+    target, _ = load_weights(model, base)
+    return dataclasses.replace(target, dspark=None), dataclasses.replace(base, dspark=DRAFTER).with_drafter("dspark")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=default_checkpoint_path(), help="target (default: %(default)s)")
@@ -208,14 +215,11 @@ def main() -> None:
     args = parser.parse_args()
     out: Path = args.model / DSPARK_FOLDER
     log, log_file = training_log(out)
-    base = load_config(args.model, dtype="float32")
-    cfg = dataclasses.replace(base, dspark=DRAFTER).with_drafter("dspark")
-    target, _ = load_weights(args.model, base)
-    target = dataclasses.replace(target, dspark=None)
+    target, cfg = frozen_target(args.model)
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     corpus = stdlib_corpus()
-    train_tokens = encode(tok, [Corpus.text([f]) for f in corpus.train], base.eos_token_id)
-    held_tokens = encode(tok, [Corpus.text([f]) for f in corpus.held_out], base.eos_token_id)
+    train_tokens = encode(tok, [Corpus.text([f]) for f in corpus.train], cfg.eos_token_id)
+    held_tokens = encode(tok, [Corpus.text([f]) for f in corpus.held_out], cfg.eos_token_id)
     log({"train_tokens": len(train_tokens), "held_out_tokens": len(held_tokens), "steps": args.steps})
 
     started = time.perf_counter()
