@@ -209,6 +209,21 @@ def test_a_stop_inside_a_block_of_accepted_drafts_ends_the_request_there(served)
     assert engine.stats().drafts.accepted_tokens > before
 
 
+def test_a_verify_step_delivers_its_kept_tokens_as_one_event(served):
+    """As vLLM streams a step's output: a verify step's accepted drafts and its sampled token come in one event (one
+    chunk to an HTTP client), not one event a token."""
+    engine = served.drafting
+    before = engine.stats().drafts.accepted_tokens
+    handle = engine.submit(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    events = list(handle.sync_events(60))
+    wait_for(lambda: settled(engine), 5, "the request to finish")
+    accepted = engine.stats().drafts.accepted_tokens - before
+    assert [t for event in events for t in event.token_ids] == served.off["batch"][2]
+    assert len(events[0].token_ids) == 1  # prefill's token
+    # Every later event is one verify step's: its accepted drafts, then one sampled token.
+    assert sum(len(event.token_ids) - 1 for event in events[1:]) == accepted > 0
+
+
 def test_max_tokens_inside_a_block_of_accepted_drafts_ends_the_request_there(served):
     """Overlapped, the next verify step is dispatched before the host sees how many drafts the one before kept: when
     those reached max_tokens, the device keeps no token for it, and the request ends with exactly max_tokens."""

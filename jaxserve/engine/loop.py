@@ -720,7 +720,7 @@ class Engine:
             self._fail_requests([request], error)
             return
         self.scheduler.arrived(request)
-        self._deliver(request, arrival.token, arrival.logprob)
+        self._deliver(request, (arrival.token,), arrival.logprob)
 
     def _state_pages(self, request: Request, first: int) -> list[int]:
         """The pages of `request`'s prompt from page `first` on: those a hand-off sends (the ones before, the
@@ -819,10 +819,8 @@ class Engine:
             if row.decode and self.config.draft_tokens:  # a verify row: its accepted drafts, then one sampled token
                 self.scheduler.note_accepted(request, len(out.accepted))
                 self.counters.note_drafts(out.drafted, len(out.accepted))
-            for token in out.token_ids:  # after the prompt: the first output token; after a decode row: the next
-                self._deliver(request, token, out.logprob)
-                if request.finished:  # a stop inside the accepted run ends the request exactly there
-                    break
+            # after the prompt: the first output token; after a decode row: the next, or a verify row's run
+            self._deliver(request, out.token_ids, out.logprob)
         seconds = ended - started
         self.scheduler.on_step_done(plan, seconds)
         self.step_record.append(
@@ -844,34 +842,43 @@ class Engine:
                 if request.finished:
                     self.scheduler.release(request)
 
-    def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
-        request.note_token(token)
-        self.counters.generation_tokens += 1
-        if request.grammar is not None:
-            broken = request.grammar.accept(token)
-            if broken is not None:  # the mask allowed only what the grammar accepts: a bug, not the client's
-                log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
-                self._finish(request, FinishReason.ERROR, error=f"structured output: {broken}")
-                return
-        complete = request.grammar is not None and request.grammar.finished
-        reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids), complete)
+    def _deliver(self, request: Request, tokens: tuple[int, ...], logprob: TokenLogprob | None) -> None:
+        """A row's new tokens in one event, as vLLM streams a step's output: a verify row's accepted drafts and its
+        sampled token together (one chunk to the client, not one a token). A stop inside the run ends the request
+        exactly there: its final event carries the tokens up to it. `logprob`: a one-token row's (drafting returns
+        none, EngineConfig refuses logprobs with it)."""
+        first = not request.output_ids  # this event carries the request's first token, and so its prompt logprobs
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        for i, token in enumerate(tokens):
+            request.note_token(token)
+            self.counters.generation_tokens += 1
+            if request.grammar is not None:
+                broken = request.grammar.accept(token)
+                if broken is not None:  # the mask allowed only what the grammar accepts: a bug, not the client's
+                    log.error("request %s: token %d broke its structured output: %s", request.request_id, token, broken)
+                    error = f"structured output: {broken}"
+                    self._finish(request, FinishReason.ERROR, final_tokens=tokens[:i], error=error)
+                    return
+            complete = request.grammar is not None and request.grammar.finished
+            reason, stop_reason = request.sampling.stop_reason(token, len(request.output_ids), complete)
+            if reason is not None:
+                tokens = tokens[: i + 1]
+                break
         logprobs = None if logprob is None else (logprob,)
-        prompt_logprobs = self._prompt_logprobs(request) if len(request.output_ids) == 1 else None
+        prompt_logprobs = self._prompt_logprobs(request) if first else None
         if reason is None:
             live = self._live.get(request.request_id)
             if live is None:  # fail() already ended it
                 return
             live.handle._push(
                 TokenEvent(
-                    (token,),
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
-                    cached_tokens=request.num_cached_tokens,
+                    tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, cached_tokens=request.num_cached_tokens
                 )
             )
         else:
             self._finish(
-                request, reason, stop_reason, final_tokens=(token,), logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                request, reason, stop_reason, final_tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
             )
 
     @staticmethod

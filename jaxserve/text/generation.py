@@ -101,8 +101,8 @@ class Generation:
                 async for event in events:
                     engine_done = event.finished
                     delta = self._delta(event)
-                    if self._observer is not None and event.token_ids:
-                        self._observer.on_tokens(len(event.token_ids), time.monotonic())
+                    if self._observer is not None and delta.token_ids:
+                        self._observer.on_tokens(len(delta.token_ids), time.monotonic())
                     yield delta
                     if delta.finish_reason is not None:
                         return
@@ -121,12 +121,26 @@ class Generation:
         return output
 
     def _delta(self, event: TokenEvent) -> Delta:
-        self.num_generated += len(event.token_ids)
-        text = "".join(self._detokenizer.step(t) for t in event.token_ids)
-        if event.finished:
-            text += self._detokenizer.flush()
-        # Stop strings are looked for only once the request may stop (min_tokens).
-        text, stop = self._stops.feed(text) if self._sampling.may_stop(self.num_generated) else (text, None)
+        """The event's text. An event may carry several tokens (a verify step's run): stop strings are looked for
+        token by token, so a stop ends the delta at the token that completes it, as if each had come alone."""
+        text, stop, token_ids = "", None, event.token_ids
+        last = len(event.token_ids) - 1
+        for i, token in enumerate(event.token_ids):
+            piece = self._detokenizer.step(token)
+            if event.finished and i == last:
+                piece += self._detokenizer.flush()
+            self.num_generated += 1
+            # Stop strings are looked for only once the request may stop (min_tokens).
+            if self._sampling.may_stop(self.num_generated):
+                piece, stop = self._stops.feed(piece)
+            text += piece
+            if stop is not None:
+                token_ids = event.token_ids[: i + 1]
+                break
+        if not event.token_ids and event.finished:
+            text = self._detokenizer.flush()
+            if self._sampling.may_stop(self.num_generated):
+                text, stop = self._stops.feed(text)
         finish_reason: FinishReason | None
         stop_reason: int | str | None
         if stop is not None:
@@ -136,13 +150,14 @@ class Generation:
             if event.finished:
                 text += self._stops.flush()
         self._finish_reason = finish_reason
+        logprobs = None if event.logprobs is None else event.logprobs[: len(token_ids)]
         return Delta(
             text,
-            event.token_ids,
+            token_ids,
             finish_reason,
             stop_reason,
             event.error,
-            event.logprobs,
+            logprobs,
             event.prompt_logprobs,
             event.cached_tokens,
             self.num_generated,
