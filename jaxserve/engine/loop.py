@@ -845,8 +845,8 @@ class Engine:
     def _deliver(self, request: Request, tokens: tuple[int, ...], logprob: TokenLogprob | None) -> None:
         """A row's new tokens in one event, as vLLM streams a step's output: a verify row's accepted drafts and its
         sampled token together (one chunk to the client, not one a token). A stop inside the run ends the request
-        exactly there: its final event carries the tokens up to it. `logprob`: a one-token row's (drafting returns
-        none, EngineConfig refuses logprobs with it)."""
+        exactly there: its final event carries the tokens up to it. `logprob`: a one-token row's (verify rows return
+        none: `SamplingParams.drafting_conflict` refuses logprobs with drafting)."""
         first = not request.output_ids  # this event carries the request's first token, and so its prompt logprobs
         reason: FinishReason | None = None
         stop_reason: int | str | None = None

@@ -123,24 +123,18 @@ class Generation:
     def _delta(self, event: TokenEvent) -> Delta:
         """The event's text. An event may carry several tokens (a verify step's run): stop strings are looked for
         token by token, so a stop ends the delta at the token that completes it, as if each had come alone."""
-        text, stop, token_ids = "", None, event.token_ids
-        last = len(event.token_ids) - 1
-        for i, token in enumerate(event.token_ids):
-            piece = self._detokenizer.step(token)
-            if event.finished and i == last:
-                piece += self._detokenizer.flush()
+        text, stop, kept = "", None, 0
+        for token in event.token_ids:
+            kept += 1
             self.num_generated += 1
-            # Stop strings are looked for only once the request may stop (min_tokens).
-            if self._sampling.may_stop(self.num_generated):
-                piece, stop = self._stops.feed(piece)
+            piece, stop = self._looked_for_stops(self._detokenizer.step(token))
             text += piece
             if stop is not None:
-                token_ids = event.token_ids[: i + 1]
                 break
-        if not event.token_ids and event.finished:
-            text = self._detokenizer.flush()
-            if self._sampling.may_stop(self.num_generated):
-                text, stop = self._stops.feed(text)
+        if stop is None and event.finished:
+            piece, stop = self._looked_for_stops(self._detokenizer.flush())
+            text += piece
+        token_ids = event.token_ids[:kept]
         finish_reason: FinishReason | None
         stop_reason: int | str | None
         if stop is not None:
@@ -162,3 +156,8 @@ class Generation:
             event.cached_tokens,
             self.num_generated,
         )
+
+    def _looked_for_stops(self, piece: str) -> tuple[str, str | None]:
+        """The next piece of text, cut at a stop string it completes (the stop, or None); stop strings are looked
+        for only once the request may stop (min_tokens)."""
+        return self._stops.feed(piece) if self._sampling.may_stop(self.num_generated) else (piece, None)
