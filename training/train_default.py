@@ -171,10 +171,11 @@ def train(cfg: ModelConfig, tokens: np.ndarray, steps: int, log: Any) -> Weights
     return _merge(trained, fixed)
 
 
-def training_log(out: Path) -> tuple[Callable[[dict[str, Any]], None], IO[str]]:
-    """(log, its file): each record printed and written as one line of `out`/training_log.jsonl (`out` made)."""
+def training_log(out: Path, append: bool = False) -> tuple[Callable[[dict[str, Any]], None], IO[str]]:
+    """(log, its file): each record printed and written as one line of `out`/training_log.jsonl (`out` made; a new
+    log, or with `append` the records added to the one there)."""
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "training_log.jsonl").open("w")
+    log_file = (out / "training_log.jsonl").open("a" if append else "w")
 
     def log(record: dict[str, Any]) -> None:
         print(json.dumps(record), flush=True)

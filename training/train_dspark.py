@@ -14,16 +14,24 @@ drafter trains (AdamW); the target's weights are not touched. Writes the drafter
 names its tensors (`mtp.{0,1,2}.*`, `mtp.2.markov_head.*`) with a config.json of the default's plus the `dspark_*`
 keys, a card (README.md) and the log (training_log.jsonl) into `checkpoints/default/dspark/`
 (`checkpoints.deepseek.DSPARK_FOLDER`, where the loader finds a drafter kept beside its checkpoint).
+
+A second phase (`--phase continuations`, part of the whole run) goes on from the drafter written there on text the
+target writes itself: CONTINUATION_WINDOWS cuts of the training text, each continued by the served target (jaxserve's
+engine; greedy every other one, the others sampled), as DSpark's and EAGLE's drafters are trained on the target's
+regenerated responses: a drafter drafts inside the target's own output, and the first phase's contexts are the
+text's (on the target's greedy output it agreed with it 0.78 at the first block position against 0.61 on text).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +41,18 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer
 
+from cli.main import build_engine
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import DRAFTER_PREFIXES, DSPARK_FOLDER, load_weights
 from jaxserve.checkpoints.load import model_config
 from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_config
-from jaxserve.config import DSparkConfig, ModelConfig, load_config
+from jaxserve.config import DSparkConfig, EngineConfig, ModelConfig, load_config
 from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_dspark_cache, zeros_of
 from jaxserve.model.dspark import block_logits, markov_logits, write_context
 from jaxserve.model.forward import final_norm, tapped_streams, vocab_logits
 from jaxserve.model.inputs import StepInputs
 from jaxserve.model.weights import DSparkDrafter, Weights, init_weights
+from jaxserve.request import SamplingParams
 from training.corpus import Corpus, stdlib_corpus
 from training.train_default import LENGTH, PAGE, encode, training_log, window_geometry
 
@@ -61,6 +71,14 @@ PAD = 2  # the noise token: the tokenizer's PAD (training.default_model), never 
 # work a drafted token), and three beside the default's 5 would cost 60%; one costs 20%, as the default's MTP block.
 STAGES = 1
 DRAFTER = DSparkConfig(block_size=BLOCK, noise_token_id=PAD, target_layer_ids=(2, 3, 4), markov_rank=64, stages=STAGES)
+# The second phase: windows the target writes (a cut of text, then its own continuation), and their training.
+CONTINUATION_WINDOWS = 2048
+HELD_CONTINUATIONS = 2 * EVAL_WINDOWS  # of the held-out text: EVAL_WINDOWS greedy and EVAL_WINDOWS sampled
+CONTINUATION_PROMPT = 32  # tokens of text a continuation starts from
+SAMPLED_TEMPERATURE = 0.8  # every other continuation; the others greedy
+CONTINUATION_STEPS = 1500
+CONTINUATION_LR = 5e-4
+CONTINUATION_WARMUP = 20
 
 
 def _rows(rows: int, length: int, positions: jax.Array) -> StepInputs:
@@ -122,9 +140,47 @@ def block_loss(
 
 
 def train(target: Weights, cfg: ModelConfig, tokens: np.ndarray, steps: int, log: Any) -> DSparkDrafter:
+    """The first phase: a drafter from the seed, on windows of the text `tokens`."""
     drafter = init_weights(jax.random.key(SEED), cfg).dspark
     assert drafter is not None
-    schedule = optax.warmup_cosine_decay_schedule(0.0, PEAK_LR, WARMUP, max(steps, WARMUP + 1), end_value=PEAK_LR / 10)
+
+    def text_windows(rng: np.random.Generator) -> np.ndarray:
+        return np.stack([tokens[s : s + LENGTH] for s in rng.integers(0, len(tokens) - LENGTH, BATCH)])
+
+    return _optimise(target, cfg, drafter, text_windows, steps, PEAK_LR, WARMUP, "step", log)
+
+
+def train_on_continuations(
+    target: Weights, cfg: ModelConfig, drafter: DSparkDrafter, windows: np.ndarray, steps: int, log: Any
+) -> DSparkDrafter:
+    """The second phase: `drafter` goes on over the target's own continuations `windows` [n, LENGTH]."""
+    return _optimise(
+        target,
+        cfg,
+        drafter,
+        lambda rng: windows[rng.integers(0, len(windows), BATCH)],
+        steps,
+        CONTINUATION_LR,
+        CONTINUATION_WARMUP,
+        "continuation_step",
+        log,
+    )
+
+
+def _optimise(
+    target: Weights,
+    cfg: ModelConfig,
+    drafter: DSparkDrafter,
+    windows_of: Callable[[np.random.Generator], np.ndarray],
+    steps: int,
+    peak_lr: float,
+    warmup: int,
+    step_key: str,
+    log: Any,
+) -> DSparkDrafter:
+    """`steps` AdamW steps of `block_loss` (cosine to a tenth of `peak_lr` after `warmup`) on BATCH windows drawn by
+    `windows_of` and ANCHORS random blocks each; log records keyed `step_key`."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, max(steps, warmup + 1), end_value=peak_lr / 10)
     decayed = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731  matrices, not norms
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -144,13 +200,46 @@ def train(target: Weights, cfg: ModelConfig, tokens: np.ndarray, steps: int, log
     rng = np.random.default_rng(SEED)
     started = time.perf_counter()
     for n in range(1, steps + 1):
-        windows = jnp.asarray(np.stack([tokens[s : s + LENGTH] for s in rng.integers(0, len(tokens) - LENGTH, BATCH)]))
+        windows = jnp.asarray(windows_of(rng))
         anchors = jnp.asarray(rng.integers(cfg.sliding_window, LENGTH - BLOCK - 1, (BATCH, ANCHORS)))
         drafter, state, loss, (agreement, _) = step(drafter, state, tapped(target, windows, cfg), windows, anchors)
         if n % LOG_EVERY == 0 or n == steps or n <= 3:
-            log({"step": n, "loss": float(loss), "agreement": [round(float(x), 4) for x in agreement],
+            log({step_key: n, "loss": float(loss), "agreement": [round(float(x), 4) for x in agreement],
                  "seconds": time.perf_counter() - started})  # fmt: skip
     return drafter
+
+
+def continuations(model: Path, tokens: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """[count, LENGTH] windows the target writes itself: a CONTINUATION_PROMPT-token cut of `tokens` at a seeded
+    offset, then the served target's continuation (float32, drafting off): greedy for even windows, sampled at
+    SAMPLED_TEMPERATURE with the window's index as seed for odd ones. One request at a time (about 600 tokens a
+    second here), so no window depends on what it was batched with."""
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - CONTINUATION_PROMPT, count)
+    config = EngineConfig(model=str(model), dtype="float32", max_num_seqs=1, page_size=16, max_model_len=2 * LENGTH)
+    engine, _ = build_engine(config)
+    engine.start()
+    rows: list[list[int]] = []
+    try:
+        for first in range(0, count, config.max_queued_requests):  # no more waiting at once than the queue holds
+            prompts = [
+                tokens[s : s + CONTINUATION_PROMPT].tolist() for s in starts[first : first + config.max_queued_requests]
+            ]
+            handles = [
+                engine.submit(
+                    prompt,
+                    SamplingParams(
+                        temperature=0.0 if (first + i) % 2 == 0 else SAMPLED_TEMPERATURE,
+                        seed=first + i,
+                        max_tokens=LENGTH - CONTINUATION_PROMPT,
+                        ignore_eos=True,
+                    ),
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+            rows += [prompt + handle.wait().token_ids for prompt, handle in zip(prompts, handles)]
+    finally:
+        engine.shutdown()
+    return np.array(rows, np.int32)
 
 
 def evaluate(target: Weights, drafter: DSparkDrafter, tokens: np.ndarray, cfg: ModelConfig) -> dict[str, Any]:
@@ -172,8 +261,9 @@ def evaluate(target: Weights, drafter: DSparkDrafter, tokens: np.ndarray, cfg: M
     return {"loss": float(np.mean(losses)), "agreement": mean(agreements), "accuracy": mean(accuracies)}
 
 
-def card(summary: dict[str, Any]) -> str:
-    s = summary
+def card(summary: dict[str, Any], continued: dict[str, Any] | None = None) -> str:
+    """The drafter's README: its first phase's `summary`, and the second's (`continued`) once it has run."""
+    s, c = summary, continued
     accuracy = ", ".join(f"{x:.2f}" for x in s["accuracy"])
     agreement = ", ".join(f"{x:.2f}" for x in s["agreement"])
     return f"""# The embedded default's DSpark drafter
@@ -194,10 +284,26 @@ layer work a drafted token), and three beside the default's 5 layers would cost 
   {PEAK_LR}, warmup {WARMUP}, cosine to a tenth, weight decay {WEIGHT_DECAY}, clip 1.0), distilled: cross-entropy
   against the target's next-token distributions at the block's {BLOCK} positions (the Markov head fed the text's
   tokens); seed {SEED}; {s["minutes"]:.1f} minutes on {s["machine"]}.
-- **Held-out** ({EVAL_WINDOWS} windows of the default's held-out files, {ANCHORS} blocks each): loss
+- **Held-out** after this phase ({EVAL_WINDOWS} windows of the default's held-out files, {ANCHORS} blocks each): loss
   {s["loss"]:.3f}; top-1 agreement with the target's greedy token by block position: {agreement}; accuracy
-  against the text: {accuracy}. Acceptance served is in `benchmarks/results/speculative.md`.
-- The log of the run is `training_log.jsonl` beside this card.
+  against the text: {accuracy}.
+{_continuation_card(c) if c else ""}- Acceptance served is in `benchmarks/results/speculative.md`. The log of the run is
+  `training_log.jsonl` beside this card.
+"""
+
+
+def _continuation_card(c: dict[str, Any]) -> str:
+    greedy = lambda phase: ", ".join(f"{x:.2f}" for x in c[phase]["greedy"]["agreement"])  # noqa: E731
+    sampled = lambda phase: ", ".join(f"{x:.2f}" for x in c[phase]["sampled"]["agreement"])  # noqa: E731
+    return f"""- **Then on the target's own text** (`--phase continuations`): {c["windows"]:,} windows of
+  {LENGTH} tokens, each a {CONTINUATION_PROMPT}-token cut of the training text (seeded offsets) continued by the
+  target as jaxserve serves it (float32; every other one greedy, the others sampled at temperature
+  {SAMPLED_TEMPERATURE}), as DSpark's and EAGLE's drafters are trained on their target's regenerated responses;
+  {c["steps"]} more steps from the first phase's drafter (as written, bf16), peak lr {CONTINUATION_LR}, warmup
+  {CONTINUATION_WARMUP}, cosine to a tenth; {c["minutes"]:.1f} minutes with writing the continuations. Held out:
+  {EVAL_WINDOWS} greedy and {EVAL_WINDOWS} sampled continuations of cuts of the held-out files; agreement with the
+  target by block position, greedy: {greedy("before")} before this phase, {greedy("after")} after; sampled:
+  {sampled("before")} before, {sampled("after")} after.
 """
 
 
@@ -211,40 +317,85 @@ def frozen_target(model: Path) -> tuple[Weights, ModelConfig]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=default_checkpoint_path(), help="target (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=STEPS, help="training steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="first-phase steps (default: %(default)s)")
+    parser.add_argument(
+        "--continuation-steps", type=int, default=CONTINUATION_STEPS, help="second-phase steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--phase",
+        choices=("all", "text", "continuations"),
+        default="all",
+        help="both phases, or one: the second goes on from the drafter already in the model's dspark folder",
+    )
     args = parser.parse_args()
     out: Path = args.model / DSPARK_FOLDER
-    log, log_file = training_log(out)
     target, cfg = frozen_target(args.model)
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     corpus = stdlib_corpus()
     train_tokens = encode(tok, [Corpus.text([f]) for f in corpus.train], cfg.eos_token_id)
     held_tokens = encode(tok, [Corpus.text([f]) for f in corpus.held_out], cfg.eos_token_id)
-    log({"train_tokens": len(train_tokens), "held_out_tokens": len(held_tokens), "steps": args.steps})
+    if args.phase != "continuations":
+        log, log_file = training_log(out)
+        log({"train_tokens": len(train_tokens), "held_out_tokens": len(held_tokens), "steps": args.steps})
+        started = time.perf_counter()
+        drafter = train(target, cfg, train_tokens, args.steps, log)
+        minutes = (time.perf_counter() - started) / 60
+        _write(target, cfg, drafter, out)
+        summary = {
+            **evaluate(target, _shipped(args.model), held_tokens, cfg),
+            "parameters": sum(x.size for x in jax.tree.leaves(drafter)),
+            "window": cfg.sliding_window,
+            "train_tokens": len(train_tokens),
+            "steps": args.steps,
+            "minutes": minutes,
+            "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
+        }
+        log({"evaluation": summary, "perplexity_equivalent": math.exp(summary["loss"])})
+        (out / "README.md").write_text(card(summary))
+        log_file.close()
+    if args.phase != "text":
+        summary = next(
+            r["evaluation"] for r in map(json.loads, (out / "training_log.jsonl").open()) if "evaluation" in r
+        )
+        log, log_file = training_log(out, append=True)
+        started = time.perf_counter()
+        windows = continuations(args.model, train_tokens, CONTINUATION_WINDOWS, SEED)
+        held = continuations(args.model, held_tokens, HELD_CONTINUATIONS, SEED + 1)
+        log({"continuation_windows": len(windows), "generated_in_seconds": time.perf_counter() - started})
 
-    started = time.perf_counter()
-    drafter = train(target, cfg, train_tokens, args.steps, log)
-    minutes = (time.perf_counter() - started) / 60
-    weights = dataclasses.replace(target, dspark=drafter)
-    tensors = checkpoint_tensors(weights, cfg, dtype="bfloat16")
+        def on_held(drafter: DSparkDrafter) -> dict[str, Any]:
+            return {
+                "greedy": evaluate(target, drafter, held[0::2].reshape(-1), cfg),
+                "sampled": evaluate(target, drafter, held[1::2].reshape(-1), cfg),
+            }
+
+        before = _shipped(args.model)
+        continued = {
+            "before": on_held(before),
+            "windows": len(windows),
+            "steps": args.continuation_steps,
+        }
+        drafter = train_on_continuations(target, cfg, before, windows, args.continuation_steps, log)
+        continued["minutes"] = (time.perf_counter() - started) / 60
+        _write(target, cfg, drafter, out)
+        continued["after"] = on_held(_shipped(args.model))
+        log({"continuation_evaluation": continued})
+        (out / "README.md").write_text(card(summary, continued))
+        log_file.close()
+
+
+def _write(target: Weights, cfg: ModelConfig, drafter: DSparkDrafter, out: Path) -> None:
+    """The drafter's tensors (bf16, the release's names) and config into `out`."""
+    tensors = checkpoint_tensors(dataclasses.replace(target, dspark=drafter), cfg, dtype="bfloat16")
     save_tensors({name: t for name, t in tensors.items() if name.startswith(DRAFTER_PREFIXES)}, out)
     write_config(dataclasses.replace(cfg, dspark_drafting=False), out)
 
-    # As served: the target and the bf16 drafter read back by the loader, the drafter from beside the model.
-    shipped, _ = load_weights(args.model, model_config(args.model, "float32", drafter="dspark"))
+
+def _shipped(model: Path) -> DSparkDrafter:
+    """The drafter as served: read back by the loader from beside the model (bf16 weights, float32 maths)."""
+    shipped, _ = load_weights(model, model_config(model, "float32", drafter="dspark"))
     assert shipped.dspark is not None
-    summary = {
-        **evaluate(dataclasses.replace(shipped, dspark=None), shipped.dspark, held_tokens, cfg),
-        "parameters": sum(x.size for x in jax.tree.leaves(drafter)),
-        "window": cfg.sliding_window,
-        "train_tokens": len(train_tokens),
-        "steps": args.steps,
-        "minutes": minutes,
-        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-    }
-    log({"evaluation": summary, "perplexity_equivalent": math.exp(summary["loss"])})
-    (out / "README.md").write_text(card(summary))
-    log_file.close()
+    return shipped.dspark
 
 
 if __name__ == "__main__":
