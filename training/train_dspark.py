@@ -41,18 +41,20 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer
 
-from cli.main import build_engine
 from jaxserve.checkpoints import default_checkpoint_path
 from jaxserve.checkpoints.deepseek import DRAFTER_PREFIXES, DSPARK_FOLDER, load_weights
-from jaxserve.checkpoints.load import model_config
+from jaxserve.checkpoints.load import load_model, model_config
 from jaxserve.checkpoints.writer import checkpoint_tensors, save_tensors, write_config
 from jaxserve.config import DSparkConfig, EngineConfig, ModelConfig, load_config
+from jaxserve.engine import Engine
 from jaxserve.model.cache import CacheGeometry, abstract_cache, abstract_dspark_cache, zeros_of
 from jaxserve.model.dspark import block_logits, markov_logits, write_context
 from jaxserve.model.forward import final_norm, tapped_streams, vocab_logits
 from jaxserve.model.inputs import StepInputs
+from jaxserve.model.sharding import make_mesh
 from jaxserve.model.weights import DSparkDrafter, Weights, init_weights
 from jaxserve.request import SamplingParams
+from jaxserve.runner import build_runner
 from training.corpus import Corpus, stdlib_corpus
 from training.train_default import LENGTH, PAGE, encode, training_log, window_geometry
 
@@ -216,7 +218,10 @@ def continuations(model: Path, tokens: np.ndarray, count: int, seed: int) -> np.
     second here), so no window depends on what it was batched with."""
     starts = np.random.default_rng(seed).integers(0, len(tokens) - CONTINUATION_PROMPT, count)
     config = EngineConfig(model=str(model), dtype="float32", max_num_seqs=1, page_size=16, max_model_len=2 * LENGTH)
-    engine, _ = build_engine(config)
+    mesh = make_mesh(1, 1)
+    loaded = load_model(model, mesh, config.dtype)
+    runner = build_runner(config, loaded.config, loaded.weights, mesh)
+    engine = Engine(config, loaded.config, runner, loaded.tokenizer.eos_ids)
     engine.start()
     rows: list[list[int]] = []
     try:
