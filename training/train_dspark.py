@@ -214,7 +214,7 @@ def _optimise(
 def continuations(model: Path, tokens: np.ndarray, count: int, seed: int) -> np.ndarray:
     """[count, LENGTH] windows the target writes itself: a CONTINUATION_PROMPT-token cut of `tokens` at a seeded
     offset, then the served target's continuation (float32, drafting off): greedy for even windows, sampled at
-    SAMPLED_TEMPERATURE with the window's index as seed for odd ones. One request at a time (about 600 tokens a
+    SAMPLED_TEMPERATURE with the window's index as seed for odd ones. One request at a time (about 280 tokens a
     second here), so no window depends on what it was batched with."""
     starts = np.random.default_rng(seed).integers(0, len(tokens) - CONTINUATION_PROMPT, count)
     config = EngineConfig(model=str(model), dtype="float32", max_num_seqs=1, page_size=16, max_model_len=2 * LENGTH)
@@ -298,8 +298,8 @@ layer work a drafted token), and three beside the default's 5 layers would cost 
 
 
 def _continuation_card(c: dict[str, Any]) -> str:
-    greedy = lambda phase: ", ".join(f"{x:.2f}" for x in c[phase]["greedy"]["agreement"])  # noqa: E731
-    sampled = lambda phase: ", ".join(f"{x:.2f}" for x in c[phase]["sampled"]["agreement"])  # noqa: E731
+    greedy, sampled = ({p: ", ".join(f"{x:.2f}" for x in c[p][kind]["agreement"]) for p in ("before", "after")}
+                       for kind in ("greedy", "sampled"))  # fmt: skip
     return f"""- **Then on the target's own text** (`--phase continuations`): {c["windows"]:,} windows of
   {LENGTH} tokens, each a {CONTINUATION_PROMPT}-token cut of the training text (seeded offsets) continued by the
   target as jaxserve serves it (float32; every other one greedy, the others sampled at temperature
@@ -307,8 +307,8 @@ def _continuation_card(c: dict[str, Any]) -> str:
   {c["steps"]} more steps from the first phase's drafter (as written, bf16), peak lr {CONTINUATION_LR}, warmup
   {CONTINUATION_WARMUP}, cosine to a tenth; {c["minutes"]:.1f} minutes with writing the continuations. Held out:
   {EVAL_WINDOWS} greedy and {EVAL_WINDOWS} sampled continuations of cuts of the held-out files; agreement with the
-  target by block position, greedy: {greedy("before")} before this phase, {greedy("after")} after; sampled:
-  {sampled("before")} before, {sampled("after")} after.
+  target by block position, greedy: {greedy["before"]} before this phase, {greedy["after"]} after; sampled:
+  {sampled["before"]} before, {sampled["after"]} after.
 """
 
 
