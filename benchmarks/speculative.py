@@ -3,8 +3,9 @@ DSpark N = 3..7 (its drafter trained by training/train_dspark.py), at batch 1 an
 
 One real `jaxserve serve` process per configuration (benchmarks/serving.py), all started up front on the same
 flags but --speculative-config; the client streams greedy completions through HTTP and stamps every chunk as it
-arrives. Rounds alternate the configurations (one round: each configuration serves the same requests once), so
-drift of the machine lands on every configuration alike. Per configuration and batch:
+arrives. Rounds alternate the configurations (one round: each configuration serves the same requests once; at batch
+1 each of the eight prompts alone, the configurations taking turns request by request), so drift of the machine lands
+on every configuration alike. Per configuration and batch:
 - decode tok/s per stream: tokens after the first chunk / the time from the first chunk to the last (what one user
   sees), the median over the streams of all rounds, and its min .. max over rounds (each round's median);
 - request seconds: from sending to the last chunk, the median;
@@ -75,8 +76,11 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in SAMPLE_PROMPTS]
     load_before = load_average()
     servers = {}
-    runs: dict = {(name, batch): [] for name in configs for batch in (1, 8)}  # one entry a round: its streams
+    runs: dict = {(name, batch): [] for name in configs for batch in (1, 8)}  # a round's streams: (sent, chunks) each
     drafts: dict = {(name, batch): {} for name in configs for batch in (1, 8)}  # counters summed over the rounds
+    # Batch 1 serves every prompt alone in turn, the configurations alternating request by request (so drift between
+    # two requests lands on every configuration alike); batch 8 serves the eight prompts at once.
+    groups = {1: [[prompt] for prompt in prompts], 8: [prompts]}
     try:
         for name, spec in configs.items():
             print(f"starting jaxserve serve ({name})", flush=True)
@@ -91,32 +95,35 @@ def main() -> None:
             order = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
             for batch in (1, 8):
                 for name in order:
-                    url = servers[name].url
-                    before = counters(url)
-                    sent = time.perf_counter()
-                    with ThreadPoolExecutor(batch) as pool:
-                        streams = list(pool.map(lambda p, u=url: streamed_tokens(u, p, max_tokens), prompts[:batch]))
-                    runs[name, batch].append((sent, streams))
-                    after = counters(url)
-                    for key, value in after.items():
-                        drafts[name, batch][key] = drafts[name, batch].get(key, 0) + value - before.get(key, 0)
+                    runs[name, batch].append([])
+                for group in groups[batch]:
+                    for name in order:
+                        url = servers[name].url
+                        before = counters(url)
+                        sent = time.perf_counter()
+                        with ThreadPoolExecutor(len(group)) as pool:
+                            streams = list(pool.map(lambda p, u=url: streamed_tokens(u, p, max_tokens), group))
+                        runs[name, batch][-1] += [(sent, chunks) for chunks in streams]
+                        after = counters(url)
+                        for key, value in after.items():
+                            drafts[name, batch][key] = drafts[name, batch].get(key, 0) + value - before.get(key, 0)
             print(f"round {r + 1} of {rounds} done", flush=True)
     finally:
         for server in servers.values():
             server.stop()
 
     def tokens(streams) -> list[list[int]]:
-        return [[t for _, ids in chunks for t in ids] for chunks in streams]
+        return [[t for _, ids in chunks for t in ids] for _, chunks in streams]
 
     results: dict = {}
     for batch in (1, 8):
-        expected = tokens(runs["none", batch][0][1])
+        expected = tokens(runs["none", batch][0])
         assert all(len(t) == max_tokens for t in expected)
         for name in configs:
-            for _, streams in runs[name, batch]:
+            for streams in runs[name, batch]:
                 assert tokens(streams) == expected, f"{name} batch {batch}: greedy tokens differ from no drafts'"
         speeds = {
-            name: [[decode_speed(chunks) for chunks in streams] for _, streams in runs[name, batch]] for name in configs
+            name: [[decode_speed(chunks) for _, chunks in streams] for streams in runs[name, batch]] for name in configs
         }
         base = median([s for round_speeds in speeds["none"] for s in round_speeds])
         results[batch] = {}
@@ -131,7 +138,7 @@ def main() -> None:
                 "round_medians": [round(x, 1) for x in per_round],
                 "ratio_to_no_drafts": round(median(every) / base, 3),
                 "request_s": round(
-                    median([c[-1][0] - sent for sent, streams in runs[name, batch] for c in streams]), 3
+                    median([chunks[-1][0] - sent for streams in runs[name, batch] for sent, chunks in streams]), 3
                 ),
                 "acceptance_length": round(1 + counts.get("accepted_tokens", 0) / verify_rows, 3)
                 if verify_rows
@@ -169,10 +176,11 @@ def main() -> None:
         "# Speculative decoding on the trained default, as a client sees it (CPU)\n\n"
         f"`python benchmarks/speculative.py`: one `jaxserve serve` per configuration ({' '.join(FLAGS)} and its "
         f"--speculative-config), {rounds} rounds alternating them, {max_tokens} greedy tokens per request streamed "
-        "through HTTP. Decode tok/s per stream: tokens after the first chunk over the time from the first chunk to the "
-        "last, median over every stream of every round (then each round's median); request s: sending to the last "
-        "chunk, median; acceptance length: 1 + accepted drafts / verify rows (the server's /metrics), and the share "
-        "of verify rows that kept the draft at each position.\n\n"
+        "through HTTP (batch 1: each of the eight prompts alone, the configurations taking turns request by request; "
+        "batch 8: the eight at once). Decode tok/s per stream: tokens after the first chunk over the time from the "
+        "first chunk to the last, median over every stream of every round (then each round's median); request s: "
+        "sending to the last chunk, median; acceptance length: 1 + accepted drafts / verify rows (the server's "
+        "/metrics), and the share of verify rows that kept the draft at each position.\n\n"
         + markdown_table(
             [
                 "batch",

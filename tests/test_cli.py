@@ -6,6 +6,7 @@ from __future__ import annotations
 import codeop
 import concurrent.futures
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -35,9 +36,11 @@ from jaxserve.cli.main import (
     server_config,
 )
 from jaxserve.config import EngineConfig, GroupConfig, step_policy_options
+from jaxserve.runner.targets import CPU_SMALL_LOOP_OPTION
 from jaxserve.scheduler import PolicyContext, step_policies
 from jaxserve.server.config import ServerConfig
 
+cli_main = importlib.import_module("jaxserve.cli.main")  # the module (jaxserve.cli's `main` is the function)
 JAXSERVE = str(Path(sys.executable).parent / "jaxserve")  # the console script pip installed
 # The engine of tests/served_runner.py, as flags: its compiled shapes are then in the persistent cache.
 SMALL = [
@@ -495,3 +498,21 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     health = [line for line in access if '"GET /health" ' in line]
     assert [int(line.split('"GET /health" ')[1].split()[0]) for line in health] == [200, *statuses], health
     assert len(access) == 4 + len(health)
+
+
+def test_the_command_lets_xla_cpu_compile_small_loops_into_one_kernel(monkeypatch):
+    """`jaxserve` adds XLA:CPU's small-loop threshold to XLA_FLAGS before any backend starts (jaxserve.runner.targets):
+    beside the user's other backend options, never over the user's own value for it."""
+    key, value = CPU_SMALL_LOOP_OPTION
+    seen = []
+    monkeypatch.setattr(cli_main, "parse", lambda argv: (lambda args: seen.append(os.environ["XLA_FLAGS"]) or 0, None))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert cli_main.main([]) == 0
+    option = f"--xla_backend_extra_options={key}={value}"
+    assert seen[-1].split() == ["--xla_force_host_platform_device_count=8", option]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=xla_cpu_disable_loop_unrolling")
+    cli_main.main([])
+    assert seen[-1] == f"--xla_backend_extra_options=xla_cpu_disable_loop_unrolling,{key}={value}"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_extra_options=a=1,{key}=0")
+    cli_main.main([])
+    assert seen[-1] == f"--xla_backend_extra_options=a=1,{key}=0"
