@@ -14,21 +14,13 @@ import jax  # noqa: E402  (imported, its backend not started: XLA_FLAGS is read 
 import pytest  # noqa: E402
 from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
-from jaxserve.runner.targets import (  # noqa: E402
-    CHEAP_CPU_COMPILE_FLAGS,
-    CPU_SMALL_LOOP_OPTION,
-    add_backend_extra_option,
-    add_xla_flags,
-    ask_for_cost_model,
-)
+from jaxserve.runner.targets import CHEAP_CPU_COMPILE_FLAGS, add_xla_flags, ask_for_cost_model  # noqa: E402
 
 # GPU compiles here are deviceless (jaxserve.runner.targets) and read XLA's cost models.
 ask_for_cost_model()
 # Compiling tiny models' steps takes most of the suite's time, running them little: XLA:CPU compiles cheaply here (the
 # same fusions, less optimized machine code). The child processes the tests start inherit it.
 add_xla_flags(*CHEAP_CPU_COMPILE_FLAGS)
-# The option `jaxserve` sets for itself (cli.main): in-process steps compile as the command's do.
-add_backend_extra_option(*CPU_SMALL_LOOP_OPTION)
 
 # The suite's workers (pytest-xdist, pyproject.toml) share the cache: an entry read while another worker still writes
 # it fails to decompress, and jax then compiles it (a warning), so the sharing costs at most a compile.
