@@ -94,19 +94,20 @@ def main() -> None:
         for r in range(rounds):
             order = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
             for batch in (1, 8):
+                before = {name: counters(servers[name].url) for name in order}
                 for name in order:
                     runs[name, batch].append([])
                 for group in groups[batch]:
                     for name in order:
-                        url = servers[name].url
-                        before = counters(url)
                         sent = time.perf_counter()
                         with ThreadPoolExecutor(len(group)) as pool:
-                            streams = list(pool.map(lambda p, u=url: streamed_tokens(u, p, max_tokens), group))
+                            streams = list(
+                                pool.map(lambda p, u=servers[name].url: streamed_tokens(u, p, max_tokens), group)
+                            )
                         runs[name, batch][-1] += [(sent, chunks) for chunks in streams]
-                        after = counters(url)
-                        for key, value in after.items():
-                            drafts[name, batch][key] = drafts[name, batch].get(key, 0) + value - before.get(key, 0)
+                for name in order:  # each server served only this batch's requests since `before`
+                    for key, value in counters(servers[name].url).items():
+                        drafts[name, batch][key] = drafts[name, batch].get(key, 0) + value - before[name].get(key, 0)
             print(f"round {r + 1} of {rounds} done", flush=True)
     finally:
         for server in servers.values():

@@ -194,6 +194,11 @@ def ask_for_cost_model() -> None:
     add_xla_flags(COST_MODEL_FLAG)
 
 
+def compile_small_cpu_loops_whole() -> None:
+    """XLA:CPU's small-loop threshold (CPU_SMALL_LOOP_OPTION), unless the user set one: before any backend starts."""
+    add_backend_extra_option(*CPU_SMALL_LOOP_OPTION)
+
+
 class TargetError(RuntimeError):
     """Compiling for a GPU target cannot start here: what is missing and how to get it."""
 
