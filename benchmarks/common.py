@@ -37,9 +37,9 @@ def configure_jax(devices: int = 1, compile_cache: bool = True) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from jaxserve.runner.targets import compile_small_cpu_loops_whole
+    from jaxserve.runner.targets import tune_xla_cpu
 
-    compile_small_cpu_loops_whole()  # in-process steps compile as `jaxserve`'s do (cli.main)
+    tune_xla_cpu()  # in-process steps compile as `jaxserve`'s do (cli.main)
     import jax
 
     if compile_cache:

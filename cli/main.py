@@ -65,7 +65,7 @@ from jaxserve.runner.plan import (
     prepare_for_target,
     usable_memory,
 )
-from jaxserve.runner.targets import TARGETS, TargetError, compile_small_cpu_loops_whole, target_devices
+from jaxserve.runner.targets import TARGETS, TargetError, target_devices, tune_xla_cpu
 from jaxserve.runner.targets import target as gpu_target
 from jaxserve.server.config import DEFAULT_SERVED_NAME, ServerConfig
 from jaxserve.text.generation import Generation
@@ -986,7 +986,7 @@ def parse(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argpars
 
 def main(argv: list[str] | None = None) -> int:
     command, args = parse(sys.argv[1:] if argv is None else argv)
-    compile_small_cpu_loops_whole()  # before any backend starts
+    tune_xla_cpu()  # before any backend starts
     try:
         return command(args)
     except ValueError as bad:  # ConfigError, CheckpointError and bad knob combinations: say what, not where

@@ -36,7 +36,7 @@ from jaxserve.cli.main import (
     server_config,
 )
 from jaxserve.config import EngineConfig, GroupConfig, step_policy_options
-from jaxserve.runner.targets import CPU_SMALL_LOOP_OPTION
+from jaxserve.runner.targets import CPU_COPY_ANALYSIS_FLAG, CPU_SMALL_LOOP_OPTION
 from jaxserve.scheduler import PolicyContext, step_policies
 from jaxserve.server.config import ServerConfig
 
@@ -500,19 +500,24 @@ def test_sigterm_drains_running_requests_and_exits_zero():
     assert len(access) == 4 + len(health)
 
 
-def test_the_command_lets_xla_cpu_compile_small_loops_into_one_kernel(monkeypatch):
-    """`jaxserve` adds XLA:CPU's small-loop threshold to XLA_FLAGS before any backend starts (jaxserve.runner.targets):
-    beside the user's other backend options, never over the user's own value for it."""
+def test_the_command_tunes_xla_cpu_before_any_backend_starts(monkeypatch):
+    """`jaxserve` adds XLA:CPU's small-loop threshold and copy insertion's region analysis to XLA_FLAGS before any
+    backend starts (jaxserve.runner.targets): beside the user's other flags and backend options, never over the
+    user's own value for either."""
     key, value = CPU_SMALL_LOOP_OPTION
     seen = []
     monkeypatch.setattr(cli_main, "parse", lambda argv: (lambda args: seen.append(os.environ["XLA_FLAGS"]) or 0, None))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert cli_main.main([]) == 0
     option = f"--xla_backend_extra_options={key}={value}"
-    assert seen[-1].split() == ["--xla_force_host_platform_device_count=8", option]
+    assert seen[-1].split() == ["--xla_force_host_platform_device_count=8", option, CPU_COPY_ANALYSIS_FLAG]
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=xla_cpu_disable_loop_unrolling")
     cli_main.main([])
-    assert seen[-1] == f"--xla_backend_extra_options=xla_cpu_disable_loop_unrolling,{key}={value}"
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_extra_options=a=1,{key}=0")
+    assert seen[-1].split() == [
+        f"--xla_backend_extra_options=xla_cpu_disable_loop_unrolling,{key}={value}",
+        CPU_COPY_ANALYSIS_FLAG,
+    ]
+    users = f"--xla_backend_extra_options=a=1,{key}=0 --xla_cpu_copy_insertion_use_region_analysis=false"
+    monkeypatch.setenv("XLA_FLAGS", users)
     cli_main.main([])
-    assert seen[-1] == f"--xla_backend_extra_options=a=1,{key}=0"
+    assert seen[-1] == users

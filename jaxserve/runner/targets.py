@@ -170,11 +170,22 @@ CHEAP_CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
 # unchanged. Only XLA:CPU reads the option.
 CPU_SMALL_LOOP_OPTION = ("xla_cpu_small_while_loop_byte_threshold", "65536")
 
+# XLA:CPU's copy insertion, ordering instructions by their dependencies alone, keeps a copy of a donated array that
+# one fusion reads while another updates it in place, unless the read is an operand of the update: a layer's window
+# ring is read by the fusions that gather its keys and written back by another, so every step copied each layer's
+# whole ring twice (the server's geometry: 6.9 MB a DSpark N = 3 step, 6.0 MB an MTP k = 2 step, 1.3 MB a plain
+# decode step). With region-based live-range analysis it finds those copies unneeded (0.1 MB, 0.1 MB, none; results
+# bit for bit the same): paired, a DSpark N = 3 step 0.85x, MTP k = 2 0.88x, a 1-token forward 0.86x. Only XLA:CPU
+# reads the flag.
+CPU_COPY_ANALYSIS_FLAG = "--xla_cpu_copy_insertion_use_region_analysis=true"
+
 
 def add_xla_flags(*flags: str) -> None:
-    """Add `flags` to XLA_FLAGS, those not there yet: effective only before JAX starts its first backend."""
+    """Add `flags` to XLA_FLAGS, each unless XLA_FLAGS sets that flag already (the user's value stands): effective
+    only before JAX starts its first backend."""
     present = os.environ.get("XLA_FLAGS", "").split()
-    os.environ["XLA_FLAGS"] = " ".join(present + [flag for flag in flags if flag not in present])
+    named = {flag.split("=")[0] for flag in present}
+    os.environ["XLA_FLAGS"] = " ".join(present + [flag for flag in flags if flag.split("=")[0] not in named])
 
 
 def add_backend_extra_option(key: str, value: str) -> None:
@@ -194,9 +205,12 @@ def ask_for_cost_model() -> None:
     add_xla_flags(COST_MODEL_FLAG)
 
 
-def compile_small_cpu_loops_whole() -> None:
-    """XLA:CPU's small-loop threshold (CPU_SMALL_LOOP_OPTION), unless the user set one: before any backend starts."""
+def tune_xla_cpu() -> None:
+    """XLA:CPU's options for jaxserve's steps, each unless the user set it: the small-loop threshold
+    (CPU_SMALL_LOOP_OPTION) and copy insertion's region analysis (CPU_COPY_ANALYSIS_FLAG). Before any backend
+    starts."""
     add_backend_extra_option(*CPU_SMALL_LOOP_OPTION)
+    add_xla_flags(CPU_COPY_ANALYSIS_FLAG)
 
 
 class TargetError(RuntimeError):
